@@ -1,0 +1,35 @@
+//! The `astra` command line: parses arguments and hands each command to its module.
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "astra", version, about = "Local LLM inference engine and OpenAI-compatible server")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Fetch a known model into the cache ($ASTRA_HOME, default ~/.cache/astra).
+    Pull(cmd::pull::Args),
+    /// Show a GGUF file's architecture, hyperparameters, tokenizer and tensors.
+    Inspect(cmd::inspect::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Pull(args) => cmd::pull::run(args),
+        Command::Inspect(args) => cmd::inspect::run(args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
