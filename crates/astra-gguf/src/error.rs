@@ -65,8 +65,10 @@ pub enum MetadataError {
 /// An error opening or parsing a GGUF file: the path and what failed.
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
-    #[error("{path}: {source}")]
-    Parse { path: PathBuf, source: ParseError },
+    // The inner errors are rendered here rather than exposed as `source`, so that an
+    // error chain prints each fact once.
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
+    #[error("{path}: {error}")]
+    Parse { path: PathBuf, error: ParseError },
 }

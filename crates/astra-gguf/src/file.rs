@@ -18,13 +18,13 @@ impl GgufFile {
     /// Maps and parses the file at `path`; errors name the path and the byte offset.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, GgufError> {
         let path = path.as_ref().to_path_buf();
-        let io = |source| GgufError::Io { path: path.clone(), source };
+        let io = |error| GgufError::Io { path: path.clone(), error };
         let file = std::fs::File::open(&path).map_err(io)?;
         // SAFETY: the map is read-only; the file must not be truncated by another
         // process while it is open, the same contract every mmap-based loader has.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
         let header = Gguf::parse(&map)
-            .map_err(|source| GgufError::Parse { path: path.clone(), source })?;
+            .map_err(|error| GgufError::Parse { path: path.clone(), error })?;
         Ok(GgufFile { path, map, header })
     }
 

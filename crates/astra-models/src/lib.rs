@@ -94,8 +94,8 @@ pub enum ModelError {
     Extract { package: String, detail: String },
     #[error("sha256 of {model} is {actual}, expected {expected}; the download is corrupt and was discarded")]
     ChecksumMismatch { model: String, actual: String, expected: String },
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
 }
 
 /// The cache root: `$ASTRA_HOME`, else `~/.cache/astra`.

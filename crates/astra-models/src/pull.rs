@@ -19,7 +19,7 @@ with zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as src, open(sys.arg
 "#;
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> ModelError + '_ {
-    move |source| ModelError::Io { path: path.to_path_buf(), source }
+    move |error| ModelError::Io { path: path.to_path_buf(), error }
 }
 
 /// Removes the temporary folder however the pull ends.
