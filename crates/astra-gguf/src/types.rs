@@ -40,17 +40,19 @@ pub enum GgmlType {
     TQ1_0 = 34,
     TQ2_0 = 35,
     MXFP4 = 39,
+    NVFP4 = 40,
+    Q1_0 = 41,
     Q2_0 = 42,
 }
 
 impl GgmlType {
     /// Every type this crate knows, in id order.
-    pub const ALL: [GgmlType; 33] = [
+    pub const ALL: [GgmlType; 35] = [
         Self::F32, Self::F16, Self::Q4_0, Self::Q4_1, Self::Q5_0, Self::Q5_1, Self::Q8_0,
         Self::Q8_1, Self::Q2_K, Self::Q3_K, Self::Q4_K, Self::Q5_K, Self::Q6_K, Self::Q8_K,
         Self::IQ2_XXS, Self::IQ2_XS, Self::IQ3_XXS, Self::IQ1_S, Self::IQ4_NL, Self::IQ3_S,
         Self::IQ2_S, Self::IQ4_XS, Self::I8, Self::I16, Self::I32, Self::I64, Self::F64,
-        Self::IQ1_M, Self::BF16, Self::TQ1_0, Self::TQ2_0, Self::MXFP4, Self::Q2_0,
+        Self::IQ1_M, Self::BF16, Self::TQ1_0, Self::TQ2_0, Self::MXFP4, Self::NVFP4, Self::Q1_0, Self::Q2_0,
     ];
 
     /// The type with this ggml id, if it is one this crate knows.
@@ -68,7 +70,8 @@ impl GgmlType {
         match self {
             F32 | F16 | BF16 | F64 | I8 | I16 | I32 | I64 => 1,
             Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | IQ4_NL | MXFP4 => 32,
-            Q2_0 => 64,
+            Q2_0 | NVFP4 => 64,
+            Q1_0 => 128,
             Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | Q8_K | IQ2_XXS | IQ2_XS | IQ3_XXS | IQ1_S
             | IQ3_S | IQ2_S | IQ4_XS | IQ1_M | TQ1_0 | TQ2_0 => 256,
         }
@@ -91,6 +94,8 @@ impl GgmlType {
             IQ4_NL => 18,
             MXFP4 => 17,
             Q2_0 => 18,
+            Q1_0 => 18,
+            NVFP4 => 36,
             Q2_K => 84,
             Q3_K => 110,
             Q4_K => 144,
@@ -130,7 +135,7 @@ impl GgmlType {
             IQ4_NL => "IQ4_NL", IQ3_S => "IQ3_S", IQ2_S => "IQ2_S", IQ4_XS => "IQ4_XS",
             I8 => "I8", I16 => "I16", I32 => "I32", I64 => "I64", F64 => "F64",
             IQ1_M => "IQ1_M", BF16 => "BF16", TQ1_0 => "TQ1_0", TQ2_0 => "TQ2_0",
-            MXFP4 => "MXFP4", Q2_0 => "Q2_0",
+            MXFP4 => "MXFP4", NVFP4 => "NVFP4", Q1_0 => "Q1_0", Q2_0 => "Q2_0",
         }
     }
 
@@ -156,7 +161,7 @@ mod tests {
             assert_eq!(GgmlType::from_id(t.id()), Some(t));
             assert_eq!(GgmlType::from_name(&t.name().to_lowercase()), Some(t));
         }
-        for id in [4, 5, 31, 32, 33, 36, 37, 38, 40, 41, 43, 1000, u32::MAX] {
+        for id in [4, 5, 31, 32, 33, 36, 37, 38, 43, 1000, u32::MAX] {
             assert_eq!(GgmlType::from_id(id), None, "id {id}");
         }
     }

@@ -1,0 +1,464 @@
+//! AVX2 + FMA + F16C dot products, one per weight type, with the signatures and the
+//! integer arithmetic of `dot::scalar`.
+//!
+//! Each block's integer dot product is computed in 8 i32 lanes (exact), converted to
+//! f32 and multiplied into 8 f32 accumulators with the block's scale; the lanes are
+//! summed at the end. The result therefore differs from the scalar reference only in
+//! the association of the float sums (parity bound: relative L2 ≤ 1e-6).
+//!
+//! Safety: every kernel here requires AVX2, FMA and F16C. They are reachable only
+//! through [`dot_fn`], which `Kernels::new` calls after checking `Isa::Avx2.available()`.
+
+use std::arch::x86_64::*;
+
+use super::VecDotFn;
+use crate::blocks::*;
+use crate::dequant::{iq2s_grid_point, iq2s_signs};
+use crate::GgmlType;
+
+/// The AVX2 kernel for a weight type, if there is one.
+pub(crate) fn dot_fn(weights: GgmlType) -> Option<VecDotFn> {
+    use GgmlType::*;
+    macro_rules! safe {
+        ($f:ident) => {{
+            fn wrapper(w: &[u8], a: &[u8]) -> f32 {
+                // SAFETY: only handed out when AVX2/FMA/F16C are present (module doc).
+                unsafe { $f(w, a) }
+            }
+            wrapper as VecDotFn
+        }};
+    }
+    Some(match weights {
+        F32 => safe!(dot_f32_f32),
+        F16 => safe!(dot_f16_f32),
+        BF16 => safe!(dot_bf16_f32),
+        Q4_0 => safe!(dot_q4_0_q8_0),
+        Q4_1 => safe!(dot_q4_1_q8_0),
+        Q5_0 => safe!(dot_q5_0_q8_0),
+        Q5_1 => safe!(dot_q5_1_q8_0),
+        Q8_0 => safe!(dot_q8_0_q8_0),
+        IQ4_NL => safe!(dot_iq4_nl_q8_0),
+        Q2_0 => safe!(dot_q2_0_q8_0),
+        Q2_K => safe!(dot_q2_k_q8_k),
+        Q3_K => safe!(dot_q3_k_q8_k),
+        Q4_K => safe!(dot_q4_k_q8_k),
+        Q5_K => safe!(dot_q5_k_q8_k),
+        Q6_K => safe!(dot_q6_k_q8_k),
+        Q8_K => safe!(dot_q8_k_q8_k),
+        IQ2_S => safe!(dot_iq2_s_q8_k),
+        _ => return None,
+    })
+}
+
+// ------------------------------------------------------------------ helpers
+
+#[inline(always)]
+unsafe fn hsum_f32(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+#[inline(always)]
+unsafe fn load(p: &[i8]) -> __m256i {
+    debug_assert!(p.len() >= 32);
+    _mm256_loadu_si256(p.as_ptr().cast())
+}
+
+#[inline(always)]
+unsafe fn load_u8(p: &[u8]) -> __m256i {
+    debug_assert!(p.len() >= 32);
+    _mm256_loadu_si256(p.as_ptr().cast())
+}
+
+/// 16 bytes of nibbles → 32 lanes: the low nibbles, then the high nibbles.
+#[inline(always)]
+unsafe fn nibbles(qs: &[u8; 16]) -> __m256i {
+    let x = _mm_loadu_si128(qs.as_ptr().cast());
+    let hi = _mm_srli_epi16(x, 4);
+    _mm256_and_si256(_mm256_set_m128i(hi, x), _mm256_set1_epi8(0x0F))
+}
+
+/// Lane k = 0xFF where bit k of `x` is set, else 0.
+#[inline(always)]
+unsafe fn bits_to_bytes(x: u32) -> __m256i {
+    let shuffle = _mm256_set_epi64x(
+        0x0303030303030303,
+        0x0202020202020202,
+        0x0101010101010101,
+        0x0000000000000000,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuffle);
+    // Byte j of each 8 has every bit set but bit j: the OR is all ones iff bit j is set.
+    let all_but_bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe_u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_or_si256(bytes, all_but_bit), _mm256_set1_epi64x(-1))
+}
+
+/// Σ of products of unsigned bytes `x` with signed bytes `y`, in 8 i32 lanes
+/// (pairs must not exceed i16: |x| · |y| · 2 ≤ 32767).
+#[inline(always)]
+unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1))
+}
+
+/// Σ of products of signed bytes, in 8 i32 lanes (`y` must not hold -128).
+#[inline(always)]
+unsafe fn dot_i8(x: __m256i, y: __m256i) -> __m256i {
+    dot_u8_i8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x))
+}
+
+/// Two i16 scales: the first for lanes 0..16 (the low 128 bits), the second for 16..32.
+#[inline(always)]
+unsafe fn scale_pair(lo: i16, hi: i16) -> __m256i {
+    _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo))
+}
+
+#[inline(always)]
+unsafe fn srl16(x: __m256i, n: i32) -> __m256i {
+    _mm256_srl_epi16(x, _mm_cvtsi32_si128(n))
+}
+
+// ------------------------------------------------------------------ 32-blocks × Q8_0
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q4_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (w, a) in as_blocks::<BlockQ4_0>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
+        let qx = _mm256_sub_epi8(nibbles(&w.qs), _mm256_set1_epi8(8));
+        let p = _mm256_cvtepi32_ps(dot_i8(qx, load(&a.qs)));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * a.d.get()), p, acc);
+    }
+    hsum_f32(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q4_1_q8_0(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (w, a) in as_blocks::<BlockQ4_1>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
+        let qy = load(&a.qs);
+        let da = a.d.get();
+        let p = _mm256_cvtepi32_ps(dot_u8_i8(nibbles(&w.qs), qy));
+        let s = _mm256_cvtepi32_ps(dot_u8_i8(_mm256_set1_epi8(1), qy));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * da), p, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.m.get() * da), s, acc);
+    }
+    hsum_f32(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (w, a) in as_blocks::<BlockQ5_0>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
+        // Lanes without the fifth bit get 0xF0 or'ed in: as i8, nibble - 16.
+        let missing = _mm256_andnot_si256(bits_to_bytes(u32::from_le_bytes(w.qh)), _mm256_set1_epi8(0xF0u8 as i8));
+        let qx = _mm256_or_si256(nibbles(&w.qs), missing);
+        let p = _mm256_cvtepi32_ps(dot_i8(qx, load(&a.qs)));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * a.d.get()), p, acc);
+    }
+    hsum_f32(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q5_1_q8_0(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (w, a) in as_blocks::<BlockQ5_1>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
+        let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(w.qh)), _mm256_set1_epi8(0x10));
+        let qx = _mm256_or_si256(nibbles(&w.qs), high);
+        let qy = load(&a.qs);
+        let da = a.d.get();
+        let p = _mm256_cvtepi32_ps(dot_u8_i8(qx, qy));
+        let s = _mm256_cvtepi32_ps(dot_u8_i8(_mm256_set1_epi8(1), qy));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * da), p, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.m.get() * da), s, acc);
+    }
+    hsum_f32(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (w, a) in as_blocks::<BlockQ8_0>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
+        let p = _mm256_cvtepi32_ps(dot_i8(load(&w.qs), load(&a.qs)));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * a.d.get()), p, acc);
+    }
+    hsum_f32(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_iq4_nl_q8_0(w: &[u8], a: &[u8]) -> f32 {
+    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()));
+    let mut acc = _mm256_setzero_ps();
+    for (w, a) in as_blocks::<BlockIq4Nl>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
+        let qx = _mm256_shuffle_epi8(table, nibbles(&w.qs));
+        let p = _mm256_cvtepi32_ps(dot_i8(qx, load(&a.qs)));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * a.d.get()), p, acc);
+    }
+    hsum_f32(acc)
+}
+
+/// Byte b of Q2_0 codes → its four weights (q - 1) as the bytes of a u32, low first.
+const Q2_0_DECODE: [u32; 256] = {
+    let mut t = [0u32; 256];
+    let mut b = 0;
+    while b < 256 {
+        let mut k = 0;
+        while k < 4 {
+            let w = (((b >> (2 * k)) & 3) as i32 - 1) as i8 as u8;
+            t[b] |= (w as u32) << (8 * k);
+            k += 1;
+        }
+        b += 1;
+    }
+    t
+};
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q2_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let acts = as_blocks::<BlockQ8_0>(a);
+    for (w, a) in as_blocks::<BlockQ2_0>(w).iter().zip(acts.chunks_exact(2)) {
+        let dw = w.d.get();
+        for (half, a) in a.iter().enumerate() {
+            let q = &w.qs[8 * half..8 * half + 8];
+            let t = |i: usize| Q2_0_DECODE[q[i] as usize] as i32;
+            let qx = _mm256_setr_epi32(t(0), t(1), t(2), t(3), t(4), t(5), t(6), t(7));
+            let p = _mm256_cvtepi32_ps(dot_i8(qx, load(&a.qs)));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d.get()), p, acc);
+        }
+    }
+    hsum_f32(acc)
+}
+
+// ------------------------------------------------------------------ 256-blocks × Q8_K
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q2_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut mins = 0.0f32;
+    for (w, a) in as_blocks::<BlockQ2K>(w).iter().zip(as_blocks::<BlockQ8K>(a)) {
+        let msum: i32 = (0..16).map(|g| (w.scales[g] >> 4) as i32 * a.bsum(g)).sum();
+        let mut sumi = _mm256_setzero_si256();
+        for half in 0..2 {
+            let q2 = load_u8(&w.qs[32 * half..]);
+            for j in 0..4 {
+                let q = _mm256_and_si256(srl16(q2, 2 * j as i32), _mm256_set1_epi8(3));
+                let y = load(&a.qs[128 * half + 32 * j..]);
+                let g = 8 * half + 2 * j;
+                let sc = scale_pair((w.scales[g] & 0xF) as i16, (w.scales[g + 1] & 0xF) as i16);
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), sc));
+            }
+        }
+        let da = a.d();
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * da), _mm256_cvtepi32_ps(sumi), acc);
+        mins += msum as f32 * (w.dmin.get() * da);
+    }
+    hsum_f32(acc) - mins
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q3_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (w, a) in as_blocks::<BlockQ3K>(w).iter().zip(as_blocks::<BlockQ8K>(a)) {
+        let scales = q3k_scales(&w.scales);
+        let hbits = load_u8(&w.hmask);
+        let mut sumi = _mm256_setzero_si256();
+        for half in 0..2 {
+            let q3 = load_u8(&w.qs[32 * half..]);
+            for j in 0..4 {
+                let low = _mm256_and_si256(srl16(q3, 2 * j as i32), _mm256_set1_epi8(3));
+                let bit = _mm256_and_si256(srl16(hbits, (4 * half + j) as i32), _mm256_set1_epi8(1));
+                // 4 where the high bit is clear: the weight is low - 4.
+                let minus = _mm256_slli_epi16(_mm256_xor_si256(bit, _mm256_set1_epi8(1)), 2);
+                let y = load(&a.qs[128 * half + 32 * j..]);
+                let p = _mm256_sub_epi16(_mm256_maddubs_epi16(low, y), _mm256_maddubs_epi16(minus, y));
+                let g = 8 * half + 2 * j;
+                let sc = scale_pair(scales[g] as i16, scales[g + 1] as i16);
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sc));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * a.d()), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum_f32(acc)
+}
+
+/// Σ over the 8 groups of 32 of m × (activation sum of the group), for Q4_K/Q5_K.
+#[inline(always)]
+fn k4_min_sum(scales: &[u8; 12], a: &BlockQ8K) -> i32 {
+    (0..8).map(|g| scale_min_k4(g, scales).1 as i32 * (a.bsum(2 * g) + a.bsum(2 * g + 1))).sum()
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q4_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut mins = 0.0f32;
+    let m4 = _mm256_set1_epi8(0x0F);
+    for (w, a) in as_blocks::<BlockQ4K>(w).iter().zip(as_blocks::<BlockQ8K>(a)) {
+        let mut sumi = _mm256_setzero_si256();
+        for j in 0..4 {
+            let q4 = load_u8(&w.qs[32 * j..]);
+            let lo = _mm256_and_si256(q4, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+            let sc_lo = _mm256_set1_epi16(scale_min_k4(2 * j, &w.scales).0 as i16);
+            let sc_hi = _mm256_set1_epi16(scale_min_k4(2 * j + 1, &w.scales).0 as i16);
+            let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(&a.qs[64 * j..])), sc_lo);
+            let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(&a.qs[64 * j + 32..])), sc_hi);
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
+        }
+        let da = a.d();
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * da), _mm256_cvtepi32_ps(sumi), acc);
+        mins += k4_min_sum(&w.scales, a) as f32 * (w.dmin.get() * da);
+    }
+    hsum_f32(acc) - mins
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q5_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut mins = 0.0f32;
+    let m4 = _mm256_set1_epi8(0x0F);
+    let one = _mm256_set1_epi8(1);
+    for (w, a) in as_blocks::<BlockQ5K>(w).iter().zip(as_blocks::<BlockQ8K>(a)) {
+        let hbits = load_u8(&w.qh);
+        let mut sumi = _mm256_setzero_si256();
+        for j in 0..4 {
+            let q5 = load_u8(&w.qs[32 * j..]);
+            let h_lo = _mm256_slli_epi16(_mm256_and_si256(srl16(hbits, 2 * j as i32), one), 4);
+            let h_hi = _mm256_slli_epi16(_mm256_and_si256(srl16(hbits, 2 * j as i32 + 1), one), 4);
+            let lo = _mm256_or_si256(_mm256_and_si256(q5, m4), h_lo);
+            let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q5, 4), m4), h_hi);
+            let sc_lo = _mm256_set1_epi16(scale_min_k4(2 * j, &w.scales).0 as i16);
+            let sc_hi = _mm256_set1_epi16(scale_min_k4(2 * j + 1, &w.scales).0 as i16);
+            let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(&a.qs[64 * j..])), sc_lo);
+            let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(&a.qs[64 * j + 32..])), sc_hi);
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
+        }
+        let da = a.d();
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * da), _mm256_cvtepi32_ps(sumi), acc);
+        mins += k4_min_sum(&w.scales, a) as f32 * (w.dmin.get() * da);
+    }
+    hsum_f32(acc) - mins
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let (m4, m3, m32) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3), _mm256_set1_epi8(32));
+    for (w, a) in as_blocks::<BlockQ6K>(w).iter().zip(as_blocks::<BlockQ8K>(a)) {
+        let mut sumi = _mm256_setzero_si256();
+        for n in 0..2 {
+            let ql0 = load_u8(&w.ql[64 * n..]);
+            let ql1 = load_u8(&w.ql[64 * n + 32..]);
+            let qh = load_u8(&w.qh[32 * n..]);
+            let high = |shift: i32| _mm256_slli_epi16(_mm256_and_si256(srl16(qh, shift), m3), 4);
+            let quarters = [
+                _mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)),
+                _mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)),
+            ];
+            for (r, q) in quarters.into_iter().enumerate() {
+                let y = load(&a.qs[128 * n + 32 * r..]);
+                // (q - 32) · y as q · y - 32 · y: maddubs needs an unsigned left side.
+                let p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, y), _mm256_maddubs_epi16(m32, y));
+                let g = 8 * n + 2 * r;
+                let sc = scale_pair(w.scales[g] as i16, w.scales[g + 1] as i16);
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sc));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * a.d()), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum_f32(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q8_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (w, a) in as_blocks::<BlockQ8K>(w).iter().zip(as_blocks::<BlockQ8K>(a)) {
+        let mut sumi = _mm256_setzero_si256();
+        for j in 0..8 {
+            sumi = _mm256_add_epi32(sumi, dot_i8(load(&w.qs[32 * j..]), load(&a.qs[32 * j..])));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d() * a.d()), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum_f32(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_iq2_s_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let one = _mm256_set1_epi8(1);
+    for (w, a) in as_blocks::<BlockIq2S>(w).iter().zip(as_blocks::<BlockQ8K>(a)) {
+        let mut sumi = _mm256_setzero_si256();
+        for ib32 in 0..8 {
+            let g = |l: usize| i64::from_le_bytes(iq2s_grid_point(w, ib32, l));
+            let qx = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
+            let signs = u32::from_le_bytes(std::array::from_fn(|l| iq2s_signs(w, ib32, l)));
+            // -1 where the weight is negative, +1 elsewhere.
+            let sign = _mm256_or_si256(bits_to_bytes(signs), one);
+            let y = _mm256_sign_epi8(load(&a.qs[32 * ib32..]), sign);
+            let s = w.scales[ib32];
+            let sc = scale_pair(2 * (s & 0xF) as i16 + 1, 2 * (s >> 4) as i16 + 1);
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(qx, y), sc));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * a.d() * 0.125), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum_f32(acc)
+}
+
+// ------------------------------------------------------------------ float weights × f32
+
+/// Σ w·a over rows of floats, eight lanes at a time with four accumulators; `load_w`
+/// turns the weight bytes of eight elements into f32 lanes.
+#[inline(always)]
+unsafe fn dot_floats(
+    w: &[u8],
+    a: &[u8],
+    wsize: usize,
+    load_w: impl Fn(*const u8) -> __m256,
+    scalar_w: impl Fn(&[u8]) -> f32,
+) -> f32 {
+    let n = a.len() / 4;
+    let (wp, ap) = (w.as_ptr(), a.as_ptr().cast::<f32>());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (k, acc) in acc.iter_mut().enumerate() {
+            let j = i + 8 * k;
+            *acc = _mm256_fmadd_ps(load_w(wp.add(j * wsize)), _mm256_loadu_ps(ap.add(j)), *acc);
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        acc[0] = _mm256_fmadd_ps(load_w(wp.add(i * wsize)), _mm256_loadu_ps(ap.add(i)), acc[0]);
+        i += 8;
+    }
+    let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let mut tail = 0.0f32;
+    for j in i..n {
+        let x = scalar_w(&w[j * wsize..(j + 1) * wsize]);
+        tail += x * f32::from_le_bytes(a[4 * j..4 * j + 4].try_into().expect("4 bytes"));
+    }
+    hsum_f32(sum) + tail
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_f32_f32(w: &[u8], a: &[u8]) -> f32 {
+    dot_floats(w, a, 4, |p| _mm256_loadu_ps(p.cast()), |b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_f16_f32(w: &[u8], a: &[u8]) -> f32 {
+    dot_floats(w, a, 2, |p| _mm256_cvtph_ps(_mm_loadu_si128(p.cast())), |b| F16Le([b[0], b[1]]).get())
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_bf16_f32(w: &[u8], a: &[u8]) -> f32 {
+    dot_floats(
+        w,
+        a,
+        2,
+        |p| _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())), 16)),
+        |b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16),
+    )
+}

@@ -1,0 +1,185 @@
+//! Dot-product kernels and their run-time dispatch.
+//!
+//! A weight type is paired with one activation type, as in ggml: 32-element blocks
+//! with Q8_0, 256-element super-blocks with Q8_K, float weights with f32. [`Kernels`]
+//! resolves the dot product for a weight type on an instruction set, falling back to
+//! the scalar reference where that set has no kernel for the type.
+
+pub mod scalar;
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+
+use std::sync::OnceLock;
+
+use crate::blocks::{BlockQ8K, BlockQ8_0};
+use crate::{row_bytes, GgmlType, QuantError};
+
+/// A dot product of one weight row (bytes as stored) with one activation row (bytes
+/// of the paired activation type); both cover the same number of elements.
+pub type VecDotFn = fn(w: &[u8], a: &[u8]) -> f32;
+
+/// The activation format a weight type's dot product consumes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActType {
+    Q8_0,
+    Q8K,
+    F32,
+}
+
+impl ActType {
+    pub fn for_weights(ty: GgmlType) -> Result<ActType, QuantError> {
+        use GgmlType::*;
+        Ok(match ty {
+            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4_NL | Q2_0 => ActType::Q8_0,
+            Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | Q8_K | IQ2_S => ActType::Q8K,
+            F32 | F16 | BF16 => ActType::F32,
+            other => return Err(QuantError::Unsupported(other)),
+        })
+    }
+
+    pub fn ggml_type(self) -> GgmlType {
+        match self {
+            ActType::Q8_0 => GgmlType::Q8_0,
+            ActType::Q8K => GgmlType::Q8_K,
+            ActType::F32 => GgmlType::F32,
+        }
+    }
+
+    /// Bytes of a row of `n` activations.
+    pub fn row_bytes(self, n: usize) -> Result<usize, QuantError> {
+        row_bytes(self.ggml_type(), n)
+    }
+
+    /// Quantizes a row of activations into `out` (`row_bytes(x.len())` bytes). One
+    /// scalar implementation everywhere: the same input gives the same bytes.
+    pub fn quantize(self, x: &[f32], out: &mut [u8]) {
+        use crate::blocks::as_blocks_mut;
+        match self {
+            ActType::Q8_0 => crate::quantize::quantize_q8_0(x, as_blocks_mut::<BlockQ8_0>(out)),
+            ActType::Q8K => crate::quantize::quantize_q8_k(x, as_blocks_mut::<BlockQ8K>(out)),
+            ActType::F32 => crate::quantize::quantize_f32(x, out),
+        }
+    }
+}
+
+/// An instruction set with kernels here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    /// AVX2 with FMA and F16C (x86-64 since Haswell / Zen).
+    Avx2,
+}
+
+impl Isa {
+    pub const ALL: [Isa; 2] = [Isa::Scalar, Isa::Avx2];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Isa> {
+        Self::ALL.into_iter().find(|i| i.name().eq_ignore_ascii_case(name))
+    }
+
+    /// Whether this machine can run the set's kernels.
+    pub fn available(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx2 => false,
+        }
+    }
+
+    /// The sets this machine can run.
+    pub fn available_sets() -> Vec<Isa> {
+        Self::ALL.into_iter().filter(|i| i.available()).collect()
+    }
+
+    /// The set used by default: `ASTRA_ISA` when set (an unknown or unavailable name
+    /// is reported once and ignored), else the best this machine has. Decided once.
+    pub fn selected() -> Isa {
+        static SELECTED: OnceLock<Isa> = OnceLock::new();
+        *SELECTED.get_or_init(|| {
+            let best = *Self::available_sets().last().expect("scalar is always available");
+            match std::env::var("ASTRA_ISA") {
+                Ok(name) => match Isa::from_name(&name).filter(|i| i.available()) {
+                    Some(isa) => isa,
+                    None => {
+                        eprintln!("warning: ASTRA_ISA={name} is not available here; using {}", best.name());
+                        best
+                    }
+                },
+                Err(_) => best,
+            }
+        })
+    }
+}
+
+/// The kernels for one weight type on one instruction set.
+#[derive(Clone, Copy, Debug)]
+pub struct Kernels {
+    pub weights: GgmlType,
+    pub act: ActType,
+    /// The set the dot product actually runs on (scalar where `requested` has none).
+    pub isa: Isa,
+    pub dot: VecDotFn,
+}
+
+impl Kernels {
+    /// Kernels for `weights` on `isa`, which must be available.
+    pub fn new(weights: GgmlType, isa: Isa) -> Result<Kernels, QuantError> {
+        let act = ActType::for_weights(weights)?;
+        assert!(isa.available(), "{} kernels requested on a machine without {}", isa.name(), isa.name());
+        let simd = match isa {
+            Isa::Scalar => None,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => avx2::dot_fn(weights),
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx2 => None,
+        };
+        Ok(match simd {
+            Some(dot) => Kernels { weights, act, isa, dot },
+            None => Kernels { weights, act, isa: Isa::Scalar, dot: scalar_dot_fn(weights)? },
+        })
+    }
+
+    /// Kernels for `weights` on [`Isa::selected`].
+    pub fn best(weights: GgmlType) -> Result<Kernels, QuantError> {
+        Self::new(weights, Isa::selected())
+    }
+}
+
+/// The scalar reference dot product for a weight type.
+pub fn scalar_dot_fn(weights: GgmlType) -> Result<VecDotFn, QuantError> {
+    use scalar::*;
+    use GgmlType::*;
+    Ok(match weights {
+        F32 => dot_f32_f32,
+        F16 => dot_f16_f32,
+        BF16 => dot_bf16_f32,
+        Q4_0 => dot_q4_0_q8_0,
+        Q4_1 => dot_q4_1_q8_0,
+        Q5_0 => dot_q5_0_q8_0,
+        Q5_1 => dot_q5_1_q8_0,
+        Q8_0 => dot_q8_0_q8_0,
+        IQ4_NL => dot_iq4_nl_q8_0,
+        Q2_0 => dot_q2_0_q8_0,
+        Q2_K => dot_q2_k_q8_k,
+        Q3_K => dot_q3_k_q8_k,
+        Q4_K => dot_q4_k_q8_k,
+        Q5_K => dot_q5_k_q8_k,
+        Q6_K => dot_q6_k_q8_k,
+        Q8_K => dot_q8_k_q8_k,
+        IQ2_S => dot_iq2_s_q8_k,
+        other => return Err(QuantError::Unsupported(other)),
+    })
+}

@@ -1,0 +1,174 @@
+//! Quantized weights × f32 activations, multithreaded and deterministic.
+//!
+//! Protocol:
+//! 1. Each token's activation row is quantized to the weights' activation type by the
+//!    one scalar quantizer ([`crate::ActType::quantize`]), independently of the others.
+//! 2. The weight rows are cut into chunks, handed to the current rayon pool.
+//! 3. A task computes, for each of its rows and each token, one output element with one
+//!    call of the dot kernel.
+//!
+//! Invariant: an output element is a function of one weight row and one token's
+//! quantized activations only, computed in a fixed order by one thread. Thread count,
+//! chunking and batch size change which thread computes it and when, never its value.
+
+use rayon::prelude::*;
+
+use crate::dot::{ActType, Kernels};
+use crate::{row_bytes, GgmlType, QuantError};
+
+/// A row-major matrix of quantized weights, borrowed (usually from a memory map).
+/// GGUF stores a `[rows, cols]` weight with dims `[cols, rows]`.
+#[derive(Clone, Copy, Debug)]
+pub struct QuantMatrix<'a> {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    data: &'a [u8],
+    row_bytes: usize,
+}
+
+impl<'a> QuantMatrix<'a> {
+    pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, QuantError> {
+        let row_bytes = row_bytes(ty, cols)?;
+        let expected = row_bytes * rows;
+        if data.len() != expected {
+            return Err(QuantError::WrongLength { ty, expected, actual: data.len() });
+        }
+        Ok(QuantMatrix { ty, rows, cols, data, row_bytes })
+    }
+
+    #[inline]
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
+    pub fn bytes(&self) -> &'a [u8] {
+        self.data
+    }
+}
+
+/// A batch of activation rows quantized for one activation type.
+pub struct QuantizedActivations {
+    pub act: ActType,
+    pub tokens: usize,
+    row_bytes: usize,
+    data: Vec<u8>,
+}
+
+impl QuantizedActivations {
+    /// Quantizes `x` (`tokens` rows of `cols` values).
+    pub fn new(act: ActType, x: &[f32], cols: usize) -> Result<Self, QuantError> {
+        let row_bytes = act.row_bytes(cols)?;
+        let tokens = if cols == 0 { 0 } else { x.len() / cols };
+        let mut data = vec![0u8; row_bytes * tokens];
+        for (xr, out) in x.chunks_exact(cols.max(1)).zip(data.chunks_exact_mut(row_bytes.max(1))) {
+            act.quantize(xr, out);
+        }
+        Ok(QuantizedActivations { act, tokens, row_bytes, data })
+    }
+
+    #[inline]
+    pub fn row(&self, t: usize) -> &[u8] {
+        &self.data[t * self.row_bytes..(t + 1) * self.row_bytes]
+    }
+}
+
+/// A pointer to the output that tasks may share: each writes only its own rows.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: tasks write disjoint elements (each output row index belongs to one chunk).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+/// Rows per task: enough tasks to balance the pool, whole cache lines of output.
+fn chunk_rows(rows: usize) -> usize {
+    let tasks = 4 * rayon::current_num_threads();
+    rows.div_ceil(tasks).next_multiple_of(16).max(16)
+}
+
+/// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `x` of `tokens × w.cols` and `out` of
+/// `tokens × w.rows`, on the current rayon pool.
+pub fn matmul(w: &QuantMatrix, x: &[f32], out: &mut [f32], kernels: &Kernels) -> Result<(), QuantError> {
+    if kernels.weights != w.ty {
+        return Err(QuantError::Unsupported(w.ty));
+    }
+    let tokens = if w.cols == 0 { 0 } else { x.len() / w.cols };
+    assert_eq!(x.len(), tokens * w.cols, "activations are not whole rows of {}", w.cols);
+    assert_eq!(out.len(), tokens * w.rows, "output is not tokens × rows");
+    let acts = QuantizedActivations::new(kernels.act, x, w.cols)?;
+    matmul_quantized(w, &acts, out, kernels);
+    Ok(())
+}
+
+/// As [`matmul`], with activations already quantized (several matrices of the same
+/// input, such as Q, K and V, share one quantization).
+pub fn matmul_quantized(w: &QuantMatrix, acts: &QuantizedActivations, out: &mut [f32], kernels: &Kernels) {
+    assert_eq!(acts.act, kernels.act);
+    assert_eq!(out.len(), acts.tokens * w.rows);
+    let (rows, tokens, dot) = (w.rows, acts.tokens, kernels.dot);
+    let shared = SharedOut(out.as_mut_ptr());
+    let chunk = chunk_rows(rows);
+    (0..rows.div_ceil(chunk)).into_par_iter().for_each(|c| {
+        let shared = shared;
+        for r in c * chunk..((c + 1) * chunk).min(rows) {
+            let wr = w.row(r);
+            for t in 0..tokens {
+                let v = dot(wr, acts.row(t));
+                // SAFETY: t * rows + r < out.len(), and row r belongs to this task only.
+                unsafe { *shared.0.add(t * rows + r) = v };
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Isa;
+
+    fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Every output element is bitwise the same for thread counts 1, 2, 3, 7 and batch
+    /// sizes 1, 2, 5, 17.
+    #[test]
+    fn outputs_do_not_depend_on_threads_or_batch() {
+        let (rows, cols) = (100, 512);
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F32, GgmlType::Q8_K] {
+            let weights = crate::quantize(ty, &pseudo_random(rows * cols, 1)).unwrap();
+            let w = QuantMatrix::new(ty, rows, cols, &weights).unwrap();
+            let x = pseudo_random(17 * cols, 2);
+            for isa in Isa::available_sets() {
+                let k = Kernels::new(ty, isa).unwrap();
+                // Reference: each token alone, one thread.
+                let pool1 = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+                let alone: Vec<Vec<f32>> = (0..17)
+                    .map(|t| {
+                        let mut o = vec![0.0; rows];
+                        pool1.install(|| matmul(&w, &x[t * cols..(t + 1) * cols], &mut o, &k)).unwrap();
+                        o
+                    })
+                    .collect();
+                for threads in [1, 2, 3, 7] {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    for batch in [1, 2, 5, 17] {
+                        let mut o = vec![0.0; batch * rows];
+                        pool.install(|| matmul(&w, &x[..batch * cols], &mut o, &k)).unwrap();
+                        for t in 0..batch {
+                            let got: Vec<u32> = o[t * rows..(t + 1) * rows].iter().map(|v| v.to_bits()).collect();
+                            let want: Vec<u32> = alone[t].iter().map(|v| v.to_bits()).collect();
+                            assert_eq!(got, want, "{ty} {isa:?} threads {threads} batch {batch} token {t}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
