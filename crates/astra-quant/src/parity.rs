@@ -12,7 +12,8 @@
 //! at most Σ_{k∈block} |a_k| (|w_k| + 2|o_k|), where o_k is the block's offset (the
 //! weight its code 0 stands for; zero for symmetric types), because an asymmetric
 //! block's partial is a difference of a scale term and an offset term. The reference's
-//! weights are themselves rounded to f32 (≤ u·|w_k|). So, with u = 2⁻²⁴:
+//! weights are themselves rounded to f32 (≤ u·|w_k|). Float weights count as blocks of
+//! 32 (the kernels keep 32 lanes), plus the reduction and the tail. So, with u = 2⁻²⁴:
 //!
 //!   |kernel − ref| ≤ (nb + 5) · u · Σ_k |a_k| (|w_k| + 2|o_k|)
 //!
@@ -128,6 +129,16 @@ fn code_bytes(ty: GgmlType) -> Option<std::ops::Range<usize>> {
     }
 }
 
+/// Sequential f32 accumulations a kernel makes over a row: one per block, or for float
+/// weights (accumulated in 32 lanes, then reduced pairwise over five levels, then an
+/// unvectorized tail of fewer than eight) n / 32 + 5 + 8.
+fn accumulation_steps(ty: GgmlType, cols: usize) -> usize {
+    match ty.block_elems() as usize {
+        1 => cols.div_ceil(32) + 13,
+        block => cols / block,
+    }
+}
+
 /// Seeded weights of type `ty`: quantized from random values where a quantizer exists,
 /// else random blocks with sane scales.
 pub fn random_weights(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Result<Vec<u8>, QuantError> {
@@ -188,6 +199,54 @@ fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
     }
 }
 
+/// The f64 reference of a case and the bound its kernels must meet.
+pub struct Reference {
+    pub values: Vec<f64>,
+    /// Bound on the relative L2 error (module doc).
+    pub bound: f64,
+}
+
+impl Reference {
+    /// The reference outputs (token-major) of `weights` (`rows × cols` of `ty`) applied
+    /// to the quantized activations `acts`.
+    pub fn compute(ty: GgmlType, weights: &[u8], rows: usize, cols: usize, acts: &QuantizedActivations) -> Result<Self, QuantError> {
+        let wd = dequantize_rows(ty, weights, rows, cols)?;
+        let offsets = match code_bytes(ty) {
+            Some(range) => {
+                let mut zeroed = weights.to_vec();
+                for block in zeroed.chunks_exact_mut(ty.block_bytes() as usize) {
+                    block[range.clone()].fill(0);
+                }
+                dequantize_rows(ty, &zeroed, rows, cols)?
+            }
+            None => vec![0.0; rows * cols],
+        };
+        let a = activations_f64(acts, acts.tokens, cols);
+        let nb = accumulation_steps(ty, cols) as f64;
+        let (mut values, mut bounds) = (Vec::new(), Vec::new());
+        for at in a.chunks_exact(cols) {
+            for (wr, or) in wd.chunks_exact(cols).zip(offsets.chunks_exact(cols)) {
+                let mut sum = 0.0f64;
+                let mut magnitude = 0.0f64;
+                for k in 0..cols {
+                    sum += wr[k] as f64 * at[k];
+                    magnitude += at[k].abs() * (wr[k].abs() as f64 + 2.0 * or[k].abs() as f64);
+                }
+                values.push(sum);
+                bounds.push((nb + 5.0) * UNIT_ROUNDOFF * magnitude);
+            }
+        }
+        let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+        let (ref_norm, bound_norm) = (norm(&values), norm(&bounds));
+        let bound = if ref_norm > 0.0 { bound_norm / ref_norm } else { bound_norm };
+        Ok(Reference { values, bound })
+    }
+
+    pub fn rel_l2(&self, outputs: &[f32]) -> f64 {
+        rel_l2(outputs, &self.values)
+    }
+}
+
 /// Runs one case: `tokens` activation rows through a `rows × cols` matrix of `ty`.
 pub fn run_case(ty: GgmlType, isa: Isa, cols: usize, rows: usize, tokens: usize, seed: u64) -> Result<CaseReport, QuantError> {
     let weights = random_weights(ty, rows, cols, seed)?;
@@ -200,37 +259,7 @@ pub fn run_case(ty: GgmlType, isa: Isa, cols: usize, rows: usize, tokens: usize,
     matmul_quantized(&w, &acts, &mut outputs, &kernels);
     let mut scalar = vec![0.0f32; tokens * rows];
     matmul_quantized(&w, &acts, &mut scalar, &Kernels::new(ty, Isa::Scalar)?);
-
-    let wd = dequantize_rows(ty, &weights, rows, cols)?;
-    let offsets = match code_bytes(ty) {
-        Some(range) => {
-            let mut zeroed = weights.clone();
-            for block in zeroed.chunks_exact_mut(ty.block_bytes() as usize) {
-                block[range.clone()].fill(0);
-            }
-            dequantize_rows(ty, &zeroed, rows, cols)?
-        }
-        None => vec![0.0; rows * cols],
-    };
-    let a = activations_f64(&acts, tokens, cols);
-    let nb = (cols / ty.block_elems() as usize) as f64;
-    let (mut reference, mut bounds) = (Vec::new(), Vec::new());
-    for t in 0..tokens {
-        let at = &a[t * cols..(t + 1) * cols];
-        for r in 0..rows {
-            let (wr, or) = (&wd[r * cols..(r + 1) * cols], &offsets[r * cols..(r + 1) * cols]);
-            let mut sum = 0.0f64;
-            let mut magnitude = 0.0f64;
-            for k in 0..cols {
-                sum += wr[k] as f64 * at[k];
-                magnitude += at[k].abs() * (wr[k].abs() as f64 + 2.0 * or[k].abs() as f64);
-            }
-            reference.push(sum);
-            bounds.push((nb + 5.0) * UNIT_ROUNDOFF * magnitude);
-        }
-    }
-    let ref_norm = reference.iter().map(|v| v * v).sum::<f64>().sqrt();
-    let bound_norm = bounds.iter().map(|v| v * v).sum::<f64>().sqrt();
+    let reference = Reference::compute(ty, &weights, rows, cols, &acts)?;
     let scalar_f64: Vec<f64> = scalar.iter().map(|&v| v as f64).collect();
     Ok(CaseReport {
         ty,
@@ -238,8 +267,8 @@ pub fn run_case(ty: GgmlType, isa: Isa, cols: usize, rows: usize, tokens: usize,
         cols,
         rows,
         tokens,
-        rel_l2: rel_l2(&outputs, &reference),
-        bound: if ref_norm > 0.0 { bound_norm / ref_norm } else { bound_norm },
+        rel_l2: reference.rel_l2(&outputs),
+        bound: reference.bound,
         vs_scalar: rel_l2(&outputs, &scalar_f64),
         outputs,
     })
@@ -284,5 +313,32 @@ mod tests {
             }
         }
         assert!(failures.is_empty(), "{} of {count} cases failed:\n{}", failures.len(), failures.join("\n"));
+    }
+
+    /// The bound catches a kernel that is wrong in one weight of a row: the same
+    /// weights with one code changed in one block give outputs the reference rejects.
+    #[test]
+    fn the_bound_rejects_a_single_wrong_weight() {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::F16] {
+            let (rows, cols) = (64, 2048);
+            let weights = random_weights(ty, rows, cols, 7).unwrap();
+            let kernels = Kernels::new(ty, Isa::Scalar).unwrap();
+            let mut rng = SplitMix::new(8);
+            let x: Vec<f32> = (0..cols).map(|_| rng.activation()).collect();
+            let acts = QuantizedActivations::new(kernels.act, &x, cols).unwrap();
+            let reference = Reference::compute(ty, &weights, rows, cols, &acts).unwrap();
+            let mut wrong = weights.clone();
+            // Flip one bit of one weight in the middle of each row: the lowest bit of a
+            // code byte, or for F16 the top mantissa bit (the weight changes by half).
+            let row_bytes = wrong.len() / rows;
+            for r in 0..rows {
+                wrong[r * row_bytes + row_bytes / 2 + 1] ^= if ty == GgmlType::F16 { 0x02 } else { 0x01 };
+            }
+            let w = QuantMatrix::new(ty, rows, cols, &wrong).unwrap();
+            let mut out = vec![0.0f32; rows];
+            matmul_quantized(&w, &acts, &mut out, &kernels);
+            let err = reference.rel_l2(&out);
+            assert!(err > reference.bound, "{ty}: error {err:e} within bound {:e}", reference.bound);
+        }
     }
 }

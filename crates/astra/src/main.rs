@@ -17,6 +17,8 @@ enum Command {
     Pull(cmd::pull::Args),
     /// Show a GGUF file's architecture, hyperparameters, tokenizer and tensors.
     Inspect(cmd::inspect::Args),
+    /// Check kernels against references (`astra parity kernels`).
+    Parity(cmd::parity::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -24,6 +26,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Pull(args) => cmd::pull::run(args),
         Command::Inspect(args) => cmd::inspect::run(args),
+        Command::Parity(args) => cmd::parity::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
