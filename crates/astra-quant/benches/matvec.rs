@@ -1,1 +1,107 @@
-fn main() {}
+//! Matrix × vector throughput per weight type, in weight bytes per second, beside the
+//! machine's streaming read bandwidth measured the same way, so each figure reads as a
+//! fraction of what memory can deliver.
+//!
+//! Groups:
+//! - `stream_read/{1,2}t`: summing a 1 GiB buffer of u64 (the bandwidth ceiling).
+//! - `matvec_4096/{type}/{1,2}t`: a 4096 × 4096 matrix of every supported type.
+//! - `matvec_models/{type}/{cols}x{rows}`: the real models' matrix shapes and types, on
+//!   all threads.
+//!
+//! Run: `cargo bench -p astra-quant --bench matvec` (on an idle machine).
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use astra_quant::matmul::{matmul_quantized, QuantMatrix, QuantizedActivations};
+use astra_quant::parity::{random_weights, SplitMix};
+use astra_quant::{GgmlType, Kernels, SUPPORTED_TYPES};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use rayon::prelude::*;
+
+fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool")
+}
+
+/// Sums the buffer in eight independent lanes so that loads, not the adds, limit it.
+fn sum_words(words: &[u64]) -> u64 {
+    let mut acc = [0u64; 8];
+    for chunk in words.chunks_exact(8) {
+        for (a, w) in acc.iter_mut().zip(chunk) {
+            *a = a.wrapping_add(*w);
+        }
+    }
+    acc.iter().fold(0, |s, a| s.wrapping_add(*a))
+}
+
+fn stream_read(c: &mut Criterion) {
+    let words: Vec<u64> = (0..(1u64 << 27)).collect(); // 1 GiB
+    let mut g = c.benchmark_group("stream_read");
+    g.throughput(Throughput::Bytes(8 << 27)).sample_size(10).measurement_time(Duration::from_secs(4));
+    for threads in [1, 2] {
+        let p = pool(threads);
+        g.bench_function(format!("{threads}t"), |b| {
+            b.iter(|| {
+                p.install(|| {
+                    words
+                        .par_chunks(words.len() / threads)
+                        .map(sum_words)
+                        .reduce(|| 0, |a, b| a.wrapping_add(b))
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
+fn bench_matvec(g: &mut criterion::BenchmarkGroup<criterion::measurement::WallTime>, id: BenchmarkId, ty: GgmlType, cols: usize, rows: usize, threads: usize) {
+    let weights = random_weights(ty, rows, cols, 1).expect("weights");
+    let w = QuantMatrix::new(ty, rows, cols, &weights).expect("matrix");
+    let kernels = Kernels::best(ty).expect("kernels");
+    let mut rng = SplitMix::new(2);
+    let x: Vec<f32> = (0..cols).map(|_| rng.activation()).collect();
+    let mut out = vec![0.0f32; rows];
+    let p = pool(threads);
+    g.throughput(Throughput::Bytes(weights.len() as u64));
+    g.bench_function(id, |b| {
+        b.iter(|| {
+            p.install(|| {
+                // Quantizing the activations is part of every matvec.
+                let acts = QuantizedActivations::new(kernels.act, black_box(&x), cols).expect("acts");
+                matmul_quantized(&w, &acts, &mut out, &kernels);
+            });
+            black_box(&out);
+        })
+    });
+}
+
+fn matvec_4096(c: &mut Criterion) {
+    let mut g = c.benchmark_group("matvec_4096");
+    g.sample_size(20).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    for ty in SUPPORTED_TYPES {
+        for threads in [1, 2] {
+            bench_matvec(&mut g, BenchmarkId::new(ty.name(), format!("{threads}t")), ty, 4096, 4096, threads);
+        }
+    }
+    g.finish();
+}
+
+fn matvec_models(c: &mut Criterion) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // (type, cols, rows) of the real models' matrices: SmolLM2 (Q4_1 blocks, Q8_0
+    // embeddings/output) and Gemma 3 (Q5_0, Q4_K, Q6_K, Q8_0 output).
+    let shapes = [
+        (GgmlType::Q4_1, 576, 576), (GgmlType::Q4_1, 576, 1536), (GgmlType::Q4_1, 1536, 576),
+        (GgmlType::Q8_0, 576, 49152), (GgmlType::Q5_0, 640, 1024), (GgmlType::Q5_0, 640, 2048),
+        (GgmlType::Q4_K, 2048, 640), (GgmlType::Q6_K, 2048, 640), (GgmlType::Q8_0, 640, 262144),
+    ];
+    let mut g = c.benchmark_group("matvec_models");
+    g.sample_size(20).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    for (ty, cols, rows) in shapes {
+        bench_matvec(&mut g, BenchmarkId::new(ty.name(), format!("{cols}x{rows}")), ty, cols, rows, threads);
+    }
+    g.finish();
+}
+
+criterion_group!(benches, stream_read, matvec_4096, matvec_models);
+criterion_main!(benches);

@@ -315,6 +315,20 @@ mod tests {
         assert!(failures.is_empty(), "{} of {count} cases failed:\n{}", failures.len(), failures.join("\n"));
     }
 
+    /// Float weights: the SIMD kernels associate the sums exactly as the scalar
+    /// reference does, so they agree to the bit.
+    #[test]
+    fn float_kernels_are_bitwise_identical_across_instruction_sets() {
+        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+            for (cols, rows) in [(576, 64), (1056, 19), (4096, 16), (100, 3)] {
+                for isa in Isa::available_sets() {
+                    let r = run_case(ty, isa, cols, rows, 3, case_seed(ty, cols, rows)).unwrap();
+                    assert_eq!(r.vs_scalar, 0.0, "{}", r.name());
+                }
+            }
+        }
+    }
+
     /// The bound catches a kernel that is wrong in one weight of a row: the same
     /// weights with one code changed in one block give outputs the reference rejects.
     #[test]

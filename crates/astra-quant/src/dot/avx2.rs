@@ -52,6 +52,30 @@ pub(crate) fn dot_fn(weights: GgmlType) -> Option<VecDotFn> {
 
 // ------------------------------------------------------------------ helpers
 
+/// Two f16 scales to f32 with one F16C conversion (the `half` crate calls out to a
+/// converter unless F16C is enabled for the whole build). The halves are combined in a
+/// general register and moved in whole: inserting a 16-bit load into a vector register
+/// would make the conversion wait on whatever register the compiler picks to insert
+/// into, which can be the previous block's accumulator.
+#[inline(always)]
+unsafe fn f16_pair(lo: F16Le, hi: F16Le) -> (f32, f32) {
+    let bits = u16::from_le_bytes(lo.0) as u32 | (u16::from_le_bytes(hi.0) as u32) << 16;
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
+    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+}
+
+/// The product of two f16 scales.
+#[inline(always)]
+unsafe fn f16_mul(x: F16Le, y: F16Le) -> f32 {
+    let (x, y) = f16_pair(x, y);
+    x * y
+}
+
+#[inline(always)]
+unsafe fn f16(x: F16Le) -> f32 {
+    f16_pair(x, x).0
+}
+
 #[inline(always)]
 unsafe fn hsum_f32(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -127,7 +151,7 @@ unsafe fn dot_q4_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     for (w, a) in as_blocks::<BlockQ4_0>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
         let qx = _mm256_sub_epi8(nibbles(&w.qs), _mm256_set1_epi8(8));
         let p = _mm256_cvtepi32_ps(dot_i8(qx, load(&a.qs)));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * a.d.get()), p, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.d, a.d)), p, acc);
     }
     hsum_f32(acc)
 }
@@ -137,11 +161,11 @@ unsafe fn dot_q4_1_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (w, a) in as_blocks::<BlockQ4_1>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
         let qy = load(&a.qs);
-        let da = a.d.get();
+        let (dw, da) = f16_pair(w.d, a.d);
         let p = _mm256_cvtepi32_ps(dot_u8_i8(nibbles(&w.qs), qy));
         let s = _mm256_cvtepi32_ps(dot_u8_i8(_mm256_set1_epi8(1), qy));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * da), p, acc);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.m.get() * da), s, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), p, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.m, a.d)), s, acc);
     }
     hsum_f32(acc)
 }
@@ -154,7 +178,7 @@ unsafe fn dot_q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
         let missing = _mm256_andnot_si256(bits_to_bytes(u32::from_le_bytes(w.qh)), _mm256_set1_epi8(0xF0u8 as i8));
         let qx = _mm256_or_si256(nibbles(&w.qs), missing);
         let p = _mm256_cvtepi32_ps(dot_i8(qx, load(&a.qs)));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * a.d.get()), p, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.d, a.d)), p, acc);
     }
     hsum_f32(acc)
 }
@@ -166,11 +190,11 @@ unsafe fn dot_q5_1_q8_0(w: &[u8], a: &[u8]) -> f32 {
         let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(w.qh)), _mm256_set1_epi8(0x10));
         let qx = _mm256_or_si256(nibbles(&w.qs), high);
         let qy = load(&a.qs);
-        let da = a.d.get();
+        let (dw, da) = f16_pair(w.d, a.d);
         let p = _mm256_cvtepi32_ps(dot_u8_i8(qx, qy));
         let s = _mm256_cvtepi32_ps(dot_u8_i8(_mm256_set1_epi8(1), qy));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * da), p, acc);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.m.get() * da), s, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), p, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.m, a.d)), s, acc);
     }
     hsum_f32(acc)
 }
@@ -180,7 +204,7 @@ unsafe fn dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (w, a) in as_blocks::<BlockQ8_0>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
         let p = _mm256_cvtepi32_ps(dot_i8(load(&w.qs), load(&a.qs)));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * a.d.get()), p, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.d, a.d)), p, acc);
     }
     hsum_f32(acc)
 }
@@ -192,7 +216,7 @@ unsafe fn dot_iq4_nl_q8_0(w: &[u8], a: &[u8]) -> f32 {
     for (w, a) in as_blocks::<BlockIq4Nl>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
         let qx = _mm256_shuffle_epi8(table, nibbles(&w.qs));
         let p = _mm256_cvtepi32_ps(dot_i8(qx, load(&a.qs)));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * a.d.get()), p, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.d, a.d)), p, acc);
     }
     hsum_f32(acc)
 }
@@ -218,13 +242,13 @@ unsafe fn dot_q2_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let acts = as_blocks::<BlockQ8_0>(a);
     for (w, a) in as_blocks::<BlockQ2_0>(w).iter().zip(acts.chunks_exact(2)) {
-        let dw = w.d.get();
+        let dw = f16(w.d);
         for (half, a) in a.iter().enumerate() {
             let q = &w.qs[8 * half..8 * half + 8];
             let t = |i: usize| Q2_0_DECODE[q[i] as usize] as i32;
             let qx = _mm256_setr_epi32(t(0), t(1), t(2), t(3), t(4), t(5), t(6), t(7));
             let p = _mm256_cvtepi32_ps(dot_i8(qx, load(&a.qs)));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d.get()), p, acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * f16(a.d)), p, acc);
         }
     }
     hsum_f32(acc)
@@ -249,9 +273,9 @@ unsafe fn dot_q2_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), sc));
             }
         }
-        let da = a.d();
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * da), _mm256_cvtepi32_ps(sumi), acc);
-        mins += msum as f32 * (w.dmin.get() * da);
+        let ((wd, wdmin), da) = (f16_pair(w.d, w.dmin), a.d());
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(wd * da), _mm256_cvtepi32_ps(sumi), acc);
+        mins += msum as f32 * (wdmin * da);
     }
     hsum_f32(acc) - mins
 }
@@ -277,7 +301,7 @@ unsafe fn dot_q3_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sc));
             }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * a.d()), _mm256_cvtepi32_ps(sumi), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w.d) * a.d()), _mm256_cvtepi32_ps(sumi), acc);
     }
     hsum_f32(acc)
 }
@@ -305,9 +329,9 @@ unsafe fn dot_q4_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
             let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(&a.qs[64 * j + 32..])), sc_hi);
             sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
         }
-        let da = a.d();
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * da), _mm256_cvtepi32_ps(sumi), acc);
-        mins += k4_min_sum(&w.scales, a) as f32 * (w.dmin.get() * da);
+        let ((wd, wdmin), da) = (f16_pair(w.d, w.dmin), a.d());
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(wd * da), _mm256_cvtepi32_ps(sumi), acc);
+        mins += k4_min_sum(&w.scales, a) as f32 * (wdmin * da);
     }
     hsum_f32(acc) - mins
 }
@@ -333,9 +357,9 @@ unsafe fn dot_q5_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
             let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(&a.qs[64 * j + 32..])), sc_hi);
             sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
         }
-        let da = a.d();
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * da), _mm256_cvtepi32_ps(sumi), acc);
-        mins += k4_min_sum(&w.scales, a) as f32 * (w.dmin.get() * da);
+        let ((wd, wdmin), da) = (f16_pair(w.d, w.dmin), a.d());
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(wd * da), _mm256_cvtepi32_ps(sumi), acc);
+        mins += k4_min_sum(&w.scales, a) as f32 * (wdmin * da);
     }
     hsum_f32(acc) - mins
 }
@@ -366,7 +390,7 @@ unsafe fn dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sc));
             }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * a.d()), _mm256_cvtepi32_ps(sumi), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w.d) * a.d()), _mm256_cvtepi32_ps(sumi), acc);
     }
     hsum_f32(acc)
 }
@@ -401,7 +425,7 @@ unsafe fn dot_iq2_s_q8_k(w: &[u8], a: &[u8]) -> f32 {
             let sc = scale_pair(2 * (s & 0xF) as i16 + 1, 2 * (s >> 4) as i16 + 1);
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(qx, y), sc));
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d.get() * a.d() * 0.125), _mm256_cvtepi32_ps(sumi), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w.d) * a.d() * 0.125), _mm256_cvtepi32_ps(sumi), acc);
     }
     hsum_f32(acc)
 }
