@@ -310,10 +310,10 @@ impl Metadata {
 
     /// The value of `key` if present, through `get`; a present value of the wrong type
     /// is still an error.
-    pub fn optional<T>(
-        &self,
+    pub fn optional<'a, T>(
+        &'a self,
         key: &str,
-        get: impl FnOnce(&Self, &str) -> Result<T, MetadataError>,
+        get: impl FnOnce(&'a Self, &str) -> Result<T, MetadataError>,
     ) -> Result<Option<T>, MetadataError> {
         if self.contains(key) {
             get(self, key).map(Some)

@@ -1,0 +1,115 @@
+//! Chat templates: the Jinja template of the file (`tokenizer.chat_template`) rendered
+//! with minijinja and Python-compatible string methods, or a built-in template when the
+//! file has none (Gemma turns for Gemma models, ChatML otherwise).
+
+use minijinja::{context, Environment, ErrorKind};
+use serde::Serialize;
+
+/// One chat message.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage { role: role.into(), content: content.into() }
+    }
+}
+
+/// A template that cannot be compiled or rendered for these messages: a client error
+/// (bad roles, a template's `raise_exception`) or a broken template in the file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("chat template: {0}")]
+pub struct TemplateError(pub String);
+
+/// Where the template came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TemplateKind {
+    /// `tokenizer.chat_template` of the file.
+    FromFile,
+    /// `<|im_start|>role\ncontent<|im_end|>\n`.
+    ChatMl,
+    /// `<start_of_turn>user\n…<end_of_turn>\n`, with `assistant` as `model` and a
+    /// system message folded into the first user turn (as llama.cpp's built-in).
+    GemmaTurns,
+}
+
+const CHATML: &str = "{%- for message in messages -%}\
+{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}\
+{%- endfor -%}\
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}";
+
+const GEMMA_TURNS: &str = "{%- set ns = namespace(system='') -%}\
+{%- for message in messages -%}\
+{%- if message['role'] == 'system' -%}{%- set ns.system = ns.system + message['content'].strip() -%}\
+{%- else -%}\
+{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}\
+{{- '<start_of_turn>' + role + '\\n' -}}\
+{%- if ns.system and role != 'model' -%}{{- ns.system + '\\n\\n' -}}{%- set ns.system = '' -%}{%- endif -%}\
+{{- message['content'].strip() + '<end_of_turn>\\n' -}}\
+{%- endif -%}\
+{%- endfor -%}\
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}";
+
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    kind: TemplateKind,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl ChatTemplate {
+    /// Compiles `source`; `bos_token`/`eos_token` are the texts templates may print.
+    pub fn new(source: &str, kind: TemplateKind, bos_token: &str, eos_token: &str) -> Result<Self, TemplateError> {
+        let mut env = Environment::new();
+        // As Hugging Face's apply_chat_template (and llama.cpp's Jinja engine) render.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template_owned("chat", source.to_owned()).map_err(|e| TemplateError(e.to_string()))?;
+        Ok(ChatTemplate { env, kind, bos_token: bos_token.to_owned(), eos_token: eos_token.to_owned() })
+    }
+
+    /// The built-in template of `kind` (not [`TemplateKind::FromFile`]).
+    pub fn builtin(kind: TemplateKind, bos_token: &str, eos_token: &str) -> Self {
+        let source = match kind {
+            TemplateKind::GemmaTurns => GEMMA_TURNS,
+            _ => CHATML,
+        };
+        Self::new(source, kind, bos_token, eos_token).expect("built-in templates compile")
+    }
+
+    /// The file's template, else the built-in one for the architecture.
+    pub fn for_model(md: &astra_gguf::Metadata, tokenizer: &crate::Tokenizer) -> Result<Self, TemplateError> {
+        let text = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or("").to_owned();
+        let (bos, eos) = (text(tokenizer.bos()), text(tokenizer.eos()));
+        if let Ok(source) = md.str("tokenizer.chat_template") {
+            return Self::new(source, TemplateKind::FromFile, &bos, &eos);
+        }
+        let arch = md.str("general.architecture").unwrap_or("");
+        let kind = if arch.starts_with("gemma") { TemplateKind::GemmaTurns } else { TemplateKind::ChatMl };
+        Ok(Self::builtin(kind, &bos, &eos))
+    }
+
+    pub fn kind(&self) -> TemplateKind {
+        self.kind
+    }
+
+    /// Renders the conversation; `add_generation_prompt` opens the assistant's turn.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TemplateError> {
+        let template = self.env.get_template("chat").map_err(|e| TemplateError(e.to_string()))?;
+        template
+            .render(context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_token,
+                eos_token => self.eos_token,
+            })
+            .map_err(|e| TemplateError(e.to_string()))
+    }
+}

@@ -1,0 +1,331 @@
+//! Pre-tokenization for byte-level BPE: splitting text into words before merging.
+//!
+//! Each splitter is a left-to-right scan that behaves as llama.cpp's hand-written
+//! equivalents of the tokenizer regexes (`unicode_regex_split_custom_*`), including
+//! their treatment of the end of a piece as "no character" (so `\s+(?!\S)` at the end
+//! of a piece takes the whole run). A word is a byte range of the text.
+
+use std::ops::Range;
+
+use crate::unicode::{flags, Flags};
+
+/// The pre-tokenizers named by `tokenizer.ggml.pre`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PreTokenizer {
+    /// GPT-2: `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)`.
+    Gpt2,
+    /// Every number code point on its own (`\p{N}`), then GPT-2 (SmolLM, StarCoder).
+    DigitsThenGpt2,
+    /// Llama 3: contractions (any case), `[^\r\n\p{L}\p{N}]?\p{L}+`, up to three digits,
+    /// punctuation runs with trailing newlines, newline runs, whitespace.
+    Llama3,
+    /// Qwen 2: as Llama 3 with one digit at a time.
+    Qwen2,
+}
+
+impl PreTokenizer {
+    /// The pre-tokenizer of a `tokenizer.ggml.pre` name, as llama.cpp maps them.
+    pub fn from_name(name: &str) -> Option<PreTokenizer> {
+        Some(match name {
+            "gpt-2" | "mpt" | "olmo" | "jais" | "trillion" => PreTokenizer::Gpt2,
+            "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva" => {
+                PreTokenizer::DigitsThenGpt2
+            }
+            "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "dbrx" | "smaug-bpe" => PreTokenizer::Llama3,
+            "qwen2" | "stablelm2" | "hunyuan" => PreTokenizer::Qwen2,
+            _ => return None,
+        })
+    }
+
+    /// Whether a word that is itself a token skips merging (llama.cpp's
+    /// `ignore_merges`, set for Llama 3).
+    pub fn ignores_merges(self) -> bool {
+        self == PreTokenizer::Llama3
+    }
+
+    /// Splits `text` into words (byte ranges covering the text, in order).
+    pub fn split(self, text: &str) -> Vec<Range<usize>> {
+        let chars = Chars::new(text);
+        let whole = vec![0..chars.len()];
+        let pieces = match self {
+            PreTokenizer::DigitsThenGpt2 => split_numbers(&chars, &whole),
+            _ => whole,
+        };
+        let words = match self {
+            PreTokenizer::Gpt2 | PreTokenizer::DigitsThenGpt2 => split_gpt2(&chars, &pieces),
+            PreTokenizer::Llama3 => split_llama3(&chars, &pieces, 3),
+            PreTokenizer::Qwen2 => split_llama3(&chars, &pieces, 1),
+        };
+        words.into_iter().map(|r| chars.byte_range(r)).collect()
+    }
+}
+
+/// The code points of a text with their byte offsets.
+struct Chars {
+    chars: Vec<char>,
+    /// Byte offset of each code point, plus the text length at the end.
+    offsets: Vec<usize>,
+}
+
+impl Chars {
+    fn new(text: &str) -> Chars {
+        let mut chars = Vec::with_capacity(text.len());
+        let mut offsets = Vec::with_capacity(text.len() + 1);
+        for (i, c) in text.char_indices() {
+            chars.push(c);
+            offsets.push(i);
+        }
+        offsets.push(text.len());
+        Chars { chars, offsets }
+    }
+
+    fn len(&self) -> usize {
+        self.chars.len()
+    }
+
+    fn byte_range(&self, r: Range<usize>) -> Range<usize> {
+        self.offsets[r.start]..self.offsets[r.end]
+    }
+}
+
+/// A view of one piece: code points outside it read as "nothing" (llama.cpp's
+/// OUT_OF_RANGE), which is what makes end-of-piece lookaheads fail.
+struct Piece<'a> {
+    chars: &'a [char],
+    start: usize,
+    end: usize,
+}
+
+impl Piece<'_> {
+    fn get(&self, pos: usize) -> Option<char> {
+        (self.start <= pos && pos < self.end).then(|| self.chars[pos])
+    }
+    fn flags(&self, pos: usize) -> Flags {
+        self.get(pos).map(flags).unwrap_or_default()
+    }
+}
+
+/// Collects words as index ranges.
+struct Words {
+    out: Vec<Range<usize>>,
+    prev_end: usize,
+}
+
+impl Words {
+    /// Ends a word at `end`; returns its length (0 adds nothing).
+    fn add(&mut self, end: usize) -> usize {
+        let len = end - self.prev_end;
+        if len > 0 {
+            self.out.push(self.prev_end..end);
+        }
+        self.prev_end = end;
+        len
+    }
+}
+
+/// `\p{N}` as an isolating split: every number code point becomes its own piece. As in
+/// llama.cpp, non-ASCII whitespace is never a number, and only code points whose
+/// category is exactly "number" count.
+fn split_numbers(chars: &Chars, pieces: &[Range<usize>]) -> Vec<Range<usize>> {
+    let is_number = |c: char| {
+        if c.is_ascii() {
+            return c.is_ascii_digit();
+        }
+        let f = flags(c);
+        !f.whitespace && f.category == crate::unicode_data::NUMBER
+    };
+    let mut out = Vec::new();
+    for piece in pieces {
+        let mut start = piece.start;
+        for pos in piece.clone() {
+            if is_number(chars.chars[pos]) {
+                if pos > start {
+                    out.push(start..pos);
+                }
+                out.push(pos..pos + 1);
+                start = pos + 1;
+            }
+        }
+        if start < piece.end {
+            out.push(start..piece.end);
+        }
+    }
+    out
+}
+
+/// `'s` `'t` `'m` `'d` (length 2) or `'re` `'ve` `'ll` (length 3) at `pos`, letters
+/// compared after `fold` (identity for GPT-2, lowercase for Llama 3).
+fn contraction(p: &Piece, pos: usize, fold: fn(char) -> char) -> Option<usize> {
+    if p.get(pos) != Some('\'') || pos + 1 >= p.end {
+        return None;
+    }
+    let next = fold(p.get(pos + 1)?);
+    if matches!(next, 's' | 't' | 'm' | 'd') {
+        return Some(2);
+    }
+    if pos + 2 < p.end {
+        let next2 = fold(p.get(pos + 2)?);
+        if matches!((next, next2), ('r', 'e') | ('v', 'e') | ('l', 'l')) {
+            return Some(3);
+        }
+    }
+    None
+}
+
+/// Whitespace run at `pos`: (length, end of its last \r or \n if any).
+fn whitespace_run(p: &Piece, pos: usize) -> (usize, Option<usize>) {
+    let mut n = 0;
+    let mut last_newline = None;
+    while p.flags(pos + n).is_whitespace() {
+        if matches!(p.get(pos + n), Some('\r' | '\n')) {
+            last_newline = Some(pos + n + 1);
+        }
+        n += 1;
+    }
+    (n, last_newline)
+}
+
+fn split_gpt2(chars: &Chars, pieces: &[Range<usize>]) -> Vec<Range<usize>> {
+    let mut words = Words { out: Vec::with_capacity(chars.len() / 3), prev_end: 0 };
+    for piece in pieces {
+        let p = Piece { chars: &chars.chars, start: piece.start, end: piece.end };
+        words.prev_end = p.start;
+        let mut pos = p.start;
+        while pos < p.end {
+            let c = p.get(pos);
+            if let Some(len) = contraction(&p, pos, |c| c) {
+                pos += words.add(pos + len);
+                continue;
+            }
+            let space = c == Some(' ');
+            let mut f2 = if space { p.flags(pos + 1) } else { p.flags(pos) };
+            // ` ?\p{L}+`, ` ?\p{N}+`, ` ?[^\s\p{L}\p{N}]+`
+            let classes: [fn(Flags) -> bool; 3] = [
+                |f| f.is_letter(),
+                |f| f.is_number(),
+                |f| !(f.is_whitespace() || f.is_letter() || f.is_number()) && f.exists(),
+            ];
+            if let Some(class) = classes.iter().find(|class| class(f2)) {
+                pos += usize::from(space);
+                while class(f2) {
+                    pos += 1;
+                    f2 = p.flags(pos);
+                }
+                words.add(pos);
+                continue;
+            }
+            let (n, _) = whitespace_run(&p, pos);
+            if n > 1 && p.get(pos + n).is_some() {
+                // `\s+(?!\S)`: the run but its last space, which joins the next word.
+                pos += n - 1;
+                words.add(pos);
+            } else if n > 0 {
+                pos += n;
+                words.add(pos);
+            } else {
+                pos += 1;
+                words.add(pos);
+            }
+        }
+    }
+    words.out
+}
+
+fn split_llama3(chars: &Chars, pieces: &[Range<usize>], max_digits: usize) -> Vec<Range<usize>> {
+    let mut words = Words { out: Vec::with_capacity(chars.len() / 3), prev_end: 0 };
+    for piece in pieces {
+        let p = Piece { chars: &chars.chars, start: piece.start, end: piece.end };
+        words.prev_end = p.start;
+        let mut pos = p.start;
+        while pos < p.end {
+            let c = p.get(pos);
+            let f = p.flags(pos);
+            if let Some(len) = contraction(&p, pos, |c| c.to_ascii_lowercase()) {
+                pos += words.add(pos + len);
+                continue;
+            }
+            // `[^\r\n\p{L}\p{N}]?\p{L}+`
+            if !(matches!(c, Some('\r' | '\n')) || f.is_number()) && (f.is_letter() || p.flags(pos + 1).is_letter()) {
+                pos += 1;
+                while p.flags(pos).is_letter() {
+                    pos += 1;
+                }
+                words.add(pos);
+                continue;
+            }
+            // `\p{N}{1,max_digits}`
+            if f.is_number() {
+                let mut start = pos;
+                while p.flags(pos).is_number() {
+                    pos += 1;
+                    if pos - start >= max_digits {
+                        words.add(pos);
+                        start = pos;
+                    }
+                }
+                words.add(pos);
+                continue;
+            }
+            // ` ?[^\s\p{L}\p{N}]+[\r\n]*` (llama.cpp tests the first code point's own
+            // flags for existence, and the one after a space for the class)
+            let mut f2 = if c == Some(' ') { p.flags(pos + 1) } else { f };
+            let punct = |f: Flags| !(f.is_whitespace() || f.is_letter() || f.is_number());
+            if punct(f2) && f.exists() {
+                pos += usize::from(c == Some(' '));
+                while punct(f2) && f2.exists() {
+                    pos += 1;
+                    f2 = p.flags(pos);
+                }
+                while matches!(p.get(pos), Some('\r' | '\n')) {
+                    pos += 1;
+                }
+                words.add(pos);
+                continue;
+            }
+            let (n, last_newline) = whitespace_run(&p, pos);
+            if let Some(end) = last_newline {
+                // `\s*[\r\n]+`
+                pos = end;
+                words.add(pos);
+            } else if n > 1 && p.get(pos + n).is_some() {
+                pos += n - 1;
+                words.add(pos);
+            } else if n > 0 {
+                pos += n;
+                words.add(pos);
+            } else {
+                pos += 1;
+                words.add(pos);
+            }
+        }
+    }
+    words.out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn words(pre: PreTokenizer, text: &str) -> Vec<&str> {
+        pre.split(text).into_iter().map(|r| &text[r]).collect()
+    }
+
+    #[test]
+    fn gpt2_splits_as_its_regex() {
+        let w = words(PreTokenizer::Gpt2, "Hello world's  end   x\n\n 42!!");
+        assert_eq!(w, ["Hello", " world", "'s", " ", " end", "  ", " x", "\n\n", " 42", "!!"]);
+        // A trailing run takes every space (nothing follows to take the last one).
+        assert_eq!(words(PreTokenizer::Gpt2, "a   "), ["a", "   "]);
+    }
+
+    #[test]
+    fn smollm_isolates_digits_first() {
+        assert_eq!(words(PreTokenizer::DigitsThenGpt2, "  42 a1b"), ["  ", "4", "2", " a", "1", "b"]);
+    }
+
+    #[test]
+    fn llama3_groups_three_digits_and_keeps_newlines_with_punctuation() {
+        assert_eq!(words(PreTokenizer::Llama3, "12345 DON'T x.\n\nok"), ["123", "45", " DON", "'T", " x", ".\n\n", "ok"]);
+        assert_eq!(words(PreTokenizer::Qwen2, "123"), ["1", "2", "3"]);
+    }
+}
