@@ -113,3 +113,47 @@ impl ChatTemplate {
             .map_err(|e| TemplateError(e.to_string()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msgs(pairs: &[(&str, &str)]) -> Vec<ChatMessage> {
+        pairs.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect()
+    }
+
+    #[test]
+    fn chatml_builtin() {
+        let t = ChatTemplate::builtin(TemplateKind::ChatMl, "", "");
+        let out = t.render(&msgs(&[("system", "Be brief."), ("user", "Hi")]), true).unwrap();
+        assert_eq!(out, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+        let out = t.render(&msgs(&[("user", "Hi")]), false).unwrap();
+        assert_eq!(out, "<|im_start|>user\nHi<|im_end|>\n");
+    }
+
+    /// As llama.cpp's built-in Gemma template: system folded into the first user turn,
+    /// assistant called model, contents trimmed.
+    #[test]
+    fn gemma_builtin() {
+        let t = ChatTemplate::builtin(TemplateKind::GemmaTurns, "<bos>", "<eos>");
+        let out = t
+            .render(&msgs(&[("system", " Be brief. "), ("user", " Hi "), ("assistant", "Hello."), ("user", "Bye")]), true)
+            .unwrap();
+        assert_eq!(
+            out,
+            "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n\
+             <start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+        );
+    }
+
+    #[test]
+    fn python_string_methods_and_template_errors() {
+        let src = "{% for m in messages %}{% if not m['role'].startswith('u') %}{{ raise_exception('only user roles') }}{% endif %}{{ m['content'].upper().strip() }}{% endfor %}";
+        let t = ChatTemplate::new(src, TemplateKind::FromFile, "", "").unwrap();
+        assert_eq!(t.render(&msgs(&[("user", " hi ")]), false).unwrap(), "HI");
+        let err = t.render(&msgs(&[("bot", "x")]), false).unwrap_err();
+        assert!(err.to_string().contains("only user roles"), "{err}");
+        let err = ChatTemplate::new("{% for %}", TemplateKind::FromFile, "", "").err().unwrap();
+        assert!(err.to_string().starts_with("chat template:"), "{err}");
+    }
+}

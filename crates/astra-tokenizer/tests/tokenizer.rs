@@ -131,3 +131,28 @@ fn incremental_encoding_equals_full_encoding_on_the_oracle_strings() {
         }
     }
 }
+
+/// A 35 KB document (the text llama-perplexity scores) tokenizes to llama.cpp's ids.
+#[test]
+fn gpl3_document_ids_equal_llama_cpp() {
+    let text = std::fs::read_to_string(format!("{}/tests/data/GPL-3", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let text = text.strip_suffix('\n').unwrap();
+    let all = data("gpl3_tokens.json");
+    for model in ["smollm2-135m", "gemma3-270m"] {
+        let Some((_, tok)) = load(model) else { continue };
+        let want = ids(&all[model]["ids"]);
+        let got = tok.encode(text, EncodeOptions { add_special: true, parse_special: false });
+        let first_diff = got.iter().zip(&want).position(|(a, b)| a != b);
+        assert_eq!(got.len(), want.len(), "{model}: first difference at {first_diff:?}");
+        assert_eq!(first_diff, None, "{model}");
+    }
+}
+
+/// The end-of-generation sets llama.cpp derives (its vocabulary log).
+#[test]
+fn end_of_generation_tokens_match_llama_cpp() {
+    for (model, want) in [("smollm2-135m", vec![0, 2, 4]), ("gemma3-270m", vec![1, 106, 212])] {
+        let Some((_, tok)) = load(model) else { continue };
+        assert_eq!(tok.vocab().eog, want, "{model}");
+    }
+}

@@ -19,6 +19,8 @@ enum Command {
     Inspect(cmd::inspect::Args),
     /// Check kernels against references (`astra parity kernels`).
     Parity(cmd::parity::Args),
+    /// Tokenize text with a model's tokenizer; prints a JSON array.
+    Tokenize(cmd::tokenize::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -27,6 +29,7 @@ fn main() -> std::process::ExitCode {
         Command::Pull(args) => cmd::pull::run(args),
         Command::Inspect(args) => cmd::inspect::run(args),
         Command::Parity(args) => cmd::parity::run(args),
+        Command::Tokenize(args) => cmd::tokenize::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

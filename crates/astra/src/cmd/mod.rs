@@ -3,3 +3,4 @@
 pub mod inspect;
 pub mod parity;
 pub mod pull;
+pub mod tokenize;
