@@ -57,6 +57,11 @@ impl GgufFile {
         self.map.is_empty()
     }
 
+    /// The whole file, as mapped.
+    pub fn raw(&self) -> &[u8] {
+        &self.map
+    }
+
     /// The bytes of a tensor of this file (bounds were checked when parsing).
     pub fn tensor_data(&self, info: &TensorInfo) -> &[u8] {
         let start = (self.header.data_offset + info.offset) as usize;

@@ -85,6 +85,9 @@ block!(/// 32 weights: `q * d + m`, q five bits.
     BlockQ5_1, 32, 24, { d: F16Le, m: F16Le, qh: [u8; 4], qs: [u8; 16] });
 block!(/// 32 weights: `q * d`, q a signed byte. Also the activation type of 32-blocks.
     BlockQ8_0, 32, 34, { d: F16Le, qs: [i8; 32] });
+block!(/// 32 activations: `q * d`, with `s = d · Σq` (rounded to f16): the activation
+    /// type of the asymmetric 32-blocks (Q4_1, Q5_1), whose minimum multiplies Σq.
+    BlockQ8_1, 32, 36, { d: F16Le, s: F16Le, qs: [i8; 32] });
 block!(/// 256 weights in 16 groups of 16: `d * (sc & 15) * q - dmin * (sc >> 4)`, q two bits.
     BlockQ2K, QK_K, 84, { scales: [u8; 16], qs: [u8; 64], d: F16Le, dmin: F16Le });
 block!(/// 256 weights in 16 groups of 16: `d * (sc - 32) * (q - 4 * !h)`, six-bit scales.

@@ -65,6 +65,15 @@ pub fn dequantize_q8_0(blocks: &[BlockQ8_0], out: &mut [f32]) {
     }
 }
 
+pub fn dequantize_q8_1(blocks: &[BlockQ8_1], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(32)) {
+        let d = b.d.get();
+        for (y, &q) in y.iter_mut().zip(&b.qs) {
+            *y = q as f32 * d;
+        }
+    }
+}
+
 pub fn dequantize_q2_k(blocks: &[BlockQ2K], out: &mut [f32]) {
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
         let (d, min) = (b.d.get(), b.dmin.get());

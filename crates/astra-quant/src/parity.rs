@@ -172,6 +172,12 @@ fn activations_f64(acts: &QuantizedActivations, tokens: usize, cols: usize) -> V
         let row = acts.row(t);
         match acts.act {
             ActType::F32 => out.extend(row.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64)),
+            ActType::Q8_1 => {
+                for b in crate::blocks::as_blocks::<crate::blocks::BlockQ8_1>(row) {
+                    let d = b.d.get() as f64;
+                    out.extend(b.qs.iter().map(|&q| d * q as f64));
+                }
+            }
             ActType::Q8_0 => {
                 for b in crate::blocks::as_blocks::<crate::blocks::BlockQ8_0>(row) {
                     let d = b.d.get() as f64;
@@ -187,6 +193,18 @@ fn activations_f64(acts: &QuantizedActivations, tokens: usize, cols: usize) -> V
         }
     }
     out
+}
+
+/// For Q8_1 activations, per block: the stored sum `s` minus the exact Σ d·q (empty
+/// for the other activation types).
+fn q8_1_sum_corrections(acts: &QuantizedActivations, token: usize) -> Vec<f64> {
+    if acts.act != ActType::Q8_1 {
+        return Vec::new();
+    }
+    crate::blocks::as_blocks::<crate::blocks::BlockQ8_1>(acts.row(token))
+        .iter()
+        .map(|b| b.s.get() as f64 - b.d.get() as f64 * b.qs.iter().map(|&q| q as f64).sum::<f64>())
+        .collect()
 }
 
 fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
@@ -224,13 +242,19 @@ impl Reference {
         let a = activations_f64(acts, acts.tokens, cols);
         let nb = accumulation_steps(ty, cols) as f64;
         let (mut values, mut bounds) = (Vec::new(), Vec::new());
-        for at in a.chunks_exact(cols) {
+        for (t, at) in a.chunks_exact(cols).enumerate() {
+            let sums = q8_1_sum_corrections(acts, t);
             for (wr, or) in wd.chunks_exact(cols).zip(offsets.chunks_exact(cols)) {
                 let mut sum = 0.0f64;
                 let mut magnitude = 0.0f64;
                 for k in 0..cols {
                     sum += wr[k] as f64 * at[k];
                     magnitude += at[k].abs() * (wr[k].abs() as f64 + 2.0 * or[k].abs() as f64);
+                }
+                // With Q8_1 activations the minimum meets the stored sum s of each
+                // block, which is part of the format: the reference uses it too.
+                for (b, corr) in sums.iter().enumerate() {
+                    sum += or[32 * b] as f64 * corr;
                 }
                 values.push(sum);
                 bounds.push((nb + 5.0) * UNIT_ROUNDOFF * magnitude);

@@ -3,9 +3,12 @@
 //!
 //! Activations are quantized by this one scalar implementation on every machine, so
 //! that a token's quantized activations are bit-identical wherever and however it is
-//! computed. Rounding is to nearest, ties to even (ggml's `nearest_int`); ggml's
-//! reference Q8_0 quantizer rounds ties away from zero instead, which changes a value
-//! only when `x / d` is exactly halfway between two integers.
+//! computed. The arithmetic is that of ggml's x86 quantizers, the ones llama.cpp runs
+//! on the machines astra is compared with: Q8_0/Q8_1 multiply by 127 / max|x| and round
+//! to nearest, ties to even (`_mm256_round_ps`); Q8_K as `quantize_row_q8_K_ref`. (The
+//! portable ggml reference for Q8_0 rounds ties away from zero and divides by d; the
+//! results differ only in rare last-place cases, which matter when matching llama.cpp's
+//! logits closely.)
 
 use crate::blocks::*;
 
@@ -21,15 +24,29 @@ fn signed_absmax(x: &[f32]) -> (f32, f32) {
     (amax, max)
 }
 
+/// The quants of 32 activations and their f32 scale d = max|x| / 127.
+fn quantize_32(x: &[f32], qs: &mut [i8; 32]) -> f32 {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    for (q, &v) in qs.iter_mut().zip(x) {
+        *q = (v * id).round_ties_even() as i8;
+    }
+    d
+}
+
 pub fn quantize_q8_0(x: &[f32], out: &mut [BlockQ8_0]) {
     for (x, b) in x.chunks_exact(32).zip(out.iter_mut()) {
-        let (amax, _) = signed_absmax(x);
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        b.d = F16Le::from_f32(quantize_32(x, &mut b.qs));
+    }
+}
+
+pub fn quantize_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
+    for (x, b) in x.chunks_exact(32).zip(out.iter_mut()) {
+        let d = quantize_32(x, &mut b.qs);
+        let sum: i32 = b.qs.iter().map(|&q| q as i32).sum();
         b.d = F16Le::from_f32(d);
-        for (q, &v) in b.qs.iter_mut().zip(x) {
-            *q = (v * id).round_ties_even() as i8;
-        }
+        b.s = F16Le::from_f32(d * sum as f32);
     }
 }
 

@@ -33,9 +33,9 @@ pub(crate) fn dot_fn(weights: GgmlType) -> Option<VecDotFn> {
         F16 => safe!(dot_f16_f32),
         BF16 => safe!(dot_bf16_f32),
         Q4_0 => safe!(dot_q4_0_q8_0),
-        Q4_1 => safe!(dot_q4_1_q8_0),
+        Q4_1 => safe!(dot_q4_1_q8_1),
         Q5_0 => safe!(dot_q5_0_q8_0),
-        Q5_1 => safe!(dot_q5_1_q8_0),
+        Q5_1 => safe!(dot_q5_1_q8_1),
         Q8_0 => safe!(dot_q8_0_q8_0),
         IQ4_NL => safe!(dot_iq4_nl_q8_0),
         Q2_0 => safe!(dot_q2_0_q8_0),
@@ -157,17 +157,15 @@ unsafe fn dot_q4_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_1_q8_0(w: &[u8], a: &[u8]) -> f32 {
+unsafe fn dot_q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
-    for (w, a) in as_blocks::<BlockQ4_1>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
-        let qy = load(&a.qs);
-        let (dw, da) = f16_pair(w.d, a.d);
-        let p = _mm256_cvtepi32_ps(dot_u8_i8(nibbles(&w.qs), qy));
-        let s = _mm256_cvtepi32_ps(dot_u8_i8(_mm256_set1_epi8(1), qy));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), p, acc);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.m, a.d)), s, acc);
+    let mut mins = 0.0f32;
+    for (w, a) in as_blocks::<BlockQ4_1>(w).iter().zip(as_blocks::<BlockQ8_1>(a)) {
+        let p = _mm256_cvtepi32_ps(dot_u8_i8(nibbles(&w.qs), load(&a.qs)));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.d, a.d)), p, acc);
+        mins += f16_mul(w.m, a.s);
     }
-    hsum_f32(acc)
+    hsum_f32(acc) + mins
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -184,19 +182,17 @@ unsafe fn dot_q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q5_1_q8_0(w: &[u8], a: &[u8]) -> f32 {
+unsafe fn dot_q5_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
-    for (w, a) in as_blocks::<BlockQ5_1>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
+    let mut mins = 0.0f32;
+    for (w, a) in as_blocks::<BlockQ5_1>(w).iter().zip(as_blocks::<BlockQ8_1>(a)) {
         let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(w.qh)), _mm256_set1_epi8(0x10));
         let qx = _mm256_or_si256(nibbles(&w.qs), high);
-        let qy = load(&a.qs);
-        let (dw, da) = f16_pair(w.d, a.d);
-        let p = _mm256_cvtepi32_ps(dot_u8_i8(qx, qy));
-        let s = _mm256_cvtepi32_ps(dot_u8_i8(_mm256_set1_epi8(1), qy));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), p, acc);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.m, a.d)), s, acc);
+        let p = _mm256_cvtepi32_ps(dot_u8_i8(qx, load(&a.qs)));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.d, a.d)), p, acc);
+        mins += f16_mul(w.m, a.s);
     }
-    hsum_f32(acc)
+    hsum_f32(acc) + mins
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -1,7 +1,8 @@
 //! Dot-product kernels and their run-time dispatch.
 //!
 //! A weight type is paired with one activation type, as in ggml: 32-element blocks
-//! with Q8_0, 256-element super-blocks with Q8_K, float weights with f32. [`Kernels`]
+//! with Q8_0 (Q8_1, which carries the block sum, for the types with a minimum),
+//! 256-element super-blocks with Q8_K, float weights with f32. [`Kernels`]
 //! resolves the dot product for a weight type on an instruction set, falling back to
 //! the scalar reference where that set has no kernel for the type.
 
@@ -22,6 +23,8 @@ pub type VecDotFn = fn(w: &[u8], a: &[u8]) -> f32;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ActType {
     Q8_0,
+    /// Q8_0 with the block sum: for the weight types with a minimum (Q4_1, Q5_1).
+    Q8_1,
     Q8K,
     F32,
 }
@@ -30,7 +33,8 @@ impl ActType {
     pub fn for_weights(ty: GgmlType) -> Result<ActType, QuantError> {
         use GgmlType::*;
         Ok(match ty {
-            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4_NL | Q2_0 => ActType::Q8_0,
+            Q4_0 | Q5_0 | Q8_0 | IQ4_NL | Q2_0 => ActType::Q8_0,
+            Q4_1 | Q5_1 => ActType::Q8_1,
             Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | Q8_K | IQ2_S => ActType::Q8K,
             F32 | F16 | BF16 => ActType::F32,
             other => return Err(QuantError::Unsupported(other)),
@@ -40,6 +44,7 @@ impl ActType {
     pub fn ggml_type(self) -> GgmlType {
         match self {
             ActType::Q8_0 => GgmlType::Q8_0,
+            ActType::Q8_1 => GgmlType::Q8_1,
             ActType::Q8K => GgmlType::Q8_K,
             ActType::F32 => GgmlType::F32,
         }
@@ -56,6 +61,7 @@ impl ActType {
         use crate::blocks::as_blocks_mut;
         match self {
             ActType::Q8_0 => crate::quantize::quantize_q8_0(x, as_blocks_mut::<BlockQ8_0>(out)),
+            ActType::Q8_1 => crate::quantize::quantize_q8_1(x, as_blocks_mut::<crate::blocks::BlockQ8_1>(out)),
             ActType::Q8K => crate::quantize::quantize_q8_k(x, as_blocks_mut::<BlockQ8K>(out)),
             ActType::F32 => crate::quantize::quantize_f32(x, out),
         }
@@ -167,9 +173,9 @@ pub fn scalar_dot_fn(weights: GgmlType) -> Result<VecDotFn, QuantError> {
         F16 => dot_f16_f32,
         BF16 => dot_bf16_f32,
         Q4_0 => dot_q4_0_q8_0,
-        Q4_1 => dot_q4_1_q8_0,
+        Q4_1 => dot_q4_1_q8_1,
         Q5_0 => dot_q5_0_q8_0,
-        Q5_1 => dot_q5_1_q8_0,
+        Q5_1 => dot_q5_1_q8_1,
         Q8_0 => dot_q8_0_q8_0,
         IQ4_NL => dot_iq4_nl_q8_0,
         Q2_0 => dot_q2_0_q8_0,

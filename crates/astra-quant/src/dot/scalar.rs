@@ -14,12 +14,6 @@ fn pairs<'a, W: Block, A: Block>(w: &'a [u8], a: &'a [u8]) -> impl Iterator<Item
     as_blocks::<W>(w).iter().zip(as_blocks::<A>(a))
 }
 
-/// Σ of the 32 signed activation quants of a Q8_0 block.
-#[inline(always)]
-fn q8_sum(a: &BlockQ8_0) -> i32 {
-    a.qs.iter().map(|&q| q as i32).sum()
-}
-
 pub fn dot_q4_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let mut sum = 0.0f32;
     for (w, a) in pairs::<BlockQ4_0, BlockQ8_0>(w, a) {
@@ -33,18 +27,20 @@ pub fn dot_q4_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     sum
 }
 
-pub fn dot_q4_1_q8_0(w: &[u8], a: &[u8]) -> f32 {
-    let mut sum = 0.0f32;
-    for (w, a) in pairs::<BlockQ4_1, BlockQ8_0>(w, a) {
+/// The minimum of each block meets the activations' stored sum `s` (as ggml: the
+/// scale terms accumulate block by block, the minimum terms apart, added at the end).
+pub fn dot_q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
+    let (mut sum, mut mins) = (0.0f32, 0.0f32);
+    for (w, a) in pairs::<BlockQ4_1, BlockQ8_1>(w, a) {
         let mut isum = 0i32;
         for j in 0..16 {
             isum += (w.qs[j] & 0xF) as i32 * a.qs[j] as i32;
             isum += (w.qs[j] >> 4) as i32 * a.qs[j + 16] as i32;
         }
-        let da = a.d.get();
-        sum += isum as f32 * (w.d.get() * da) + q8_sum(a) as f32 * (w.m.get() * da);
+        sum += isum as f32 * (w.d.get() * a.d.get());
+        mins += w.m.get() * a.s.get();
     }
-    sum
+    sum + mins
 }
 
 /// The 32 five-bit codes of a Q5 block.
@@ -67,15 +63,15 @@ pub fn dot_q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     sum
 }
 
-pub fn dot_q5_1_q8_0(w: &[u8], a: &[u8]) -> f32 {
-    let mut sum = 0.0f32;
-    for (w, a) in pairs::<BlockQ5_1, BlockQ8_0>(w, a) {
+pub fn dot_q5_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
+    let (mut sum, mut mins) = (0.0f32, 0.0f32);
+    for (w, a) in pairs::<BlockQ5_1, BlockQ8_1>(w, a) {
         let codes = q5_codes(&w.qs, w.qh);
         let isum: i32 = codes.iter().zip(&a.qs).map(|(&q, &y)| q * y as i32).sum();
-        let da = a.d.get();
-        sum += isum as f32 * (w.d.get() * da) + q8_sum(a) as f32 * (w.m.get() * da);
+        sum += isum as f32 * (w.d.get() * a.d.get());
+        mins += w.m.get() * a.s.get();
     }
-    sum
+    sum + mins
 }
 
 pub fn dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {

@@ -1,0 +1,35 @@
+//! astra's CPU inference engine: a GGUF model's configuration and weights, the
+//! transformer forward pass for the supported architectures, the KV cache with split
+//! attention, and sampling.
+//!
+//! Determinism: every step computes a token's values from that token's inputs alone in
+//! a fixed order (quantized matmul per output element, norms per row, attention split at
+//! absolute positions), so logits are bitwise identical whatever the thread count,
+//! however a prompt is cut into batches, and whether a prefix came from the cache.
+
+pub mod attention;
+pub mod config;
+pub mod model;
+pub mod ops;
+pub mod sampler;
+pub mod weights;
+
+pub use config::{Arch, Config};
+pub use model::{Model, Session, MAX_BATCH};
+pub use sampler::{Sampler, SamplerConfig};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("loading the model: {0}")]
+    Load(String),
+    #[error(transparent)]
+    Metadata(#[from] astra_gguf::MetadataError),
+    #[error("unsupported {0}")]
+    Unsupported(String),
+    #[error("invalid model: {0}")]
+    Invalid(String),
+    #[error("tensor {0} is missing from the model file")]
+    MissingTensor(String),
+    #[error("the context holds {ctx} positions; {needed} are needed")]
+    ContextFull { ctx: usize, needed: usize },
+}
