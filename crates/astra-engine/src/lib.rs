@@ -11,6 +11,7 @@ pub mod attention;
 pub mod config;
 pub mod model;
 pub mod ops;
+pub mod perplexity;
 pub mod sampler;
 pub mod weights;
 

@@ -1,0 +1,134 @@
+//! The engine against llama.cpp on the real models, and its determinism guarantees.
+
+use std::sync::Arc;
+
+use astra_engine::perplexity::perplexity;
+use astra_engine::sampler::{argmax, softmax};
+use astra_engine::Model;
+use astra_gguf::GgufFile;
+use astra_tokenizer::{EncodeOptions, Tokenizer};
+use serde_json::Value;
+
+fn data(name: &str) -> Value {
+    let path = format!("{}/tests/data/{name}", env!("CARGO_MANIFEST_DIR"));
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn load(model: &str, threads: usize) -> Option<Arc<Model>> {
+    let path = astra_models::model_for_test(model)?;
+    Some(Model::load(&path, threads).unwrap())
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// Agreement with llama.cpp's greedy runs. Q8 activation quantization makes logits
+/// sensitive to the last bit of every intermediate value (the same model computed
+/// without activation quantization differs from both engines by 1–3% in probability),
+/// so what is asserted is what survives that noise: the first generated token of every
+/// prompt, and its top-5 probabilities within 0.05. How long each greedy run stays in
+/// step with llama.cpp is printed.
+fn greedy_agreement(name: &str) {
+    let Some(model) = load(name, 2) else { return };
+    for case in data("greedy_llama_cpp.json")[name].as_array().unwrap() {
+        let prompt = ids(&case["prompt_ids"]);
+        let want = ids(&case["generated_ids"]);
+        let mut s = model.session(1024).unwrap();
+        let mut logits = model.forward(&mut s, &prompt, prompt.len() - 1).unwrap();
+        let probs = softmax(&logits);
+        for t in case["top5"][0].as_array().unwrap() {
+            let (id, p) = (t[0].as_u64().unwrap() as usize, t[1].as_f64().unwrap().exp());
+            assert!((probs[id] - p).abs() < 0.05, "{name} {}: p({id}) {:.4} vs {p:.4}", case["name"], probs[id]);
+        }
+        assert_eq!(argmax(&logits), want[0], "{name} {}: first token", case["name"]);
+        let mut agree = 0;
+        for &w in &want {
+            if argmax(&logits) != w {
+                break;
+            }
+            agree += 1;
+            logits = model.forward(&mut s, &[w], 0).unwrap();
+        }
+        eprintln!("{name} {}: {agree}/{} greedy tokens as llama.cpp", case["name"], want.len());
+    }
+}
+
+#[test]
+fn smollm2_greedy_agrees_with_llama_cpp() {
+    greedy_agreement("smollm2-135m");
+}
+
+#[test]
+fn gemma3_greedy_agrees_with_llama_cpp() {
+    greedy_agreement("gemma3-270m");
+}
+
+/// Perplexity on the GPL-3 text at ctx 512 (14 chunks) within 0.5% of llama.cpp's
+/// (SmolLM2 18.3459, Gemma 3 13.8792).
+#[test]
+fn perplexity_equals_llama_cpp() {
+    let text = std::fs::read_to_string(format!("{}/tests/data/GPL-3.txt", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    for (name, want) in [("smollm2-135m", 18.3459), ("gemma3-270m", 13.8792)] {
+        let Some(path) = astra_models::model_for_test(name) else { continue };
+        let tok = Tokenizer::from_metadata(GgufFile::open(&path).unwrap().metadata()).unwrap();
+        let tokens = tok.encode(&text, EncodeOptions { add_special: true, parse_special: false });
+        let model = Model::load(&path, 2).unwrap();
+        let bos = if tok.vocab().add_bos { tok.bos() } else { None };
+        let r = perplexity(&model, &tokens, 512, bos, |_, _, _| {}).unwrap();
+        eprintln!("{name}: PPL {:.4} ± {:.4} (llama.cpp {want})", r.ppl, r.error);
+        assert_eq!(r.chunks, 14);
+        assert!((r.ppl / want - 1.0).abs() < 0.005, "{name}: PPL {} vs llama.cpp {want}", r.ppl);
+    }
+}
+
+/// Logits for a prompt: fed as one batch, token by token, and in chunks reusing the
+/// cached prefix, on 1, 2 and 3 threads: all bitwise identical.
+fn determinism(name: &str) {
+    let Some(path) = astra_models::model_for_test(name) else { return };
+    let tok = Tokenizer::from_metadata(GgufFile::open(&path).unwrap().metadata()).unwrap();
+    let text = "The history of computing is a story of abstraction layered upon abstraction: \
+                from switches to gates, from gates to instructions, from instructions to languages, \
+                and from languages to the systems that now write programs of their own. Each layer \
+                hides the one below it, and each new generation of engineers learns to trust the \
+                layer it stands on, until something breaks and the old knowledge is needed again.";
+    let prompt = tok.encode(text, EncodeOptions::default());
+    assert!(prompt.len() > 64, "the prompt must cross an attention chunk boundary");
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<u32>>();
+    let mut reference: Option<Vec<u32>> = None;
+    for threads in [1, 2, 3] {
+        let model = Model::load(&path, threads).unwrap();
+        let whole = {
+            let mut s = model.session(256).unwrap();
+            bits(model.forward(&mut s, &prompt, 0).unwrap())
+        };
+        let one_by_one = {
+            let mut s = model.session(256).unwrap();
+            bits(prompt.iter().flat_map(|&t| model.forward(&mut s, &[t], 0).unwrap()).collect())
+        };
+        let chunked = {
+            let mut s = model.session(256).unwrap();
+            let mut out = Vec::new();
+            for part in [&prompt[..7], &prompt[7..40], &prompt[40..41], &prompt[41..]] {
+                out.extend(model.forward(&mut s, part, 0).unwrap());
+            }
+            bits(out)
+        };
+        assert!(whole == one_by_one, "{name}: batch vs token by token, {threads} threads");
+        assert!(whole == chunked, "{name}: batch vs chunks with cached prefix, {threads} threads");
+        match &reference {
+            None => reference = Some(whole),
+            Some(r) => assert!(*r == whole, "{name}: {threads} threads differ from 1 thread"),
+        }
+    }
+}
+
+#[test]
+fn smollm2_logits_are_deterministic() {
+    determinism("smollm2-135m");
+}
+
+#[test]
+fn gemma3_logits_are_deterministic() {
+    determinism("gemma3-270m");
+}
