@@ -21,6 +21,12 @@ enum Command {
     Parity(cmd::parity::Args),
     /// Tokenize text with a model's tokenizer; prints a JSON array.
     Tokenize(cmd::tokenize::Args),
+    /// Generate text from one prompt.
+    Run(cmd::run::Args),
+    /// Measure prefill and decode speed.
+    Bench(cmd::bench::Args),
+    /// Perplexity of a text, as llama-perplexity measures it.
+    Perplexity(cmd::perplexity::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -30,6 +36,9 @@ fn main() -> std::process::ExitCode {
         Command::Inspect(args) => cmd::inspect::run(args),
         Command::Parity(args) => cmd::parity::run(args),
         Command::Tokenize(args) => cmd::tokenize::run(args),
+        Command::Run(args) => cmd::run::run(args),
+        Command::Bench(args) => cmd::bench::run(args),
+        Command::Perplexity(args) => cmd::perplexity::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

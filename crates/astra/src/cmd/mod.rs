@@ -1,6 +1,9 @@
 //! One module per subcommand.
 
+pub mod bench;
 pub mod inspect;
 pub mod parity;
+pub mod perplexity;
 pub mod pull;
+pub mod run;
 pub mod tokenize;

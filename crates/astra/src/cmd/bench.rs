@@ -1,0 +1,120 @@
+//! `astra bench`: prefill (pp) and decode (tg) speed, repeated, as llama-bench reports
+//! them: pp = a batch of `p` tokens into an empty context; tg = `n` tokens decoded one
+//! at a time into an empty context.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use astra_engine::Model;
+use serde_json::json;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A GGUF path or a known model name (pulled if missing).
+    #[arg(long, short, default_value = astra_models::DEFAULT_MODEL)]
+    model: String,
+    /// Prompt tokens for the prefill test (0 skips it).
+    #[arg(short = 'p', long, default_value_t = 512)]
+    n_prompt: usize,
+    /// Tokens for the decode test (0 skips it).
+    #[arg(short = 'n', long, default_value_t = 128)]
+    n_gen: usize,
+    /// Repetitions of each test.
+    #[arg(short = 'r', long, default_value_t = 5)]
+    repetitions: usize,
+    /// Worker threads (default: every core).
+    #[arg(long, short)]
+    threads: Option<usize>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn mean_sd(v: &[f64]) -> (f64, f64) {
+    let mean = v.iter().sum::<f64>() / v.len() as f64;
+    let var = if v.len() > 1 { v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (v.len() - 1) as f64 } else { 0.0 };
+    (mean, var.sqrt())
+}
+
+/// Deterministic pseudo-random token ids (as llama-bench, the content does not matter).
+fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % vocab as u64) as u32
+        })
+        .collect()
+}
+
+pub fn run(args: Args) -> Result<()> {
+    if args.repetitions == 0 || args.repetitions > 1000 {
+        bail!("--repetitions must be between 1 and 1000");
+    }
+    let path = astra_models::resolve(&args.model)?;
+    let threads = args.threads.unwrap_or_else(super::run::default_threads);
+    let model = Model::load(&path, threads)?;
+    let ctx = (args.n_prompt.max(args.n_gen) + 1).min(model.cfg.ctx_train);
+    if args.n_prompt > ctx || args.n_gen > ctx {
+        bail!("the model's context is {}", model.cfg.ctx_train);
+    }
+    let vocab = model.cfg.n_vocab;
+    // One warm-up of each test, not counted.
+    let run_pp = |seed| -> Result<f64> {
+        let toks = tokens(args.n_prompt, vocab, seed);
+        let mut s = model.session(ctx)?;
+        let t = Instant::now();
+        model.forward(&mut s, &toks, args.n_prompt - 1)?;
+        Ok(args.n_prompt as f64 / t.elapsed().as_secs_f64())
+    };
+    let run_tg = |seed| -> Result<f64> {
+        let toks = tokens(args.n_gen, vocab, seed);
+        let mut s = model.session(ctx)?;
+        let t = Instant::now();
+        for &tok in &toks {
+            model.forward(&mut s, &[tok], 0)?;
+        }
+        Ok(args.n_gen as f64 / t.elapsed().as_secs_f64())
+    };
+    let (mut pp, mut tg) = (Vec::new(), Vec::new());
+    if args.n_prompt > 0 {
+        run_pp(0)?;
+        for r in 0..args.repetitions {
+            pp.push(run_pp(r as u64 + 1)?);
+        }
+    }
+    if args.n_gen > 0 {
+        run_tg(0)?;
+        for r in 0..args.repetitions {
+            tg.push(run_tg(r as u64 + 1)?);
+        }
+    }
+    let size_mib = model.file.len() as f64 / (1024.0 * 1024.0);
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    if args.json {
+        let (ppm, pps) = if pp.is_empty() { (0.0, 0.0) } else { mean_sd(&pp) };
+        let (tgm, tgs) = if tg.is_empty() { (0.0, 0.0) } else { mean_sd(&tg) };
+        println!(
+            "{}",
+            json!({
+                "model": name, "threads": threads, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
+                "pp_tokens_per_s": ppm, "pp_sd": pps, "tg_tokens_per_s": tgm, "tg_sd": tgs,
+                "pp_samples": pp, "tg_samples": tg,
+                "weight_bytes_per_token": model.weights.bytes_per_token(),
+            })
+        );
+        return Ok(());
+    }
+    println!("| model | size | backend | threads | test | t/s |");
+    println!("| ----- | ---: | ------- | ------: | ---: | --: |");
+    for (test, samples) in [(format!("pp{}", args.n_prompt), &pp), (format!("tg{}", args.n_gen), &tg)] {
+        if samples.is_empty() {
+            continue;
+        }
+        let (m, sd) = mean_sd(samples);
+        println!("| {name} | {size_mib:.1} MiB | CPU | {threads} | {test} | {m:.2} ± {sd:.2} |");
+    }
+    Ok(())
+}
