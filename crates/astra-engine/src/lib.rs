@@ -13,11 +13,13 @@ pub mod model;
 pub mod ops;
 pub mod perplexity;
 pub mod sampler;
+pub mod stop;
 pub mod weights;
 
 pub use config::{Arch, Config};
 pub use model::{Model, Session, MAX_BATCH};
 pub use sampler::{Sampler, SamplerConfig};
+pub use stop::{StopMatcher, StopOutcome};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {

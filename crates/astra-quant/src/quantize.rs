@@ -24,13 +24,21 @@ fn signed_absmax(x: &[f32]) -> (f32, f32) {
     (amax, max)
 }
 
+/// Round to nearest, ties to even, for |v| < 2^22 (ggml's `nearest_int`: adding 1.5·2^23
+/// leaves the rounded integer in the low mantissa bits). Inline, unlike `rintf`.
+#[inline(always)]
+fn nearest_int(v: f32) -> i32 {
+    let bits = (v + 12582912.0).to_bits();
+    (bits & 0x007f_ffff) as i32 - 0x0040_0000
+}
+
 /// The quants of 32 activations and their f32 scale d = max|x| / 127.
 fn quantize_32(x: &[f32], qs: &mut [i8; 32]) -> f32 {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let d = amax / 127.0;
     let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     for (q, &v) in qs.iter_mut().zip(x) {
-        *q = (v * id).round_ties_even() as i8;
+        *q = nearest_int(v * id) as i8;
     }
     d
 }
@@ -60,7 +68,7 @@ pub fn quantize_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
         // ggml uses -127/max (not -128) so that every quant fits in [-127, 127].
         let iscale = -127.0 / max;
         for (q, &v) in b.qs.iter_mut().zip(x) {
-            *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+            *q = nearest_int(iscale * v).min(127) as i8;
         }
         for (sum, group) in b.bsums.iter_mut().zip(b.qs.chunks_exact(16)) {
             *sum = (group.iter().map(|&q| q as i16).sum::<i16>()).to_le_bytes();

@@ -156,16 +156,28 @@ unsafe fn dot_q4_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     hsum_f32(acc)
 }
 
+/// The products (d_w·d_a, m_w·s_a) of a Q4_1/Q5_1 block and its Q8_1 activations, from
+/// one conversion of the four f16 scales: lanes [d_w, m_w, d_a, s_a].
+#[inline(always)]
+unsafe fn scale_products(wd: F16Le, wm: F16Le, ad: F16Le, as_: F16Le) -> __m128 {
+    let bits = |x: F16Le| u16::from_le_bytes(x.0) as u64;
+    let packed = bits(wd) | bits(wm) << 16 | bits(ad) << 32 | bits(as_) << 48;
+    let v = _mm_cvtph_ps(_mm_cvtsi64_si128(packed as i64));
+    _mm_mul_ps(v, _mm_movehl_ps(v, v))
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
-    let mut mins = 0.0f32;
+    // Lane 1 accumulates the minimum terms, in block order (as the scalar reference).
+    let mut mins = _mm_setzero_ps();
     for (w, a) in as_blocks::<BlockQ4_1>(w).iter().zip(as_blocks::<BlockQ8_1>(a)) {
         let p = _mm256_cvtepi32_ps(dot_u8_i8(nibbles(&w.qs), load(&a.qs)));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.d, a.d)), p, acc);
-        mins += f16_mul(w.m, a.s);
+        let prods = scale_products(w.d, w.m, a.d, a.s);
+        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(prods), p, acc);
+        mins = _mm_add_ps(mins, prods);
     }
-    hsum_f32(acc) + mins
+    hsum_f32(acc) + _mm_cvtss_f32(_mm_movehdup_ps(mins))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -184,15 +196,16 @@ unsafe fn dot_q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q5_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
-    let mut mins = 0.0f32;
+    let mut mins = _mm_setzero_ps();
     for (w, a) in as_blocks::<BlockQ5_1>(w).iter().zip(as_blocks::<BlockQ8_1>(a)) {
         let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(w.qh)), _mm256_set1_epi8(0x10));
         let qx = _mm256_or_si256(nibbles(&w.qs), high);
         let p = _mm256_cvtepi32_ps(dot_u8_i8(qx, load(&a.qs)));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.d, a.d)), p, acc);
-        mins += f16_mul(w.m, a.s);
+        let prods = scale_products(w.d, w.m, a.d, a.s);
+        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(prods), p, acc);
+        mins = _mm_add_ps(mins, prods);
     }
-    hsum_f32(acc) + mins
+    hsum_f32(acc) + _mm_cvtss_f32(_mm_movehdup_ps(mins))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use astra_engine::{Model, Sampler, SamplerConfig};
+use astra_engine::{Model, Sampler, SamplerConfig, StopMatcher, StopOutcome};
 use astra_gguf::GgufFile;
 use astra_tokenizer::{ChatMessage, ChatTemplate, EncodeOptions, StreamDecoder, Tokenizer};
 use serde_json::json;
@@ -46,6 +46,9 @@ pub struct Args {
     /// Print one JSON object {tokens, text, timings} instead of streaming.
     #[arg(long)]
     json: bool,
+    /// Stop when the text contains this string (repeatable); it is not printed.
+    #[arg(long)]
+    stop: Vec<String>,
 }
 
 pub fn default_threads() -> usize {
@@ -89,6 +92,7 @@ pub fn run(args: Args) -> Result<()> {
 
     let mut out = std::io::stdout().lock();
     let mut stream = StreamDecoder::new();
+    let mut stops = StopMatcher::new(args.stop.clone());
     let mut generated = Vec::new();
     let mut text = String::new();
     let t1 = Instant::now();
@@ -100,18 +104,24 @@ pub fn run(args: Args) -> Result<()> {
         generated.push(id);
         let mut bytes = Vec::new();
         tok.token_bytes(id, false, &mut bytes);
-        let piece = stream.push(&bytes);
+        let (piece, stopped) = match stops.push(&stream.push(&bytes)) {
+            StopOutcome::Continue(p) => (p, false),
+            StopOutcome::Stopped(p) => (p, true),
+        };
         if !args.json {
             write!(out, "{piece}")?;
             out.flush()?;
         }
         text.push_str(&piece);
-        if generated.len() == args.n_predict {
+        if stopped || generated.len() == args.n_predict {
             break;
         }
         logits = model.forward(&mut session, &[id], 0)?;
     }
-    let tail = stream.finish();
+    let tail = match stops.push(&stream.finish()) {
+        StopOutcome::Continue(p) => p + &stops.finish(),
+        StopOutcome::Stopped(p) => p,
+    };
     text.push_str(&tail);
     let decode_s = t1.elapsed().as_secs_f64();
     let decode_tps = if decode_s > 0.0 { generated.len() as f64 / decode_s } else { 0.0 };

@@ -1,0 +1,86 @@
+//! The `astra` binary, run as a user runs it: exit codes, output shapes, and results
+//! on the real models.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn astra(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_astra")).args(args).output().expect("run astra")
+}
+
+fn json(out: &Output) -> Value {
+    assert!(out.status.success(), "astra failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
+}
+
+fn model(name: &str) -> Option<String> {
+    astra_models::model_for_test(name).map(|p| p.to_string_lossy().into_owned())
+}
+
+#[test]
+fn inspect_reports_the_real_models() {
+    for (name, arch, blocks, tensors) in [("smollm2-135m", "llama", 30, 272), ("gemma3-270m", "gemma3", 18, 236)] {
+        let Some(path) = model(name) else { continue };
+        let v = json(&astra(&["inspect", &path, "--json"]));
+        assert_eq!(v["architecture"], arch);
+        assert_eq!(v["block_count"], blocks);
+        assert_eq!(v["tensor_count"], tensors);
+        let text = String::from_utf8(astra(&["inspect", &path]).stdout).unwrap();
+        assert!(text.contains(&format!("architecture:  {arch}")) && text.contains(&format!("{tensors} tensors")), "{text}");
+    }
+}
+
+#[test]
+fn bad_input_is_one_clear_line_and_a_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.gguf");
+    std::fs::write(&bad, b"GGUF\x03\x00\x00\x00").unwrap();
+    let out = astra(&["inspect", bad.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.starts_with("error: ") && err.contains("bad.gguf") && err.contains("at byte 8"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let out = astra(&["inspect", "no-such-model"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8(out.stderr).unwrap().contains("known: smollm2-135m"));
+    let out = astra(&["parity", "kernels", "--type", "q9_9"]);
+    assert!(!out.status.success());
+}
+
+#[test]
+fn tokenize_prints_llama_cpp_ids() {
+    let Some(path) = model("smollm2-135m") else { return };
+    // llama.cpp's ids for "Hello world" on SmolLM2 (tokenizer test data).
+    assert_eq!(json(&astra(&["tokenize", "-m", &path, "Hello world"])), serde_json::json!([19556, 905]));
+    let v = json(&astra(&["tokenize", "-m", &path, "--pieces", "--no-special", "<|im_end|>"]));
+    assert!(v.as_array().unwrap().len() > 1, "special text must not become the special token: {v}");
+}
+
+#[test]
+fn run_greedy_continues_as_llama_cpp_and_is_reproducible() {
+    let Some(path) = model("smollm2-135m") else { return };
+    let args = ["run", "-m", &path, "-p", "The capital of France is", "--temp", "0", "-n", "8", "--json", "-t", "2"];
+    let a = json(&astra(&args));
+    let b = json(&astra(&args));
+    assert_eq!(a["tokens"], b["tokens"]);
+    // llama.cpp's greedy continuation begins " Paris.\n\nThe United States".
+    assert!(a["text"].as_str().unwrap().starts_with(" Paris."), "{a}");
+    assert_eq!(a["timings"]["prompt_tokens"], 5);
+    let sampled = ["run", "-m", &path, "-p", "Once upon a time", "--temp", "0.9", "--seed", "7", "-n", "12", "--json"];
+    assert_eq!(json(&astra(&sampled))["tokens"], json(&astra(&sampled))["tokens"], "same seed, same tokens");
+}
+
+#[test]
+fn perplexity_command_reports_llama_cpp_format() {
+    let Some(path) = model("smollm2-135m") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("t.txt");
+    std::fs::write(&text, "The quick brown fox jumps over the lazy dog. ".repeat(60)).unwrap();
+    let out = astra(&["perplexity", "-m", &path, "-f", text.to_str().unwrap(), "--ctx", "128"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let ppl: f64 = stdout.split("PPL = ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    // A sentence repeated sixty times is nearly certain after the first copies.
+    assert!(ppl > 1.0 && ppl < 1.5, "{stdout}");
+}
