@@ -1,16 +1,17 @@
 //! The KV cache and split attention.
 //!
-//! Keys and values are stored in f16, per layer as `(slot, kv_head, head_dim)`; a
-//! sliding-window layer keeps a ring of `window + max_batch` slots (the window, plus
-//! room for a batch written before it is attended to), a global layer one slot per
-//! context position.
+//! Keys and values are stored in f16, per layer as `(kv_head, slot, head_dim)`; a
+//! sliding-window layer keeps a ring of `window + max_batch` slots (rounded up to whole
+//! chunks: the window, plus room for a batch written before it is attended to), a
+//! global layer one slot per context position.
 //!
 //! Attention of one query head over positions `lo..=p` is split at absolute positions
-//! that are multiples of [`CHUNK`]: each chunk gives a partial (max score, Σ exp, Σ
-//! exp·v), and the partials are merged in chunk order. Because the chunks are fixed by
-//! position (not by thread count or batch), a query gets the same bits however the
-//! chunks are scheduled, whether it is decoded alone or in a prefill batch, and
-//! whether its prefix was computed now or earlier.
+//! that are multiples of [`CHUNK`]: each chunk gives a partial (max score, Σ exp,
+//! Σ exp·v), and the partials are merged in chunk order. The chunks are fixed by
+//! position, never by thread count or batch, and every partial is computed by the same
+//! function from the same f32 copy of the chunk, so a query gets the same bits however
+//! the work is scheduled: decoded alone (chunks in parallel), in a prefill batch
+//! (queries sharing each converted chunk), or after its prefix came from the cache.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -20,13 +21,16 @@ use crate::config::Config;
 use crate::ops::{axpy, dot};
 
 /// KV positions per partial. A constant: changing it changes results (in the last
-/// bits), never how they depend on threads or batching. 64 keeps a chunk's keys
-/// (64 × head_dim f16) in L1.
+/// bits), never how they depend on threads or batching. 64 keeps a chunk's keys and
+/// values (2 × 64 × head_dim f32) in L1/L2.
 pub const CHUNK: usize = 64;
 
+/// Queries per prefill task: they share each chunk's conversion to f32.
+const QUERY_BLOCK: usize = 16;
+
 struct LayerCache {
-    k: Vec<f16>, // (slot, kv_head, head_dim)
-    v: Vec<f16>, // (slot, kv_head, head_dim)
+    k: Vec<f16>, // (kv_head, slot, head_dim)
+    v: Vec<f16>, // (kv_head, slot, head_dim)
     slots: usize,
     /// Positions attended back (the sliding window), or unlimited.
     window: Option<usize>,
@@ -34,62 +38,73 @@ struct LayerCache {
 
 pub struct KvCache {
     layers: Vec<LayerCache>,
-    kv_dim: usize,
+    n_head_kv: usize,
+    head_dim: usize,
     pub ctx: usize,
 }
 
 impl KvCache {
     pub fn new(cfg: &Config, ctx: usize, max_batch: usize) -> KvCache {
-        let kv_dim = cfg.kv_dim();
         let layers = (0..cfg.n_layer)
             .map(|l| {
                 let window = if cfg.layer_local[l] { cfg.sliding_window } else { None };
-                let slots = window.map_or(ctx, |w| ctx.min(w + max_batch));
-                LayerCache { k: vec![f16::ZERO; slots * kv_dim], v: vec![f16::ZERO; slots * kv_dim], slots, window }
+                // A ring of whole chunks never splits a chunk across its end.
+                let slots = window.map_or(ctx, |w| ctx.min((w + max_batch).next_multiple_of(CHUNK)));
+                let n = cfg.n_head_kv * slots * cfg.head_dim;
+                LayerCache { k: vec![f16::ZERO; n], v: vec![f16::ZERO; n], slots, window }
             })
             .collect();
-        KvCache { layers, kv_dim, ctx }
+        KvCache { layers, n_head_kv: cfg.n_head_kv, head_dim: cfg.head_dim, ctx }
     }
 
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(|l| 2 * l.k.len() * 2).sum()
     }
 
-    /// Stores the key and value rows of position `pos` in layer `layer`.
+    /// Stores the key and value rows (all KV heads) of position `pos` in `layer`.
     pub fn store(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let c = &mut self.layers[layer];
-        let at = (pos % c.slots) * self.kv_dim;
-        c.k[at..at + self.kv_dim].convert_from_f32_slice(k);
-        c.v[at..at + self.kv_dim].convert_from_f32_slice(v);
+        let (c, hd) = (&mut self.layers[layer], self.head_dim);
+        for g in 0..self.n_head_kv {
+            let at = (g * c.slots + pos % c.slots) * hd;
+            c.k[at..at + hd].convert_from_f32_slice(&k[g * hd..(g + 1) * hd]);
+            c.v[at..at + hd].convert_from_f32_slice(&v[g * hd..(g + 1) * hd]);
+        }
+    }
+
+    pub fn layer(&self, layer: usize, cfg: &Config, scale: f32) -> AttnLayer<'_> {
+        AttnLayer {
+            cache: &self.layers[layer],
+            head_dim: cfg.head_dim,
+            n_head: cfg.n_head,
+            group: cfg.n_head / cfg.n_head_kv,
+            n_head_kv: cfg.n_head_kv,
+            scale,
+        }
     }
 }
 
-/// One chunk's partial result for one head.
+/// One chunk's partial result for one query head.
 struct Partial {
     max: f32,
     sum: f32,
     acc: Vec<f32>, // (head_dim)
 }
 
-/// What one attention call needs to know about its layer.
-pub struct AttnLayer<'a> {
-    cache: &'a LayerCache,
-    kv_dim: usize,
-    head_dim: usize,
-    group: usize, // query heads per KV head
-    scale: f32,
+/// Keys and values of one KV head over one chunk, in f32.
+#[derive(Default)]
+struct ChunkData {
+    first: usize, // position of row 0
+    k: Vec<f32>,  // (rows, head_dim)
+    v: Vec<f32>,  // (rows, head_dim)
 }
 
-impl KvCache {
-    pub fn layer(&self, layer: usize, cfg: &Config, scale: f32) -> AttnLayer<'_> {
-        AttnLayer {
-            cache: &self.layers[layer],
-            kv_dim: self.kv_dim,
-            head_dim: cfg.head_dim,
-            group: cfg.n_head / cfg.n_head_kv,
-            scale,
-        }
-    }
+pub struct AttnLayer<'a> {
+    cache: &'a LayerCache,
+    head_dim: usize,
+    n_head: usize,
+    group: usize, // query heads per KV head
+    n_head_kv: usize,
+    scale: f32,
 }
 
 impl AttnLayer<'_> {
@@ -98,51 +113,128 @@ impl AttnLayer<'_> {
         self.cache.window.map_or(0, |w| (pos + 1).saturating_sub(w))
     }
 
-    fn partial(&self, q: &[f32], head: usize, lo: usize, hi: usize) -> Partial {
-        let (hd, c) = (self.head_dim, self.cache);
-        let off = (head / self.group) * hd;
-        let mut row = vec![0.0f32; hd];
-        let mut scores = Vec::with_capacity(hi + 1 - lo);
-        for pos in lo..=hi {
-            let at = (pos % c.slots) * self.kv_dim + off;
-            c.k[at..at + hd].convert_to_f32_slice(&mut row);
-            scores.push(dot(q, &row) * self.scale);
-        }
+    /// Chunk indices a query at `pos` visits.
+    fn chunks(&self, pos: usize) -> std::ops::RangeInclusive<usize> {
+        self.first(pos) / CHUNK..=pos / CHUNK
+    }
+
+    /// Converts positions `a..=b` (one chunk) of KV head `g` into `out`.
+    fn load(&self, g: usize, a: usize, b: usize, out: &mut ChunkData) {
+        let (c, hd) = (self.cache, self.head_dim);
+        let start = (g * c.slots + a % c.slots) * hd;
+        let len = (b + 1 - a) * hd;
+        out.first = a;
+        out.k.resize(len, 0.0);
+        out.v.resize(len, 0.0);
+        c.k[start..start + len].convert_to_f32_slice(&mut out.k);
+        c.v[start..start + len].convert_to_f32_slice(&mut out.v);
+    }
+
+    /// The partial of query `q` over positions `lo..=hi` of a loaded chunk.
+    fn partial(&self, q: &[f32], data: &ChunkData, lo: usize, hi: usize) -> Partial {
+        let hd = self.head_dim;
+        let rows = lo - data.first..=hi - data.first;
+        let scores: Vec<f32> = rows.clone().map(|r| dot(q, &data.k[r * hd..(r + 1) * hd]) * self.scale).collect();
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0f32;
         let mut acc = vec![0.0f32; hd];
-        for (pos, s) in (lo..=hi).zip(&scores) {
+        for (r, s) in rows.zip(&scores) {
             let w = (s - max).exp();
             sum += w;
-            let at = (pos % c.slots) * self.kv_dim + off;
-            c.v[at..at + hd].convert_to_f32_slice(&mut row);
-            axpy(&mut acc, w, &row);
+            axpy(&mut acc, w, &data.v[r * hd..(r + 1) * hd]);
         }
         Partial { max, sum, acc }
     }
 
-    /// Attention output of query head `head` (values `q`) at position `pos` into `out`.
-    /// `parallel` spreads the chunks over the pool (same result either way).
-    pub fn attend(&self, q: &[f32], head: usize, pos: usize, out: &mut [f32], parallel: bool) {
-        let lo = self.first(pos);
-        let chunks: Vec<(usize, usize)> = (lo / CHUNK..=pos / CHUNK)
-            .map(|c| ((c * CHUNK).max(lo), (c * CHUNK + CHUNK - 1).min(pos)))
-            .collect();
-        let partials: Vec<Partial> = if parallel && chunks.len() > 4 {
-            chunks.par_iter().map(|&(a, b)| self.partial(q, head, a, b)).collect()
-        } else {
-            chunks.iter().map(|&(a, b)| self.partial(q, head, a, b)).collect()
-        };
-        // Merge in chunk order.
+    /// Merges partials (in chunk order) into `out`.
+    fn merge(partials: &[Partial], out: &mut [f32]) {
         let max = partials.iter().map(|p| p.max).fold(f32::NEG_INFINITY, f32::max);
         out.fill(0.0);
         let mut sum = 0.0f32;
-        for p in &partials {
+        for p in partials {
             let w = (p.max - max).exp();
             sum += p.sum * w;
             axpy(out, w, &p.acc);
         }
         let inv = 1.0 / sum;
         out.iter_mut().for_each(|v| *v *= inv);
+    }
+
+    /// Attention for a batch: `q` holds `(token, head, head_dim)` for tokens at positions
+    /// `n_past..`; the result goes to `out`, shaped the same.
+    pub fn attend(&self, q: &[f32], n_past: usize, out: &mut [f32]) {
+        let hd = self.head_dim;
+        let tokens = q.len() / (self.n_head * hd);
+        if tokens == 1 {
+            return self.attend_one(q, n_past, out);
+        }
+        // Tasks: (KV head, block of queries); each returns (token, head, output) rows.
+        let tasks: Vec<(usize, usize)> = (0..self.n_head_kv)
+            .flat_map(|g| (0..tokens.div_ceil(QUERY_BLOCK)).map(move |b| (g, b)))
+            .collect();
+        let results: Vec<Vec<(usize, usize, Vec<f32>)>> = tasks
+            .par_iter()
+            .map(|&(g, b)| {
+                let toks = b * QUERY_BLOCK..((b + 1) * QUERY_BLOCK).min(tokens);
+                let heads = g * self.group..(g + 1) * self.group;
+                let last = n_past + toks.end - 1;
+                let lo = self.first(n_past + toks.start);
+                let mut partials: Vec<Vec<Partial>> = (0..toks.len() * self.group).map(|_| Vec::new()).collect();
+                let mut data = ChunkData::default();
+                for c in lo / CHUNK..=last / CHUNK {
+                    let (a, b) = ((c * CHUNK).max(lo), (c * CHUNK + CHUNK - 1).min(last));
+                    self.load(g, a, b, &mut data);
+                    for (i, t) in toks.clone().enumerate() {
+                        let pos = n_past + t;
+                        if !self.chunks(pos).contains(&c) {
+                            continue;
+                        }
+                        let (qa, qb) = ((c * CHUNK).max(self.first(pos)), (c * CHUNK + CHUNK - 1).min(pos));
+                        for (j, h) in heads.clone().enumerate() {
+                            let qh = &q[(t * self.n_head + h) * hd..][..hd];
+                            partials[i * self.group + j].push(self.partial(qh, &data, qa, qb));
+                        }
+                    }
+                }
+                let mut rows = Vec::with_capacity(partials.len());
+                for (i, t) in toks.enumerate() {
+                    for (j, h) in heads.clone().enumerate() {
+                        let mut o = vec![0.0f32; hd];
+                        Self::merge(&partials[i * self.group + j], &mut o);
+                        rows.push((t, h, o));
+                    }
+                }
+                rows
+            })
+            .collect();
+        for (t, h, o) in results.into_iter().flatten() {
+            out[(t * self.n_head + h) * hd..][..hd].copy_from_slice(&o);
+        }
+    }
+
+    /// One query token: the chunks of each KV head in parallel, then merged in order.
+    fn attend_one(&self, q: &[f32], pos: usize, out: &mut [f32]) {
+        let hd = self.head_dim;
+        let lo = self.first(pos);
+        let tasks: Vec<(usize, usize)> = (0..self.n_head_kv).flat_map(|g| self.chunks(pos).map(move |c| (g, c))).collect();
+        let partials: Vec<Vec<Partial>> = tasks
+            .par_iter()
+            .map(|&(g, c)| {
+                let (a, b) = ((c * CHUNK).max(lo), (c * CHUNK + CHUNK - 1).min(pos));
+                let mut data = ChunkData::default();
+                self.load(g, a, b, &mut data);
+                (g * self.group..(g + 1) * self.group).map(|h| self.partial(&q[h * hd..(h + 1) * hd], &data, a, b)).collect()
+            })
+            .collect();
+        let n_chunks = self.chunks(pos).count();
+        for h in 0..self.n_head {
+            let (g, j) = (h / self.group, h % self.group);
+            let mut mine = Vec::with_capacity(n_chunks);
+            for c in 0..n_chunks {
+                let p = &partials[g * n_chunks + c][j];
+                mine.push(Partial { max: p.max, sum: p.sum, acc: p.acc.clone() });
+            }
+            Self::merge(&mine, &mut out[h * hd..(h + 1) * hd]);
+        }
     }
 }

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use astra_gguf::GgufFile;
 use astra_quant::matmul::{matmul_quantized, QuantizedActivations};
 use astra_quant::ActType;
-use rayon::prelude::*;
 
 use crate::attention::KvCache;
 use crate::config::{Arch, Config};
@@ -215,14 +214,7 @@ impl Model {
             s.kv.store(l, n_past + i, k, v);
         }
         let scale = if gemma { 1.0 } else { cfg.attn_scale };
-        let attn = s.kv.layer(l, cfg, scale);
-        let t = sc.q.len() / cfg.q_dim();
-        let (q, att) = (&sc.q, &mut sc.att);
-        att.par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
-            let (tok, head) = (i / cfg.n_head, i % cfg.n_head);
-            let qh = &q[i * hd..(i + 1) * hd];
-            attn.attend(qh, head, n_past + tok, out, t == 1);
-        });
+        s.kv.layer(l, cfg, scale).attend(&sc.q, n_past, &mut sc.att);
         self.matmul(&layer.wo, &sc.att, &mut sc.o);
         if let Some(w) = &layer.post_attn_norm {
             for o in sc.o.chunks_exact_mut(e) {
