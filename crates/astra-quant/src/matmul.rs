@@ -105,17 +105,26 @@ pub fn matmul(w: &QuantMatrix, x: &[f32], out: &mut [f32], kernels: &Kernels) ->
 pub fn matmul_quantized(w: &QuantMatrix, acts: &QuantizedActivations, out: &mut [f32], kernels: &Kernels) {
     assert_eq!(acts.act, kernels.act);
     assert_eq!(out.len(), acts.tokens * w.rows);
-    let (rows, tokens, dot) = (w.rows, acts.tokens, kernels.dot);
+    let (rows, tokens, dot, dot4) = (w.rows, acts.tokens, kernels.dot, kernels.dot4);
     let shared = SharedOut(out.as_mut_ptr());
     let chunk = chunk_rows(rows);
     (0..rows.div_ceil(chunk)).into_par_iter().for_each(|c| {
         let shared = shared;
+        // SAFETY (both writes): t * rows + r < out.len(), and row r belongs to this
+        // task only.
+        let put = |t: usize, r: usize, v: f32| unsafe { *shared.0.add(t * rows + r) = v };
         for r in c * chunk..((c + 1) * chunk).min(rows) {
             let wr = w.row(r);
-            for t in 0..tokens {
-                let v = dot(wr, acts.row(t));
-                // SAFETY: t * rows + r < out.len(), and row r belongs to this task only.
-                unsafe { *shared.0.add(t * rows + r) = v };
+            let mut t = 0;
+            if let Some(dot4) = dot4 {
+                while t + 4 <= tokens {
+                    let v = dot4(wr, std::array::from_fn(|i| acts.row(t + i)));
+                    (0..4).for_each(|i| put(t + i, r, v[i]));
+                    t += 4;
+                }
+            }
+            for t in t..tokens {
+                put(t, r, dot(wr, acts.row(t)));
             }
         }
     });

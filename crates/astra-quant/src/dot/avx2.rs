@@ -50,6 +50,25 @@ pub(crate) fn dot_fn(weights: GgmlType) -> Option<VecDotFn> {
     })
 }
 
+/// The four-row AVX2 kernel for a weight type, if there is one.
+pub(crate) fn dot4_fn(weights: GgmlType) -> Option<super::VecDot4Fn> {
+    use GgmlType::*;
+    macro_rules! safe {
+        ($f:ident) => {{
+            fn wrapper(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+                // SAFETY: only handed out when AVX2/FMA/F16C are present (module doc).
+                unsafe { $f(w, a) }
+            }
+            wrapper as super::VecDot4Fn
+        }};
+    }
+    Some(match weights {
+        Q4_1 => safe!(dot4_q4_1_q8_1),
+        Q8_0 => safe!(dot4_q8_0_q8_0),
+        _ => return None,
+    })
+}
+
 // ------------------------------------------------------------------ helpers
 
 /// Two f16 scales to f32 with one F16C conversion (the `half` crate calls out to a
@@ -206,6 +225,44 @@ unsafe fn dot_q5_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
         mins = _mm_add_ps(mins, prods);
     }
     hsum_f32(acc) + _mm_cvtss_f32(_mm_movehdup_ps(mins))
+}
+
+/// Four activation rows at once: each row's arithmetic is exactly `dot_q4_1_q8_1`'s.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_q4_1_q8_1(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+    let w = as_blocks::<BlockQ4_1>(w);
+    let a = a.map(as_blocks::<BlockQ8_1>);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut mins = [_mm_setzero_ps(); 4];
+    for (i, wb) in w.iter().enumerate() {
+        let qx = nibbles(&wb.qs);
+        for r in 0..4 {
+            let ab = &a[r][i];
+            let p = _mm256_cvtepi32_ps(dot_u8_i8(qx, load(&ab.qs)));
+            let prods = scale_products(wb.d, wb.m, ab.d, ab.s);
+            acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(prods), p, acc[r]);
+            mins[r] = _mm_add_ps(mins[r], prods);
+        }
+    }
+    std::array::from_fn(|r| hsum_f32(acc[r]) + _mm_cvtss_f32(_mm_movehdup_ps(mins[r])))
+}
+
+/// Four activation rows at once: each row's arithmetic is exactly `dot_q8_0_q8_0`'s.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_q8_0_q8_0(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+    let w = as_blocks::<BlockQ8_0>(w);
+    let a = a.map(as_blocks::<BlockQ8_0>);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for (i, wb) in w.iter().enumerate() {
+        let qx = load(&wb.qs);
+        let ax = _mm256_sign_epi8(qx, qx);
+        for r in 0..4 {
+            let ab = &a[r][i];
+            let p = dot_u8_i8(ax, _mm256_sign_epi8(load(&ab.qs), qx));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(wb.d, ab.d)), _mm256_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    std::array::from_fn(|r| hsum_f32(acc[r]))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

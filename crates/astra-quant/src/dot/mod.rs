@@ -19,6 +19,10 @@ use crate::{row_bytes, GgmlType, QuantError};
 /// of the paired activation type); both cover the same number of elements.
 pub type VecDotFn = fn(w: &[u8], a: &[u8]) -> f32;
 
+/// One weight row against four activation rows at once (the weight blocks decoded once
+/// for all four). Each output is bitwise what [`VecDotFn`] gives for that row alone.
+pub type VecDot4Fn = fn(w: &[u8], a: [&[u8]; 4]) -> [f32; 4];
+
 /// The activation format a weight type's dot product consumes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ActType {
@@ -138,6 +142,8 @@ pub struct Kernels {
     /// The set the dot product actually runs on (scalar where `requested` has none).
     pub isa: Isa,
     pub dot: VecDotFn,
+    /// The four-row variant, where the instruction set has one for the type.
+    pub dot4: Option<VecDot4Fn>,
 }
 
 impl Kernels {
@@ -148,13 +154,13 @@ impl Kernels {
         let simd = match isa {
             Isa::Scalar => None,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => avx2::dot_fn(weights),
+            Isa::Avx2 => avx2::dot_fn(weights).map(|d| (d, avx2::dot4_fn(weights))),
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx2 => None,
         };
         Ok(match simd {
-            Some(dot) => Kernels { weights, act, isa, dot },
-            None => Kernels { weights, act, isa: Isa::Scalar, dot: scalar_dot_fn(weights)? },
+            Some((dot, dot4)) => Kernels { weights, act, isa, dot, dot4 },
+            None => Kernels { weights, act, isa: Isa::Scalar, dot: scalar_dot_fn(weights)?, dot4: None },
         })
     }
 
