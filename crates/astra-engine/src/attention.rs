@@ -15,7 +15,9 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use rayon::prelude::*;
+use std::sync::Mutex;
+
+use astra_quant::matmul::Parallel;
 
 use crate::config::Config;
 use crate::ops::{axpy, dot};
@@ -162,19 +164,20 @@ impl AttnLayer<'_> {
 
     /// Attention for a batch: `q` holds `(token, head, head_dim)` for tokens at positions
     /// `n_past..`; the result goes to `out`, shaped the same.
-    pub fn attend(&self, q: &[f32], n_past: usize, out: &mut [f32]) {
+    pub fn attend(&self, par: &dyn Parallel, q: &[f32], n_past: usize, out: &mut [f32]) {
         let hd = self.head_dim;
         let tokens = q.len() / (self.n_head * hd);
         if tokens == 1 {
-            return self.attend_one(q, n_past, out);
+            return self.attend_one(par, q, n_past, out);
         }
         // Tasks: (KV head, block of queries); each returns (token, head, output) rows.
         let tasks: Vec<(usize, usize)> = (0..self.n_head_kv)
             .flat_map(|g| (0..tokens.div_ceil(QUERY_BLOCK)).map(move |b| (g, b)))
             .collect();
-        let results: Vec<Vec<(usize, usize, Vec<f32>)>> = tasks
-            .par_iter()
-            .map(|&(g, b)| {
+        let results: Vec<Mutex<Vec<(usize, usize, Vec<f32>)>>> = tasks.iter().map(|_| Mutex::new(Vec::new())).collect();
+        par.run(tasks.len(), &|task| {
+            let (g, b) = tasks[task];
+            let rows = {
                 let toks = b * QUERY_BLOCK..((b + 1) * QUERY_BLOCK).min(tokens);
                 let heads = g * self.group..(g + 1) * self.group;
                 let last = n_past + toks.end - 1;
@@ -205,27 +208,29 @@ impl AttnLayer<'_> {
                     }
                 }
                 rows
-            })
-            .collect();
-        for (t, h, o) in results.into_iter().flatten() {
+            };
+            *results[task].lock().expect("own slot") = rows;
+        });
+        for (t, h, o) in results.into_iter().flat_map(|r| r.into_inner().expect("own slot")) {
             out[(t * self.n_head + h) * hd..][..hd].copy_from_slice(&o);
         }
     }
 
     /// One query token: the chunks of each KV head in parallel, then merged in order.
-    fn attend_one(&self, q: &[f32], pos: usize, out: &mut [f32]) {
+    fn attend_one(&self, par: &dyn Parallel, q: &[f32], pos: usize, out: &mut [f32]) {
         let hd = self.head_dim;
         let lo = self.first(pos);
         let tasks: Vec<(usize, usize)> = (0..self.n_head_kv).flat_map(|g| self.chunks(pos).map(move |c| (g, c))).collect();
-        let partials: Vec<Vec<Partial>> = tasks
-            .par_iter()
-            .map(|&(g, c)| {
-                let (a, b) = ((c * CHUNK).max(lo), (c * CHUNK + CHUNK - 1).min(pos));
-                let mut data = ChunkData::default();
-                self.load(g, a, b, &mut data);
-                (g * self.group..(g + 1) * self.group).map(|h| self.partial(&q[h * hd..(h + 1) * hd], &data, a, b)).collect()
-            })
-            .collect();
+        let slots: Vec<Mutex<Vec<Partial>>> = tasks.iter().map(|_| Mutex::new(Vec::new())).collect();
+        par.run(tasks.len(), &|task| {
+            let (g, c) = tasks[task];
+            let (a, b) = ((c * CHUNK).max(lo), (c * CHUNK + CHUNK - 1).min(pos));
+            let mut data = ChunkData::default();
+            self.load(g, a, b, &mut data);
+            let heads = (g * self.group..(g + 1) * self.group).map(|h| self.partial(&q[h * hd..(h + 1) * hd], &data, a, b));
+            *slots[task].lock().expect("own slot") = heads.collect();
+        });
+        let partials: Vec<Vec<Partial>> = slots.into_iter().map(|s| s.into_inner().expect("own slot")).collect();
         let n_chunks = self.chunks(pos).count();
         for h in 0..self.n_head {
             let (g, j) = (h / self.group, h % self.group);

@@ -12,6 +12,7 @@ pub mod config;
 pub mod model;
 pub mod ops;
 pub mod perplexity;
+pub mod pool;
 pub mod sampler;
 pub mod stop;
 pub mod weights;

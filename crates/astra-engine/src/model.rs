@@ -6,12 +6,13 @@ use std::path::Path;
 use std::sync::Arc;
 
 use astra_gguf::GgufFile;
-use astra_quant::matmul::{matmul_quantized, QuantizedActivations};
+use astra_quant::matmul::{matmul_quantized_on, QuantizedActivations};
 use astra_quant::ActType;
 
 use crate::attention::KvCache;
 use crate::config::{Arch, Config};
 use crate::ops::{add_inplace, gelu, rms_norm, rms_norm_inplace, rope, silu};
+use crate::pool::Pool;
 use crate::weights::{MatRef, Weights};
 use crate::EngineError;
 
@@ -23,7 +24,7 @@ pub struct Model {
     pub file: GgufFile,
     pub cfg: Config,
     pub weights: Weights,
-    pool: rayon::ThreadPool,
+    pool: Pool,
 }
 
 /// One sequence's state: its KV cache and how many positions it holds.
@@ -83,16 +84,12 @@ impl Model {
         let file = GgufFile::open(path).map_err(|e| EngineError::Load(e.to_string()))?;
         let cfg = Config::from_metadata(file.metadata())?;
         let weights = Weights::load(&file, &cfg)?;
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads.max(1))
-            .thread_name(|i| format!("astra-worker-{i}"))
-            .build()
-            .map_err(|e| EngineError::Invalid(format!("thread pool: {e}")))?;
-        Ok(Arc::new(Model { file, cfg, weights, pool }))
+        Ok(Arc::new(Model { file, cfg, weights, pool: Pool::new(threads.max(1)) }))
     }
 
     pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
+        use astra_quant::matmul::Parallel;
+        self.pool.threads()
     }
 
     /// A new sequence with room for `ctx` positions.
@@ -119,7 +116,7 @@ impl Model {
         for (b, batch) in tokens.chunks(MAX_BATCH).enumerate() {
             let start = b * MAX_BATCH;
             let from = logits_from.saturating_sub(start).min(batch.len());
-            let out = self.pool.install(|| self.forward_batch(s, batch, from));
+            let out = self.forward_batch(s, batch, from);
             logits.extend(out);
         }
         Ok(logits)
@@ -166,7 +163,7 @@ impl Model {
 
     fn matmul(&self, w: &MatRef, x: &[f32], out: &mut [f32]) {
         let acts = QuantizedActivations::new(w.kernels.act, x, w.cols).expect("activation shape");
-        matmul_quantized(&w.view(&self.file), &acts, out, &w.kernels);
+        matmul_quantized_on(&self.pool, &w.view(&self.file), &acts, out, &w.kernels);
     }
 
     /// `sc.o = attention(norm(sc.x))` for layer `l`, storing the batch's keys and values.
@@ -186,7 +183,7 @@ impl Model {
                 shared = Some((w.kernels.act, acts));
             }
             let (_, acts) = shared.as_ref().expect("just set");
-            matmul_quantized(&w.view(&self.file), acts, out, &w.kernels);
+            matmul_quantized_on(&self.pool, &w.view(&self.file), acts, out, &w.kernels);
         }
         let local = cfg.layer_local[l];
         let base = if local { cfg.rope_base_local } else { cfg.rope_base };
@@ -214,7 +211,7 @@ impl Model {
             s.kv.store(l, n_past + i, k, v);
         }
         let scale = if gemma { 1.0 } else { cfg.attn_scale };
-        s.kv.layer(l, cfg, scale).attend(&sc.q, n_past, &mut sc.att);
+        s.kv.layer(l, cfg, scale).attend(&self.pool, &sc.q, n_past, &mut sc.att);
         self.matmul(&layer.wo, &sc.att, &mut sc.o);
         if let Some(w) = &layer.post_attn_norm {
             for o in sc.o.chunks_exact_mut(e) {
@@ -228,9 +225,9 @@ impl Model {
         let cfg = &self.cfg;
         let layer = &self.weights.layers[l];
         let acts = QuantizedActivations::new(layer.w_gate.kernels.act, &sc.xb, cfg.n_embd).expect("activation shape");
-        matmul_quantized(&layer.w_gate.view(&self.file), &acts, &mut sc.gate, &layer.w_gate.kernels);
+        matmul_quantized_on(&self.pool, &layer.w_gate.view(&self.file), &acts, &mut sc.gate, &layer.w_gate.kernels);
         if layer.w_up.kernels.act == layer.w_gate.kernels.act {
-            matmul_quantized(&layer.w_up.view(&self.file), &acts, &mut sc.up, &layer.w_up.kernels);
+            matmul_quantized_on(&self.pool, &layer.w_up.view(&self.file), &acts, &mut sc.up, &layer.w_up.kernels);
         } else {
             self.matmul(&layer.w_up, &sc.xb, &mut sc.up);
         }

@@ -73,6 +73,25 @@ impl QuantizedActivations {
     }
 }
 
+/// Runs `tasks` independent tasks, `f(0)` … `f(tasks - 1)`, possibly in parallel, and
+/// returns when all are done. Which thread runs a task must not matter to its result.
+pub trait Parallel: Sync {
+    fn threads(&self) -> usize;
+    fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync));
+}
+
+/// The current rayon pool.
+pub struct Rayon;
+
+impl Parallel for Rayon {
+    fn threads(&self) -> usize {
+        rayon::current_num_threads()
+    }
+    fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        (0..tasks).into_par_iter().for_each(f);
+    }
+}
+
 /// A pointer to the output that tasks may share: each writes only its own rows.
 #[derive(Clone, Copy)]
 struct SharedOut(*mut f32);
@@ -81,9 +100,8 @@ unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
 
 /// Rows per task: enough tasks to balance the pool, whole cache lines of output.
-fn chunk_rows(rows: usize) -> usize {
-    let tasks = 4 * rayon::current_num_threads();
-    rows.div_ceil(tasks).next_multiple_of(16).max(16)
+fn chunk_rows(rows: usize, threads: usize) -> usize {
+    rows.div_ceil(4 * threads).next_multiple_of(16).max(16)
 }
 
 /// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `x` of `tokens × w.cols` and `out` of
@@ -101,14 +119,19 @@ pub fn matmul(w: &QuantMatrix, x: &[f32], out: &mut [f32], kernels: &Kernels) ->
 }
 
 /// As [`matmul`], with activations already quantized (several matrices of the same
-/// input, such as Q, K and V, share one quantization).
+/// input, such as Q, K and V, share one quantization), on the current rayon pool.
 pub fn matmul_quantized(w: &QuantMatrix, acts: &QuantizedActivations, out: &mut [f32], kernels: &Kernels) {
+    matmul_quantized_on(&Rayon, w, acts, out, kernels)
+}
+
+/// As [`matmul_quantized`], on the given executor.
+pub fn matmul_quantized_on(par: &dyn Parallel, w: &QuantMatrix, acts: &QuantizedActivations, out: &mut [f32], kernels: &Kernels) {
     assert_eq!(acts.act, kernels.act);
     assert_eq!(out.len(), acts.tokens * w.rows);
     let (rows, tokens, dot, dot4) = (w.rows, acts.tokens, kernels.dot, kernels.dot4);
     let shared = SharedOut(out.as_mut_ptr());
-    let chunk = chunk_rows(rows);
-    (0..rows.div_ceil(chunk)).into_par_iter().for_each(|c| {
+    let chunk = chunk_rows(rows, par.threads());
+    par.run(rows.div_ceil(chunk), &|c| {
         let shared = shared;
         // SAFETY (both writes): t * rows + r < out.len(), and row r belongs to this
         // task only.
