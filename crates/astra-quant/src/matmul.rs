@@ -173,8 +173,8 @@ mod tests {
     #[test]
     fn outputs_do_not_depend_on_threads_or_batch() {
         let (rows, cols) = (100, 512);
-        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F32, GgmlType::Q8_K] {
-            let weights = crate::quantize(ty, &pseudo_random(rows * cols, 1)).unwrap();
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::F32, GgmlType::Q8_K] {
+            let weights = crate::parity::random_weights(ty, rows, cols, 1).unwrap();
             let w = QuantMatrix::new(ty, rows, cols, &weights).unwrap();
             let x = pseudo_random(17 * cols, 2);
             for isa in Isa::available_sets() {

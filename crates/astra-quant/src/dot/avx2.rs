@@ -65,6 +65,9 @@ pub(crate) fn dot4_fn(weights: GgmlType) -> Option<super::VecDot4Fn> {
     Some(match weights {
         Q4_1 => safe!(dot4_q4_1_q8_1),
         Q8_0 => safe!(dot4_q8_0_q8_0),
+        Q5_0 => safe!(dot4_q5_0_q8_0),
+        Q4_K => safe!(dot4_q4_k_q8_k),
+        Q6_K => safe!(dot4_q6_k_q8_k),
         _ => return None,
     })
 }
@@ -260,6 +263,97 @@ unsafe fn dot4_q8_0_q8_0(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
             let ab = &a[r][i];
             let p = dot_u8_i8(ax, _mm256_sign_epi8(load(&ab.qs), qx));
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(wb.d, ab.d)), _mm256_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    std::array::from_fn(|r| hsum_f32(acc[r]))
+}
+
+/// Four activation rows at once: each row's arithmetic is exactly `dot_q5_0_q8_0`'s.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_q5_0_q8_0(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+    let w = as_blocks::<BlockQ5_0>(w);
+    let a = a.map(as_blocks::<BlockQ8_0>);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for (i, wb) in w.iter().enumerate() {
+        let missing = _mm256_andnot_si256(bits_to_bytes(u32::from_le_bytes(wb.qh)), _mm256_set1_epi8(0xF0u8 as i8));
+        let qx = _mm256_or_si256(nibbles(&wb.qs), missing);
+        let ax = _mm256_sign_epi8(qx, qx);
+        for r in 0..4 {
+            let ab = &a[r][i];
+            let p = _mm256_cvtepi32_ps(dot_u8_i8(ax, _mm256_sign_epi8(load(&ab.qs), qx)));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(wb.d, ab.d)), p, acc[r]);
+        }
+    }
+    std::array::from_fn(|r| hsum_f32(acc[r]))
+}
+
+/// Four activation rows at once: each row's arithmetic is exactly `dot_q4_k_q8_k`'s.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_q4_k_q8_k(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+    let w = as_blocks::<BlockQ4K>(w);
+    let a = a.map(as_blocks::<BlockQ8K>);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut mins = [0.0f32; 4];
+    let m4 = _mm256_set1_epi8(0x0F);
+    for (i, wb) in w.iter().enumerate() {
+        let mut sumi = [_mm256_setzero_si256(); 4];
+        for j in 0..4 {
+            let q4 = load_u8(&wb.qs[32 * j..]);
+            let lo = _mm256_and_si256(q4, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+            let sc_lo = _mm256_set1_epi16(scale_min_k4(2 * j, &wb.scales).0 as i16);
+            let sc_hi = _mm256_set1_epi16(scale_min_k4(2 * j + 1, &wb.scales).0 as i16);
+            for r in 0..4 {
+                let ab = &a[r][i];
+                let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(&ab.qs[64 * j..])), sc_lo);
+                let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(&ab.qs[64 * j + 32..])), sc_hi);
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p_lo, p_hi));
+            }
+        }
+        let (wd, wdmin) = f16_pair(wb.d, wb.dmin);
+        for r in 0..4 {
+            let ab = &a[r][i];
+            let da = ab.d();
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * da), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            mins[r] += k4_min_sum(&wb.scales, ab) as f32 * (wdmin * da);
+        }
+    }
+    std::array::from_fn(|r| hsum_f32(acc[r]) - mins[r])
+}
+
+/// Four activation rows at once: each row's arithmetic is exactly `dot_q6_k_q8_k`'s.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_q6_k_q8_k(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+    let w = as_blocks::<BlockQ6K>(w);
+    let a = a.map(as_blocks::<BlockQ8K>);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let (m4, m3, m32) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3), _mm256_set1_epi8(32));
+    for (i, wb) in w.iter().enumerate() {
+        let mut sumi = [_mm256_setzero_si256(); 4];
+        for n in 0..2 {
+            let ql0 = load_u8(&wb.ql[64 * n..]);
+            let ql1 = load_u8(&wb.ql[64 * n + 32..]);
+            let qh = load_u8(&wb.qh[32 * n..]);
+            let high = |shift: i32| _mm256_slli_epi16(_mm256_and_si256(srl16(qh, shift), m3), 4);
+            let quarters = [
+                _mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)),
+                _mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)),
+            ];
+            for (q_r, q) in quarters.into_iter().enumerate() {
+                let g = 8 * n + 2 * q_r;
+                let sc = scale_pair(wb.scales[g] as i16, wb.scales[g + 1] as i16);
+                for r in 0..4 {
+                    let y = load(&a[r][i].qs[128 * n + 32 * q_r..]);
+                    let p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, y), _mm256_maddubs_epi16(m32, y));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, sc));
+                }
+            }
+        }
+        let wd = f16(wb.d);
+        for r in 0..4 {
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * a[r][i].d()), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
         }
     }
     std::array::from_fn(|r| hsum_f32(acc[r]))
