@@ -55,9 +55,25 @@ pub fn add_inplace(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// Σ a·b in eight lanes reduced pairwise: a fixed order, and fast.
+/// Σ a·b in eight lanes (lane l takes elements l, l+8, …, each a separate multiply and
+/// add), reduced pairwise, then the tail: one fixed order, computed with AVX where the
+/// CPU has it and by the scalar reference otherwise, with the same bits either way.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: AVX is present.
+        return unsafe { simd::dot(a, b) };
+    }
+    dot_scalar(a, b)
+}
+
+fn reduce_lanes(lanes: [f32; 8]) -> f32 {
+    ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
+}
+
+/// The reference for [`dot`].
+pub fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0.0f32; 8];
     let chunks = a.len() / 8;
     for c in 0..chunks {
@@ -69,14 +85,64 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     for i in 8 * chunks..a.len() {
         tail += a[i] * b[i];
     }
-    ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7])) + tail
+    reduce_lanes(lanes) + tail
 }
 
-/// `acc += w · v`.
+/// `acc += w · v`, element by element (a multiply, then an add).
 #[inline]
 pub fn axpy(acc: &mut [f32], w: f32, v: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: AVX is present.
+        return unsafe { simd::axpy(acc, w, v) };
+    }
+    axpy_scalar(acc, w, v)
+}
+
+/// The reference for [`axpy`].
+pub fn axpy_scalar(acc: &mut [f32], w: f32, v: &[f32]) {
     for (a, &x) in acc.iter_mut().zip(v) {
         *a += w * x;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let chunks = n / 8;
+        let mut acc = _mm256_setzero_ps();
+        for c in 0..chunks {
+            let x = _mm256_loadu_ps(a.as_ptr().add(8 * c));
+            let y = _mm256_loadu_ps(b.as_ptr().add(8 * c));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
+        }
+        let mut lanes = [0.0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        let mut tail = 0.0;
+        for i in 8 * chunks..n {
+            tail += a[i] * b[i];
+        }
+        super::reduce_lanes(lanes) + tail
+    }
+
+    #[target_feature(enable = "avx")]
+    pub unsafe fn axpy(acc: &mut [f32], w: f32, v: &[f32]) {
+        let n = acc.len().min(v.len());
+        let wv = _mm256_set1_ps(w);
+        let mut i = 0;
+        while i + 8 <= n {
+            let a = _mm256_loadu_ps(acc.as_ptr().add(i));
+            let x = _mm256_loadu_ps(v.as_ptr().add(i));
+            _mm256_storeu_ps(acc.as_mut_ptr().add(i), _mm256_add_ps(a, _mm256_mul_ps(wv, x)));
+            i += 8;
+        }
+        for j in i..n {
+            acc[j] += w * v[j];
+        }
     }
 }
 
@@ -110,6 +176,20 @@ mod tests {
             // Norm is preserved.
             let n: f32 = h.iter().map(|v| v * v).sum();
             assert!((n - (1.0 + 0.25 + 0.0625)).abs() < 1e-5);
+        }
+    }
+
+    /// The AVX forms of dot and axpy give the scalar reference's bits.
+    #[test]
+    fn simd_dot_and_axpy_equal_the_scalar_reference() {
+        let a: Vec<f32> = (0..259).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
+        let b: Vec<f32> = (0..259).map(|i| ((i * 53 % 97) as f32 - 48.0) / 7.0).collect();
+        for n in [0, 5, 8, 64, 256, 259] {
+            assert_eq!(dot(&a[..n], &b[..n]).to_bits(), dot_scalar(&a[..n], &b[..n]).to_bits(), "n = {n}");
+            let (mut x, mut y) = (a[..n].to_vec(), a[..n].to_vec());
+            axpy(&mut x, 0.37, &b[..n]);
+            axpy_scalar(&mut y, 0.37, &b[..n]);
+            assert_eq!(x.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), y.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         }
     }
 
