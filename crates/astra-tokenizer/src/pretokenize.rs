@@ -215,20 +215,22 @@ fn split_gpt2(chars: &Chars, pieces: &[Range<usize>]) -> Vec<Range<usize>> {
                 continue;
             }
             let (n, _) = whitespace_run(&p, pos);
-            if n > 1 && p.get(pos + n).is_some() {
-                // `\s+(?!\S)`: the run but its last space, which joins the next word.
-                pos += n - 1;
-                words.add(pos);
-            } else if n > 0 {
-                pos += n;
-                words.add(pos);
-            } else {
-                pos += 1;
-                words.add(pos);
-            }
+            pos = whitespace_word_end(&p, pos, n);
+            words.add(pos);
         }
     }
     words.out
+}
+
+/// End of the word at `pos` when nothing but whitespace (a run of `n`) can match:
+/// `\s+(?!\S)` takes the run but its last space, which joins the next word; at the end
+/// of a piece, or for a single space, `\s+` takes it all; anything else matches alone.
+fn whitespace_word_end(p: &Piece, pos: usize, n: usize) -> usize {
+    if n > 1 && p.get(pos + n).is_some() {
+        pos + n - 1
+    } else {
+        pos + n.max(1)
+    }
 }
 
 fn split_llama3(chars: &Chars, pieces: &[Range<usize>], max_digits: usize) -> Vec<Range<usize>> {
@@ -283,20 +285,9 @@ fn split_llama3(chars: &Chars, pieces: &[Range<usize>], max_digits: usize) -> Ve
                 continue;
             }
             let (n, last_newline) = whitespace_run(&p, pos);
-            if let Some(end) = last_newline {
-                // `\s*[\r\n]+`
-                pos = end;
-                words.add(pos);
-            } else if n > 1 && p.get(pos + n).is_some() {
-                pos += n - 1;
-                words.add(pos);
-            } else if n > 0 {
-                pos += n;
-                words.add(pos);
-            } else {
-                pos += 1;
-                words.add(pos);
-            }
+            // `\s*[\r\n]+` first, then as GPT-2.
+            pos = last_newline.unwrap_or_else(|| whitespace_word_end(&p, pos, n));
+            words.add(pos);
         }
     }
     words.out

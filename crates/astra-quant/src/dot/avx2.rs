@@ -63,11 +63,11 @@ pub(crate) fn dot4_fn(weights: GgmlType) -> Option<super::VecDot4Fn> {
         }};
     }
     Some(match weights {
-        Q4_1 => safe!(dot4_q4_1_q8_1),
-        Q8_0 => safe!(dot4_q8_0_q8_0),
-        Q5_0 => safe!(dot4_q5_0_q8_0),
-        Q4_K => safe!(dot4_q4_k_q8_k),
-        Q6_K => safe!(dot4_q6_k_q8_k),
+        Q4_1 => safe!(dotn_q4_1_q8_1),
+        Q8_0 => safe!(dotn_q8_0_q8_0),
+        Q5_0 => safe!(dotn_q5_0_q8_0),
+        Q4_K => safe!(dotn_q4_k_q8_k),
+        Q6_K => safe!(dotn_q6_k_q8_k),
         _ => return None,
     })
 }
@@ -190,29 +190,12 @@ unsafe fn scale_products(wd: F16Le, wm: F16Le, ad: F16Le, as_: F16Le) -> __m128 
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    // Lane 1 accumulates the minimum terms, in block order (as the scalar reference).
-    let mut mins = _mm_setzero_ps();
-    for (w, a) in as_blocks::<BlockQ4_1>(w).iter().zip(as_blocks::<BlockQ8_1>(a)) {
-        let p = _mm256_cvtepi32_ps(dot_u8_i8(nibbles(&w.qs), load(&a.qs)));
-        let prods = scale_products(w.d, w.m, a.d, a.s);
-        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(prods), p, acc);
-        mins = _mm_add_ps(mins, prods);
-    }
-    hsum_f32(acc) + _mm_cvtss_f32(_mm_movehdup_ps(mins))
+    dotn_q4_1_q8_1(w, [a])[0]
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    for (w, a) in as_blocks::<BlockQ5_0>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
-        // Lanes without the fifth bit get 0xF0 or'ed in: as i8, nibble - 16.
-        let missing = _mm256_andnot_si256(bits_to_bytes(u32::from_le_bytes(w.qh)), _mm256_set1_epi8(0xF0u8 as i8));
-        let qx = _mm256_or_si256(nibbles(&w.qs), missing);
-        let p = _mm256_cvtepi32_ps(dot_i8(qx, load(&a.qs)));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.d, a.d)), p, acc);
-    }
-    hsum_f32(acc)
+    dotn_q5_0_q8_0(w, [a])[0]
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -230,16 +213,17 @@ unsafe fn dot_q5_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
     hsum_f32(acc) + _mm_cvtss_f32(_mm_movehdup_ps(mins))
 }
 
-/// Four activation rows at once: each row's arithmetic is exactly `dot_q4_1_q8_1`'s.
+/// N activation rows at once, the weight blocks decoded once for all: each row gets
+/// the arithmetic it gets alone (the single-row kernel is the case N = 1).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot4_q4_1_q8_1(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+unsafe fn dotn_q4_1_q8_1<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     let w = as_blocks::<BlockQ4_1>(w);
     let a = a.map(as_blocks::<BlockQ8_1>);
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut mins = [_mm_setzero_ps(); 4];
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut mins = [_mm_setzero_ps(); N];
     for (i, wb) in w.iter().enumerate() {
         let qx = nibbles(&wb.qs);
-        for r in 0..4 {
+        for r in 0..N {
             let ab = &a[r][i];
             let p = _mm256_cvtepi32_ps(dot_u8_i8(qx, load(&ab.qs)));
             let prods = scale_products(wb.d, wb.m, ab.d, ab.s);
@@ -250,16 +234,16 @@ unsafe fn dot4_q4_1_q8_1(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
     std::array::from_fn(|r| hsum_f32(acc[r]) + _mm_cvtss_f32(_mm_movehdup_ps(mins[r])))
 }
 
-/// Four activation rows at once: each row's arithmetic is exactly `dot_q8_0_q8_0`'s.
+/// N activation rows at once (see `dotn_q4_1_q8_1`).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot4_q8_0_q8_0(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+unsafe fn dotn_q8_0_q8_0<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     let w = as_blocks::<BlockQ8_0>(w);
     let a = a.map(as_blocks::<BlockQ8_0>);
-    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut acc = [_mm256_setzero_ps(); N];
     for (i, wb) in w.iter().enumerate() {
         let qx = load(&wb.qs);
         let ax = _mm256_sign_epi8(qx, qx);
-        for r in 0..4 {
+        for r in 0..N {
             let ab = &a[r][i];
             let p = dot_u8_i8(ax, _mm256_sign_epi8(load(&ab.qs), qx));
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(wb.d, ab.d)), _mm256_cvtepi32_ps(p), acc[r]);
@@ -268,17 +252,17 @@ unsafe fn dot4_q8_0_q8_0(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
     std::array::from_fn(|r| hsum_f32(acc[r]))
 }
 
-/// Four activation rows at once: each row's arithmetic is exactly `dot_q5_0_q8_0`'s.
+/// N activation rows at once (see `dotn_q4_1_q8_1`).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot4_q5_0_q8_0(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+unsafe fn dotn_q5_0_q8_0<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     let w = as_blocks::<BlockQ5_0>(w);
     let a = a.map(as_blocks::<BlockQ8_0>);
-    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut acc = [_mm256_setzero_ps(); N];
     for (i, wb) in w.iter().enumerate() {
         let missing = _mm256_andnot_si256(bits_to_bytes(u32::from_le_bytes(wb.qh)), _mm256_set1_epi8(0xF0u8 as i8));
         let qx = _mm256_or_si256(nibbles(&wb.qs), missing);
         let ax = _mm256_sign_epi8(qx, qx);
-        for r in 0..4 {
+        for r in 0..N {
             let ab = &a[r][i];
             let p = _mm256_cvtepi32_ps(dot_u8_i8(ax, _mm256_sign_epi8(load(&ab.qs), qx)));
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(wb.d, ab.d)), p, acc[r]);
@@ -287,23 +271,23 @@ unsafe fn dot4_q5_0_q8_0(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
     std::array::from_fn(|r| hsum_f32(acc[r]))
 }
 
-/// Four activation rows at once: each row's arithmetic is exactly `dot_q4_k_q8_k`'s.
+/// N activation rows at once (see `dotn_q4_1_q8_1`).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot4_q4_k_q8_k(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+unsafe fn dotn_q4_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     let w = as_blocks::<BlockQ4K>(w);
     let a = a.map(as_blocks::<BlockQ8K>);
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut mins = [0.0f32; 4];
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut mins = [0.0f32; N];
     let m4 = _mm256_set1_epi8(0x0F);
     for (i, wb) in w.iter().enumerate() {
-        let mut sumi = [_mm256_setzero_si256(); 4];
+        let mut sumi = [_mm256_setzero_si256(); N];
         for j in 0..4 {
             let q4 = load_u8(&wb.qs[32 * j..]);
             let lo = _mm256_and_si256(q4, m4);
             let hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
             let sc_lo = _mm256_set1_epi16(scale_min_k4(2 * j, &wb.scales).0 as i16);
             let sc_hi = _mm256_set1_epi16(scale_min_k4(2 * j + 1, &wb.scales).0 as i16);
-            for r in 0..4 {
+            for r in 0..N {
                 let ab = &a[r][i];
                 let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(&ab.qs[64 * j..])), sc_lo);
                 let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(&ab.qs[64 * j + 32..])), sc_hi);
@@ -311,7 +295,7 @@ unsafe fn dot4_q4_k_q8_k(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
             }
         }
         let (wd, wdmin) = f16_pair(wb.d, wb.dmin);
-        for r in 0..4 {
+        for r in 0..N {
             let ab = &a[r][i];
             let da = ab.d();
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * da), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
@@ -321,15 +305,15 @@ unsafe fn dot4_q4_k_q8_k(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
     std::array::from_fn(|r| hsum_f32(acc[r]) - mins[r])
 }
 
-/// Four activation rows at once: each row's arithmetic is exactly `dot_q6_k_q8_k`'s.
+/// N activation rows at once (see `dotn_q4_1_q8_1`).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot4_q6_k_q8_k(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+unsafe fn dotn_q6_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     let w = as_blocks::<BlockQ6K>(w);
     let a = a.map(as_blocks::<BlockQ8K>);
-    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut acc = [_mm256_setzero_ps(); N];
     let (m4, m3, m32) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3), _mm256_set1_epi8(32));
     for (i, wb) in w.iter().enumerate() {
-        let mut sumi = [_mm256_setzero_si256(); 4];
+        let mut sumi = [_mm256_setzero_si256(); N];
         for n in 0..2 {
             let ql0 = load_u8(&wb.ql[64 * n..]);
             let ql1 = load_u8(&wb.ql[64 * n + 32..]);
@@ -344,7 +328,7 @@ unsafe fn dot4_q6_k_q8_k(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
             for (q_r, q) in quarters.into_iter().enumerate() {
                 let g = 8 * n + 2 * q_r;
                 let sc = scale_pair(wb.scales[g] as i16, wb.scales[g + 1] as i16);
-                for r in 0..4 {
+                for r in 0..N {
                     let y = load(&a[r][i].qs[128 * n + 32 * q_r..]);
                     let p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, y), _mm256_maddubs_epi16(m32, y));
                     sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, sc));
@@ -352,7 +336,7 @@ unsafe fn dot4_q6_k_q8_k(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
             }
         }
         let wd = f16(wb.d);
-        for r in 0..4 {
+        for r in 0..N {
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * a[r][i].d()), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
         }
     }
@@ -361,12 +345,7 @@ unsafe fn dot4_q6_k_q8_k(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    for (w, a) in as_blocks::<BlockQ8_0>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
-        let p = _mm256_cvtepi32_ps(dot_i8(load(&w.qs), load(&a.qs)));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.d, a.d)), p, acc);
-    }
-    hsum_f32(acc)
+    dotn_q8_0_q8_0(w, [a])[0]
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -474,26 +453,7 @@ fn k4_min_sum(scales: &[u8; 12], a: &BlockQ8K) -> i32 {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q4_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let mut mins = 0.0f32;
-    let m4 = _mm256_set1_epi8(0x0F);
-    for (w, a) in as_blocks::<BlockQ4K>(w).iter().zip(as_blocks::<BlockQ8K>(a)) {
-        let mut sumi = _mm256_setzero_si256();
-        for j in 0..4 {
-            let q4 = load_u8(&w.qs[32 * j..]);
-            let lo = _mm256_and_si256(q4, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
-            let sc_lo = _mm256_set1_epi16(scale_min_k4(2 * j, &w.scales).0 as i16);
-            let sc_hi = _mm256_set1_epi16(scale_min_k4(2 * j + 1, &w.scales).0 as i16);
-            let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(&a.qs[64 * j..])), sc_lo);
-            let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(&a.qs[64 * j + 32..])), sc_hi);
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
-        }
-        let ((wd, wdmin), da) = (f16_pair(w.d, w.dmin), a.d());
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(wd * da), _mm256_cvtepi32_ps(sumi), acc);
-        mins += k4_min_sum(&w.scales, a) as f32 * (wdmin * da);
-    }
-    hsum_f32(acc) - mins
+    dotn_q4_k_q8_k(w, [a])[0]
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -526,33 +486,7 @@ unsafe fn dot_q5_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let (m4, m3, m32) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3), _mm256_set1_epi8(32));
-    for (w, a) in as_blocks::<BlockQ6K>(w).iter().zip(as_blocks::<BlockQ8K>(a)) {
-        let mut sumi = _mm256_setzero_si256();
-        for n in 0..2 {
-            let ql0 = load_u8(&w.ql[64 * n..]);
-            let ql1 = load_u8(&w.ql[64 * n + 32..]);
-            let qh = load_u8(&w.qh[32 * n..]);
-            let high = |shift: i32| _mm256_slli_epi16(_mm256_and_si256(srl16(qh, shift), m3), 4);
-            let quarters = [
-                _mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)),
-                _mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)),
-            ];
-            for (r, q) in quarters.into_iter().enumerate() {
-                let y = load(&a.qs[128 * n + 32 * r..]);
-                // (q - 32) · y as q · y - 32 · y: maddubs needs an unsigned left side.
-                let p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, y), _mm256_maddubs_epi16(m32, y));
-                let g = 8 * n + 2 * r;
-                let sc = scale_pair(w.scales[g] as i16, w.scales[g + 1] as i16);
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sc));
-            }
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w.d) * a.d()), _mm256_cvtepi32_ps(sumi), acc);
-    }
-    hsum_f32(acc)
+    dotn_q6_k_q8_k(w, [a])[0]
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
