@@ -7,7 +7,8 @@ use astra_quant::{Kernels, QuantMatrix};
 use crate::config::{Arch, Config};
 use crate::EngineError;
 
-/// A weight matrix in the file: `rows × cols` of `ty` at a byte range.
+/// A weight matrix in the file: `rows × cols` of `ty` at a byte range of the whole
+/// mapped file (absolute, so a view needs only the file).
 #[derive(Clone, Debug)]
 pub struct MatRef {
     pub ty: GgmlType,
@@ -19,20 +20,15 @@ pub struct MatRef {
 }
 
 impl MatRef {
+    /// The matrix in `file` (the file it was located in).
     pub fn view<'a>(&self, file: &'a GgufFile) -> QuantMatrix<'a> {
-        let bytes = &file_bytes(file)[self.start..self.start + self.len];
+        let bytes = &file.raw()[self.start..self.start + self.len];
         QuantMatrix::new(self.ty, self.rows, self.cols, bytes).expect("shape checked at load")
     }
 
     pub fn bytes(&self) -> usize {
         self.len
     }
-}
-
-fn file_bytes(file: &GgufFile) -> &[u8] {
-    // The whole data section: tensor_data of a zero-offset view is not available, so
-    // the matrices keep absolute offsets into the map through this accessor.
-    file.raw()
 }
 
 pub struct Layer {

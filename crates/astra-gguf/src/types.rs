@@ -118,7 +118,7 @@ impl GgmlType {
     /// Bytes of a tensor of `elems` elements, or `None` when `elems` is not a whole
     /// number of blocks or the size overflows.
     pub fn bytes_for(self, elems: u64) -> Option<u64> {
-        if elems % self.block_elems() != 0 {
+        if !elems.is_multiple_of(self.block_elems()) {
             return None;
         }
         (elems / self.block_elems()).checked_mul(self.block_bytes())

@@ -84,6 +84,12 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Qua
     Ok(())
 }
 
+/// Whether [`quantize`] can produce `ty`.
+pub fn can_quantize(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(ty, F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | Q8_K | Q2_0)
+}
+
 /// Quantizes `x` into `ty` for the types with a quantizer here (the activation types
 /// and the simple weight types); returns the bytes.
 pub fn quantize(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>, QuantError> {

@@ -132,6 +132,8 @@ pub fn matmul_quantized_on(par: &dyn Parallel, w: &QuantMatrix, acts: &Quantized
     let shared = SharedOut(out.as_mut_ptr());
     let chunk = chunk_rows(rows, par.threads());
     par.run(rows.div_ceil(chunk), &|c| {
+        // Capture the Sync wrapper whole, not its raw pointer field.
+        #[allow(clippy::redundant_locals)]
         let shared = shared;
         // SAFETY (both writes): t * rows + r < out.len(), and row r belongs to this
         // task only.
