@@ -240,13 +240,33 @@ unsafe fn dotn_q8_0_q8_0<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     let w = as_blocks::<BlockQ8_0>(w);
     let a = a.map(as_blocks::<BlockQ8_0>);
     let mut acc = [_mm256_setzero_ps(); N];
-    for (i, wb) in w.iter().enumerate() {
-        let qx = load(&wb.qs);
+    // Blocks go in pairs so that one F16C conversion serves four scales; each block's
+    // multiply-add is the same as one block at a time, in the same order.
+    let pairs = w.len() / 2;
+    for i in (0..2 * pairs).step_by(2) {
+        let (w0, w1) = (&w[i], &w[i + 1]);
+        let (qx0, qx1) = (load(&w0.qs), load(&w1.qs));
+        let (ax0, ax1) = (_mm256_sign_epi8(qx0, qx0), _mm256_sign_epi8(qx1, qx1));
+        for r in 0..N {
+            let (a0, a1) = (&a[r][i], &a[r][i + 1]);
+            let bits = |x: F16Le| u16::from_le_bytes(x.0) as u64;
+            let packed = bits(w0.d) | bits(w1.d) << 16 | bits(a0.d) << 32 | bits(a1.d) << 48;
+            let v = _mm_cvtph_ps(_mm_cvtsi64_si128(packed as i64));
+            let scales = _mm_mul_ps(v, _mm_movehl_ps(v, v)); // [w0·a0, w1·a1, ..]
+            let p0 = dot_u8_i8(ax0, _mm256_sign_epi8(load(&a0.qs), qx0));
+            acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), _mm256_cvtepi32_ps(p0), acc[r]);
+            let p1 = dot_u8_i8(ax1, _mm256_sign_epi8(load(&a1.qs), qx1));
+            acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(scales)), _mm256_cvtepi32_ps(p1), acc[r]);
+        }
+    }
+    if w.len() % 2 == 1 {
+        let i = w.len() - 1;
+        let qx = load(&w[i].qs);
         let ax = _mm256_sign_epi8(qx, qx);
         for r in 0..N {
             let ab = &a[r][i];
             let p = dot_u8_i8(ax, _mm256_sign_epi8(load(&ab.qs), qx));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(wb.d, ab.d)), _mm256_cvtepi32_ps(p), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w[i].d, ab.d)), _mm256_cvtepi32_ps(p), acc[r]);
         }
     }
     std::array::from_fn(|r| hsum_f32(acc[r]))
