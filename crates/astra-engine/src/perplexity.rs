@@ -3,7 +3,6 @@
 //! the model adds one) the logits at positions ctx/2 .. ctx−2 are scored against the
 //! next token; PPL = exp(mean NLL), with the standard error of the mean NLL.
 
-use crate::sampler::softmax;
 use crate::{EngineError, Model};
 
 #[derive(Clone, Debug, PartialEq)]
@@ -13,6 +12,13 @@ pub struct Perplexity {
     pub error: f64,
     pub chunks: usize,
     pub scored: usize,
+}
+
+/// ln softmax(logits)[target], in f64, without building the distribution.
+fn log_prob(logits: &[f32], target: usize) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+    logits[target] as f64 - max - sum.ln()
 }
 
 /// Runs the evaluation; `progress` is called after each chunk with (done, total, PPL so far).
@@ -41,9 +47,7 @@ pub fn perplexity(
         let mut session = model.session(ctx)?;
         let logits = model.forward(&mut session, &chunk, first)?;
         for (j, row) in logits.chunks_exact(n_vocab).take(ctx - 1 - first).enumerate() {
-            let target = chunk[first + j + 1] as usize;
-            let p = softmax(row)[target];
-            let v = -p.ln();
+            let v = -log_prob(row, chunk[first + j + 1] as usize);
             nll += v;
             nll2 += v * v;
             count += 1;

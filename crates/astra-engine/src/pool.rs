@@ -22,9 +22,10 @@ use std::thread::JoinHandle;
 
 use astra_quant::matmul::Parallel;
 
-/// Spin iterations before a helper parks (tens of microseconds on current CPUs): long
-/// enough to bridge the gaps between the parallel steps of a token, short enough not
-/// to burn a core that another process needs.
+/// Spin iterations (pause instructions) before a helper parks: meant to bridge the
+/// short serial gaps between the parallel steps of a token without holding a core that
+/// another process needs for long. Not tuned: decode speed with and without a
+/// concurrent CPU hog is the measure to tune it by (README, Speed).
 const SPIN_ROUNDS: u32 = 1 << 15;
 
 type Task = dyn Fn(usize) + Sync;

@@ -45,11 +45,9 @@ pub const SUPPORTED_TYPES: [GgmlType; 17] = [
 
 /// Bytes of `elems` elements of `ty`, checking the block size.
 pub fn row_bytes(ty: GgmlType, elems: usize) -> Result<usize, QuantError> {
-    let block = ty.block_elems() as usize;
-    if elems % block != 0 {
-        return Err(QuantError::NotWholeBlocks { ty, elems, block });
-    }
-    Ok(elems / block * ty.block_bytes() as usize)
+    ty.bytes_for(elems as u64)
+        .map(|b| b as usize)
+        .ok_or(QuantError::NotWholeBlocks { ty, elems, block: ty.block_elems() as usize })
 }
 
 /// Dequantizes `bytes` of type `ty` into `out` (whose length is the element count).

@@ -52,9 +52,9 @@ impl PreTokenizer {
             _ => whole,
         };
         let words = match self {
-            PreTokenizer::Gpt2 | PreTokenizer::DigitsThenGpt2 => split_gpt2(&chars, &pieces),
-            PreTokenizer::Llama3 => split_llama3(&chars, &pieces, 3),
-            PreTokenizer::Qwen2 => split_llama3(&chars, &pieces, 1),
+            PreTokenizer::Gpt2 | PreTokenizer::DigitsThenGpt2 => split_words(&chars, &pieces, gpt2_word_end),
+            PreTokenizer::Llama3 => split_words(&chars, &pieces, |p, pos| llama3_word_end(p, pos, 3)),
+            PreTokenizer::Qwen2 => split_words(&chars, &pieces, |p, pos| llama3_word_end(p, pos, 1)),
         };
         words.into_iter().map(|r| chars.byte_range(r)).collect()
     }
@@ -105,22 +105,20 @@ impl Piece<'_> {
     }
 }
 
-/// Collects words as index ranges.
-struct Words {
-    out: Vec<Range<usize>>,
-    prev_end: usize,
-}
-
-impl Words {
-    /// Ends a word at `end`; returns its length (0 adds nothing).
-    fn add(&mut self, end: usize) -> usize {
-        let len = end - self.prev_end;
-        if len > 0 {
-            self.out.push(self.prev_end..end);
+/// Splits each piece into adjacent words, left to right: `word_end(piece, pos)` gives
+/// the end of the word that starts at `pos` (always past it).
+fn split_words(chars: &Chars, pieces: &[Range<usize>], word_end: impl Fn(&Piece, usize) -> usize) -> Vec<Range<usize>> {
+    let mut out = Vec::with_capacity(chars.len() / 3);
+    for piece in pieces {
+        let p = Piece { chars: &chars.chars, start: piece.start, end: piece.end };
+        let mut pos = p.start;
+        while pos < p.end {
+            let end = word_end(&p, pos);
+            out.push(pos..end);
+            pos = end;
         }
-        self.prev_end = end;
-        len
     }
+    out
 }
 
 /// `\p{N}` as an isolating split: every number code point becomes its own piece. As in
@@ -185,41 +183,29 @@ fn whitespace_run(p: &Piece, pos: usize) -> (usize, Option<usize>) {
     (n, last_newline)
 }
 
-fn split_gpt2(chars: &Chars, pieces: &[Range<usize>]) -> Vec<Range<usize>> {
-    let mut words = Words { out: Vec::with_capacity(chars.len() / 3), prev_end: 0 };
-    for piece in pieces {
-        let p = Piece { chars: &chars.chars, start: piece.start, end: piece.end };
-        words.prev_end = p.start;
-        let mut pos = p.start;
-        while pos < p.end {
-            let c = p.get(pos);
-            if let Some(len) = contraction(&p, pos, |c| c) {
-                pos += words.add(pos + len);
-                continue;
-            }
-            let space = c == Some(' ');
-            let mut f2 = if space { p.flags(pos + 1) } else { p.flags(pos) };
-            // ` ?\p{L}+`, ` ?\p{N}+`, ` ?[^\s\p{L}\p{N}]+`
-            let classes: [fn(Flags) -> bool; 3] = [
-                |f| f.is_letter(),
-                |f| f.is_number(),
-                |f| !(f.is_whitespace() || f.is_letter() || f.is_number()) && f.exists(),
-            ];
-            if let Some(class) = classes.iter().find(|class| class(f2)) {
-                pos += usize::from(space);
-                while class(f2) {
-                    pos += 1;
-                    f2 = p.flags(pos);
-                }
-                words.add(pos);
-                continue;
-            }
-            let (n, _) = whitespace_run(&p, pos);
-            pos = whitespace_word_end(&p, pos, n);
-            words.add(pos);
-        }
+/// The end of the GPT-2 word at `pos`.
+fn gpt2_word_end(p: &Piece, pos: usize) -> usize {
+    if let Some(len) = contraction(p, pos, |c| c) {
+        return pos + len;
     }
-    words.out
+    let space = p.get(pos) == Some(' ');
+    let mut f2 = if space { p.flags(pos + 1) } else { p.flags(pos) };
+    // ` ?\p{L}+`, ` ?\p{N}+`, ` ?[^\s\p{L}\p{N}]+`
+    let classes: [fn(Flags) -> bool; 3] = [
+        |f| f.is_letter(),
+        |f| f.is_number(),
+        |f| !(f.is_whitespace() || f.is_letter() || f.is_number()) && f.exists(),
+    ];
+    if let Some(class) = classes.iter().find(|class| class(f2)) {
+        let mut end = pos + usize::from(space);
+        while class(f2) {
+            end += 1;
+            f2 = p.flags(end);
+        }
+        return end;
+    }
+    let (n, _) = whitespace_run(p, pos);
+    whitespace_word_end(p, pos, n)
 }
 
 /// End of the word at `pos` when nothing but whitespace (a run of `n`) can match:
@@ -233,64 +219,47 @@ fn whitespace_word_end(p: &Piece, pos: usize, n: usize) -> usize {
     }
 }
 
-fn split_llama3(chars: &Chars, pieces: &[Range<usize>], max_digits: usize) -> Vec<Range<usize>> {
-    let mut words = Words { out: Vec::with_capacity(chars.len() / 3), prev_end: 0 };
-    for piece in pieces {
-        let p = Piece { chars: &chars.chars, start: piece.start, end: piece.end };
-        words.prev_end = p.start;
-        let mut pos = p.start;
-        while pos < p.end {
-            let c = p.get(pos);
-            let f = p.flags(pos);
-            if let Some(len) = contraction(&p, pos, |c| c.to_ascii_lowercase()) {
-                pos += words.add(pos + len);
-                continue;
-            }
-            // `[^\r\n\p{L}\p{N}]?\p{L}+`
-            if !(matches!(c, Some('\r' | '\n')) || f.is_number()) && (f.is_letter() || p.flags(pos + 1).is_letter()) {
-                pos += 1;
-                while p.flags(pos).is_letter() {
-                    pos += 1;
-                }
-                words.add(pos);
-                continue;
-            }
-            // `\p{N}{1,max_digits}`
-            if f.is_number() {
-                let mut start = pos;
-                while p.flags(pos).is_number() {
-                    pos += 1;
-                    if pos - start >= max_digits {
-                        words.add(pos);
-                        start = pos;
-                    }
-                }
-                words.add(pos);
-                continue;
-            }
-            // ` ?[^\s\p{L}\p{N}]+[\r\n]*` (llama.cpp tests the first code point's own
-            // flags for existence, and the one after a space for the class)
-            let mut f2 = if c == Some(' ') { p.flags(pos + 1) } else { f };
-            let punct = |f: Flags| !(f.is_whitespace() || f.is_letter() || f.is_number());
-            if punct(f2) && f.exists() {
-                pos += usize::from(c == Some(' '));
-                while punct(f2) && f2.exists() {
-                    pos += 1;
-                    f2 = p.flags(pos);
-                }
-                while matches!(p.get(pos), Some('\r' | '\n')) {
-                    pos += 1;
-                }
-                words.add(pos);
-                continue;
-            }
-            let (n, last_newline) = whitespace_run(&p, pos);
-            // `\s*[\r\n]+` first, then as GPT-2.
-            pos = last_newline.unwrap_or_else(|| whitespace_word_end(&p, pos, n));
-            words.add(pos);
-        }
+/// The end of the Llama 3 / Qwen 2 word at `pos` (numbers in groups of `max_digits`).
+fn llama3_word_end(p: &Piece, pos: usize, max_digits: usize) -> usize {
+    let c = p.get(pos);
+    let f = p.flags(pos);
+    if let Some(len) = contraction(p, pos, |c| c.to_ascii_lowercase()) {
+        return pos + len;
     }
-    words.out
+    // `[^\r\n\p{L}\p{N}]?\p{L}+`
+    if !(matches!(c, Some('\r' | '\n')) || f.is_number()) && (f.is_letter() || p.flags(pos + 1).is_letter()) {
+        let mut end = pos + 1;
+        while p.flags(end).is_letter() {
+            end += 1;
+        }
+        return end;
+    }
+    // `\p{N}{1,max_digits}`
+    if f.is_number() {
+        let mut end = pos;
+        while end - pos < max_digits && p.flags(end).is_number() {
+            end += 1;
+        }
+        return end;
+    }
+    // ` ?[^\s\p{L}\p{N}]+[\r\n]*` (llama.cpp tests the first code point's own flags for
+    // existence, and the one after a space for the class)
+    let mut f2 = if c == Some(' ') { p.flags(pos + 1) } else { f };
+    let punct = |f: Flags| !(f.is_whitespace() || f.is_letter() || f.is_number());
+    if punct(f2) && f.exists() {
+        let mut end = pos + usize::from(c == Some(' '));
+        while punct(f2) && f2.exists() {
+            end += 1;
+            f2 = p.flags(end);
+        }
+        while matches!(p.get(end), Some('\r' | '\n')) {
+            end += 1;
+        }
+        return end;
+    }
+    let (n, last_newline) = whitespace_run(p, pos);
+    // `\s*[\r\n]+` first, then as GPT-2.
+    last_newline.unwrap_or_else(|| whitespace_word_end(p, pos, n))
 }
 
 #[cfg(test)]

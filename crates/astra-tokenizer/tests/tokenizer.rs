@@ -17,6 +17,10 @@ fn load(model: &str) -> Option<(GgufFile, Tokenizer)> {
     Some((file, tok))
 }
 
+fn messages(v: &Value) -> Vec<ChatMessage> {
+    v.as_array().unwrap().iter().map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap())).collect()
+}
+
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
@@ -74,12 +78,7 @@ fn chat_prompts_equal_llama_server() {
         let Some((file, tok)) = load(model) else { continue };
         let template = ChatTemplate::for_model(file.metadata(), &tok).unwrap();
         for case in all[model].as_array().unwrap() {
-            let messages: Vec<ChatMessage> = case["messages"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
-                .collect();
+            let messages = messages(&case["messages"]);
             let prompt = template.render(&messages, true).unwrap();
             assert_eq!(prompt, case["prompt"].as_str().unwrap(), "{model}");
             assert_eq!(tok.encode(&prompt, EncodeOptions::default()), ids(&case["ids"]), "{model}");
@@ -92,12 +91,7 @@ fn smollm2_template_equals_jinja2() {
     let Some((file, tok)) = load("smollm2-135m") else { return };
     let template = ChatTemplate::for_model(file.metadata(), &tok).unwrap();
     for case in data("chat_jinja2.json").as_array().unwrap() {
-        let messages: Vec<ChatMessage> = case["messages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
-            .collect();
+        let messages = messages(&case["messages"]);
         let add = case["add_generation_prompt"].as_bool().unwrap();
         assert_eq!(template.render(&messages, add).unwrap(), case["expected"].as_str().unwrap(), "{}", case["name"]);
     }

@@ -4,7 +4,6 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use astra_engine::Model;
-use astra_gguf::GgufFile;
 use astra_tokenizer::{EncodeOptions, Tokenizer};
 
 #[derive(clap::Args)]
@@ -25,12 +24,12 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<()> {
     let path = astra_models::resolve(&args.model)?;
-    let tok = Tokenizer::from_metadata(GgufFile::open(&path)?.metadata())?;
     let text = std::fs::read_to_string(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
+    let model = Model::load(&path, args.threads.unwrap_or_else(super::run::default_threads))?;
+    let tok = Tokenizer::from_metadata(model.file.metadata())?;
     // As llama-perplexity: one trailing newline is not part of the text.
     let text = text.strip_suffix('\n').unwrap_or(&text);
     let tokens = tok.encode(text, EncodeOptions { add_special: true, parse_special: false });
-    let model = Model::load(&path, args.threads.unwrap_or_else(super::run::default_threads))?;
     let bos = if tok.vocab().add_bos { tok.bos() } else { None };
     eprintln!("{} tokens, {} chunks of {}", tokens.len(), tokens.len() / args.ctx.max(1), args.ctx);
     let r = astra_engine::perplexity::perplexity(&model, &tokens, args.ctx, bos, |done, total, ppl| {

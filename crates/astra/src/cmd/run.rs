@@ -6,7 +6,6 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use astra_engine::{Model, Sampler, SamplerConfig, StopMatcher, StopOutcome};
-use astra_gguf::GgufFile;
 use astra_tokenizer::{ChatMessage, ChatTemplate, EncodeOptions, StreamDecoder, Tokenizer};
 use serde_json::json;
 
@@ -57,16 +56,14 @@ pub fn default_threads() -> usize {
 
 pub fn run(args: Args) -> Result<()> {
     let path = astra_models::resolve(&args.model)?;
-    let file = GgufFile::open(&path)?;
-    let tok = Tokenizer::from_metadata(file.metadata())?;
+    let model = Model::load(&path, args.threads.unwrap_or_else(default_threads))?;
+    let tok = Tokenizer::from_metadata(model.file.metadata())?;
     let prompt = if args.chat {
-        let template = ChatTemplate::for_model(file.metadata(), &tok)?;
+        let template = ChatTemplate::for_model(model.file.metadata(), &tok)?;
         template.render(&[ChatMessage::new("user", args.prompt.clone())], true)?
     } else {
         args.prompt.clone()
     };
-    drop(file);
-    let model = Model::load(&path, args.threads.unwrap_or_else(default_threads))?;
     let ctx = args.ctx.min(model.cfg.ctx_train);
     let ids = tok.encode(&prompt, EncodeOptions::default());
     if ids.is_empty() {
