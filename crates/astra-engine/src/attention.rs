@@ -41,6 +41,7 @@ struct LayerCache {
 
 pub struct KvCache {
     layers: Vec<LayerCache>,
+    n_head: usize,
     n_head_kv: usize,
     head_dim: usize,
     pub ctx: usize,
@@ -57,7 +58,7 @@ impl KvCache {
                 LayerCache { k: vec![f16::ZERO; n], v: vec![f16::ZERO; n], slots, window }
             })
             .collect();
-        KvCache { layers, n_head_kv: cfg.n_head_kv, head_dim: cfg.head_dim, ctx }
+        KvCache { layers, n_head: cfg.n_head, n_head_kv: cfg.n_head_kv, head_dim: cfg.head_dim, ctx }
     }
 
     pub fn bytes(&self) -> usize {
@@ -74,13 +75,14 @@ impl KvCache {
         }
     }
 
-    pub fn layer(&self, layer: usize, cfg: &Config, scale: f32) -> AttnLayer<'_> {
+    /// Layer `layer` for attention with scores scaled by `scale`.
+    pub fn layer(&self, layer: usize, scale: f32) -> AttnLayer<'_> {
         AttnLayer {
             cache: &self.layers[layer],
-            head_dim: cfg.head_dim,
-            n_head: cfg.n_head,
-            group: cfg.n_head / cfg.n_head_kv,
-            n_head_kv: cfg.n_head_kv,
+            head_dim: self.head_dim,
+            n_head: self.n_head,
+            group: self.n_head / self.n_head_kv,
+            n_head_kv: self.n_head_kv,
             scale,
         }
     }
@@ -245,5 +247,123 @@ impl AttnLayer<'_> {
         for (h, partials) in per_head.iter().enumerate() {
             Self::merge(partials, &mut out[h * hd..(h + 1) * hd]);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Arch;
+    use crate::pool::Pool;
+
+    fn config(window: usize) -> Config {
+        Config {
+            arch: Arch::Gemma3,
+            n_layer: 2,
+            n_embd: 128,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim: 32,
+            n_ff: 256,
+            n_vocab: 16,
+            ctx_train: 4096,
+            rms_eps: 1e-6,
+            rope_base: 1e6,
+            rope_base_local: 1e4,
+            rope_dim: 32,
+            rope_neox: true,
+            sliding_window: Some(window),
+            layer_local: vec![true, false],
+            embed_scale: None,
+            attn_scale: 1.0,
+        }
+    }
+
+    struct Lcg(u64);
+    impl Lcg {
+        fn next(&mut self) -> f32 {
+            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+        fn vec(&mut self, n: usize) -> Vec<f32> {
+            (0..n).map(|_| self.next()).collect()
+        }
+    }
+
+    /// Causal attention in f64 over positions `first..=pos` of f16-rounded keys and values.
+    fn reference(q: &[f32], keys: &[Vec<f32>], values: &[Vec<f32>], first: usize, pos: usize, cfg: &Config, scale: f32) -> Vec<f64> {
+        let (hd, group) = (cfg.head_dim, cfg.n_head / cfg.n_head_kv);
+        let r = |x: f32| f16::from_f32(x).to_f64();
+        let mut out = vec![0.0f64; cfg.n_head * hd];
+        for h in 0..cfg.n_head {
+            let g = h / group;
+            let qh = &q[h * hd..(h + 1) * hd];
+            let scores: Vec<f64> = (first..=pos)
+                .map(|p| (0..hd).map(|i| qh[i] as f64 * r(keys[p][g * hd + i])).sum::<f64>() * scale as f64)
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+            for (p, s) in (first..=pos).zip(&scores) {
+                let w = (s - max).exp() / sum;
+                for i in 0..hd {
+                    out[h * hd + i] += w * r(values[p][g * hd + i]);
+                }
+            }
+        }
+        out
+    }
+
+    /// A sliding-window layer (whose ring of slots wraps several times) and a global
+    /// layer, fed in batches of varied sizes: every query's output matches the f64
+    /// reference over exactly its window, and a query decoded alone gets the same bits
+    /// as in a batch.
+    #[test]
+    fn windowed_and_global_attention_match_f64_reference() {
+        let window = 100;
+        let cfg = config(window);
+        let (ctx, max_batch) = (700, 64);
+        let mut kv = KvCache::new(&cfg, ctx, max_batch);
+        assert!(kv.layers[0].slots < ctx, "the local layer keeps a ring, not the context");
+        assert_eq!(kv.layers[1].slots, ctx);
+        let pool = Pool::new(2);
+        let mut rng = Lcg(7);
+        let scale = 0.3;
+        let (qd, kd) = (cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim);
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        let mut pos = 0;
+        for &n in [1usize, 37, 64, 5, 64, 64, 1, 63, 64, 64, 64, 64, 64, 50].iter().cycle() {
+            if pos + n > ctx {
+                break;
+            }
+            let q = rng.vec(n * qd);
+            let (k, v) = (rng.vec(n * kd), rng.vec(n * kd));
+            for i in 0..n {
+                keys.push(k[i * kd..(i + 1) * kd].to_vec());
+                values.push(v[i * kd..(i + 1) * kd].to_vec());
+            }
+            for layer in 0..2 {
+                for i in 0..n {
+                    kv.store(layer, pos + i, &k[i * kd..(i + 1) * kd], &v[i * kd..(i + 1) * kd]);
+                }
+                let mut out = vec![0.0f32; n * qd];
+                kv.layer(layer, scale).attend(&pool, &q, pos, &mut out);
+                for i in 0..n {
+                    let p = pos + i;
+                    let first = if layer == 0 { (p + 1).saturating_sub(window) } else { 0 };
+                    let want = reference(&q[i * qd..(i + 1) * qd], &keys, &values, first, p, &cfg, scale);
+                    let got = &out[i * qd..(i + 1) * qd];
+                    let err = got.iter().zip(&want).map(|(&a, &b)| (a as f64 - b).abs()).fold(0.0, f64::max);
+                    assert!(err < 1e-5, "layer {layer} position {p}: max error {err}");
+                    if i == n - 1 {
+                        // The last query alone (its keys are already stored).
+                        let mut alone = vec![0.0f32; qd];
+                        kv.layer(layer, scale).attend(&pool, &q[i * qd..], p, &mut alone);
+                        assert!(alone.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()), "layer {layer} position {p}: alone vs batch");
+                    }
+                }
+            }
+            pos += n;
+        }
+        assert!(pos > 6 * window);
     }
 }

@@ -1,6 +1,6 @@
-//! astra's CPU inference engine: a GGUF model's configuration and weights, the
-//! transformer forward pass for the supported architectures, the KV cache with split
-//! attention, and sampling.
+//! astra's inference engine: a GGUF model's configuration and weights, the transformer
+//! forward pass for the supported architectures written against a backend interface,
+//! the CPU backend (KV cache with split attention), and sampling.
 //!
 //! Determinism: every step computes a token's values from that token's inputs alone in
 //! a fixed order (quantized matmul per output element, norms per row, attention split at
@@ -8,7 +8,9 @@
 //! however a prompt is cut into batches, and whether a prefix came from the cache.
 
 pub mod attention;
+pub mod backend;
 pub mod config;
+pub mod cpu;
 pub mod model;
 pub mod ops;
 pub mod perplexity;
@@ -18,7 +20,9 @@ pub mod stop;
 pub mod weights;
 
 pub use config::{Arch, Config};
-pub use model::{Model, Session, MAX_BATCH};
+pub use backend::Backend;
+pub use cpu::CpuBackend;
+pub use model::{Model, Session, Step, MAX_BATCH};
 pub use sampler::{Sampler, SamplerConfig};
 pub use stop::{StopMatcher, StopOutcome};
 

@@ -1,9 +1,12 @@
 //! The model's tensors, located in the memory-mapped GGUF file and checked against the
 //! configuration. Matrices stay in the map; only the small norm vectors are copied.
 
+use std::sync::Arc;
+
 use astra_gguf::{GgmlType, GgufFile, TensorInfo};
 use astra_quant::{Kernels, QuantMatrix};
 
+use crate::backend::Backend;
 use crate::config::{Arch, Config};
 use crate::EngineError;
 
@@ -31,27 +34,37 @@ impl MatRef {
     }
 }
 
-pub struct Layer {
-    pub attn_norm: Vec<f32>,     // (n_embd)
-    pub wq: MatRef,              // (n_head·head_dim, n_embd)
-    pub wk: MatRef,              // (n_head_kv·head_dim, n_embd)
-    pub wv: MatRef,              // (n_head_kv·head_dim, n_embd)
-    pub wo: MatRef,              // (n_embd, n_head·head_dim)
-    pub q_norm: Option<Vec<f32>>, // (head_dim), Gemma 3
-    pub k_norm: Option<Vec<f32>>, // (head_dim), Gemma 3
-    pub post_attn_norm: Option<Vec<f32>>, // (n_embd), Gemma 3
-    pub ffn_norm: Vec<f32>,      // (n_embd)
-    pub w_gate: MatRef,          // (n_ff, n_embd)
-    pub w_up: MatRef,            // (n_ff, n_embd)
-    pub w_down: MatRef,          // (n_embd, n_ff)
-    pub post_ffn_norm: Option<Vec<f32>>, // (n_embd), Gemma 3
+/// One block's weights: matrices of type `M`, norm vectors of type `V` (in the file,
+/// [`MatRef`] and host vectors; on a backend, its own types).
+pub struct Layer<M = MatRef, V = Vec<f32>> {
+    pub attn_norm: V,                 // (n_embd)
+    pub wq: M,                        // (n_head·head_dim, n_embd)
+    pub wk: M,                        // (n_head_kv·head_dim, n_embd)
+    pub wv: M,                        // (n_head_kv·head_dim, n_embd)
+    pub wo: M,                        // (n_embd, n_head·head_dim)
+    pub q_norm: Option<V>,            // (head_dim), Gemma 3
+    pub k_norm: Option<V>,            // (head_dim), Gemma 3
+    pub post_attn_norm: Option<V>,    // (n_embd), Gemma 3
+    pub ffn_norm: V,                  // (n_embd)
+    pub w_gate: M,                    // (n_ff, n_embd)
+    pub w_up: M,                      // (n_ff, n_embd)
+    pub w_down: M,                    // (n_embd, n_ff)
+    pub post_ffn_norm: Option<V>,     // (n_embd), Gemma 3
 }
 
-pub struct Weights {
-    pub token_embd: MatRef,  // (n_vocab, n_embd)
-    pub output_norm: Vec<f32>, // (n_embd)
-    pub output: MatRef,      // (n_vocab, n_embd); the embedding matrix when tied
-    pub layers: Vec<Layer>,
+pub struct Weights<M = MatRef, V = Vec<f32>> {
+    pub token_embd: M, // (n_vocab, n_embd)
+    pub output_norm: V, // (n_embd)
+    /// (n_vocab, n_embd); `None` when tied to the embedding matrix.
+    pub output: Option<M>,
+    pub layers: Vec<Layer<M, V>>,
+}
+
+impl<M, V> Weights<M, V> {
+    /// The output projection (the embedding matrix when tied).
+    pub fn output(&self) -> &M {
+        self.output.as_ref().unwrap_or(&self.token_embd)
+    }
 }
 
 struct Loader<'a> {
@@ -104,10 +117,9 @@ impl Weights {
         let l = Loader { file };
         let (e, ff, hd) = (cfg.n_embd, cfg.n_ff, cfg.head_dim);
         let token_embd = l.matrix("token_embd.weight", cfg.n_vocab, e)?;
-        let output = if file.tensor("output.weight").is_some() {
-            l.matrix("output.weight", cfg.n_vocab, e)?
-        } else {
-            token_embd.clone()
+        let output = match file.tensor("output.weight") {
+            Some(_) => Some(l.matrix("output.weight", cfg.n_vocab, e)?),
+            None => None,
         };
         let gemma = cfg.arch == Arch::Gemma3;
         let mut layers = Vec::with_capacity(cfg.n_layer);
@@ -141,6 +153,40 @@ impl Weights {
             .iter()
             .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|m| m.bytes()).sum::<usize>())
             .sum();
-        per_layer + self.output.bytes() + self.token_embd.bytes() / self.token_embd.rows
+        per_layer + self.output().bytes() + self.token_embd.bytes() / self.token_embd.rows
+    }
+
+    /// The same weights on `backend`.
+    pub fn upload<B: Backend>(&self, backend: &B, file: &Arc<GgufFile>) -> Result<Weights<B::Matrix, B::Vector>, EngineError> {
+        let m = |m: &MatRef| backend.matrix(file, m);
+        let v = |v: &Vec<f32>| backend.vector(v);
+        let ov = |o: &Option<Vec<f32>>| o.as_ref().map(|x| backend.vector(x)).transpose();
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(Layer {
+                    attn_norm: v(&l.attn_norm)?,
+                    wq: m(&l.wq)?,
+                    wk: m(&l.wk)?,
+                    wv: m(&l.wv)?,
+                    wo: m(&l.wo)?,
+                    q_norm: ov(&l.q_norm)?,
+                    k_norm: ov(&l.k_norm)?,
+                    post_attn_norm: ov(&l.post_attn_norm)?,
+                    ffn_norm: v(&l.ffn_norm)?,
+                    w_gate: m(&l.w_gate)?,
+                    w_up: m(&l.w_up)?,
+                    w_down: m(&l.w_down)?,
+                    post_ffn_norm: ov(&l.post_ffn_norm)?,
+                })
+            })
+            .collect::<Result<_, EngineError>>()?;
+        Ok(Weights {
+            token_embd: m(&self.token_embd)?,
+            output_norm: v(&self.output_norm)?,
+            output: self.output.as_ref().map(m).transpose()?,
+            layers,
+        })
     }
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use astra_engine::perplexity::perplexity;
 use astra_engine::sampler::{argmax, softmax};
-use astra_engine::Model;
+use astra_engine::{Model, Step};
 use astra_gguf::GgufFile;
 use astra_tokenizer::{EncodeOptions, Tokenizer};
 use serde_json::Value;
@@ -131,4 +131,70 @@ fn smollm2_logits_are_deterministic() {
 #[test]
 fn gemma3_logits_are_deterministic() {
     determinism("gemma3-270m");
+}
+
+/// Several sequences sharing batches (prefills of different lengths beside single-token
+/// decodes, more tokens in all than one batch holds) get the same bits as each alone.
+fn batched_sequences(name: &str) {
+    let Some(model) = load(name, 2) else { return };
+    let prompts: Vec<Vec<u32>> = (0..4u32).map(|s| (0..[300, 1, 45, 290][s as usize]).map(|i| (i * 31 + s * 977) % 4000 + 100).collect()).collect();
+    let alone: Vec<Vec<f32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut s = model.session(512).unwrap();
+            model.forward(&mut s, &p[..p.len() / 2], 0).unwrap();
+            model.forward(&mut s, &p[p.len() / 2..], 0).unwrap()
+        })
+        .collect();
+    let mut sessions: Vec<_> = prompts.iter().map(|_| model.session(512).unwrap()).collect();
+    // The first halves one at a time, then the second halves all together.
+    for (s, p) in sessions.iter_mut().zip(&prompts) {
+        model.forward(s, &p[..p.len() / 2], 0).unwrap();
+    }
+    let mut steps: Vec<Step> = sessions
+        .iter_mut()
+        .zip(&prompts)
+        .map(|(session, p)| Step { session, tokens: &p[p.len() / 2..], logits_from: 0 })
+        .collect();
+    let together = model.forward_many(&mut steps).unwrap();
+    for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a.len(), b.len());
+        assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{name}: sequence {i} batched with others differs");
+    }
+}
+
+#[test]
+fn smollm2_batched_sequences_are_independent() {
+    batched_sequences("smollm2-135m");
+}
+
+#[test]
+fn gemma3_batched_sequences_are_independent() {
+    batched_sequences("gemma3-270m");
+}
+
+/// Gemma 3's sliding-window layers past their window (512): a prompt of 1100 tokens fed
+/// as one call (three batches) and in uneven chunks gives the same bits, while the local
+/// layers' caches hold only their window and a batch.
+#[test]
+fn gemma3_past_the_sliding_window() {
+    let Some(model) = load("gemma3-270m", 2) else { return };
+    assert_eq!(model.cfg.sliding_window, Some(512));
+    let prompt: Vec<u32> = (0..1100u32).map(|i| (i * 7919) % 20000 + 10).collect();
+    let mut s = model.session(2048).unwrap();
+    let whole = model.forward(&mut s, &prompt, 1000).unwrap();
+    let mut s = model.session(2048).unwrap();
+    let mut chunked = Vec::new();
+    let mut at = 0;
+    for n in [700, 1, 299, 100] {
+        chunked.extend(model.forward(&mut s, &prompt[at..at + n], 1000usize.saturating_sub(at).min(n)).unwrap());
+        at += n;
+    }
+    assert!(whole.iter().zip(&chunked).all(|(a, b)| a.to_bits() == b.to_bits()) && whole.len() == chunked.len());
+    // Local layers keep a ring of window + batch slots (1024 here), global ones all 2048.
+    let c = &model.cfg;
+    let slot_bytes = 2 * c.kv_dim() * 2;
+    let global = c.layer_local.iter().filter(|&&l| !l).count();
+    let want = slot_bytes * (global * 2048 + (c.n_layer - global) * 1024);
+    assert_eq!(s.kv_bytes(), want);
 }

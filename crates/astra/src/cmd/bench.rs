@@ -102,7 +102,7 @@ pub fn run(args: Args) -> Result<()> {
                 "model": name, "threads": threads, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
                 "pp_tokens_per_s": ppm, "pp_sd": pps, "tg_tokens_per_s": tgm, "tg_sd": tgs,
                 "pp_samples": pp, "tg_samples": tg,
-                "weight_bytes_per_token": model.weights.bytes_per_token(),
+                "weight_bytes_per_token": model.weight_bytes_per_token(),
             })
         );
         return Ok(());

@@ -1,0 +1,105 @@
+//! The device-neutral interface the model is written against: buffers on a device and
+//! the operations of a transformer over them. The CPU backend ([`crate::cpu`])
+//! implements it in this crate; a GPU backend implements it in its own, and the model
+//! ([`crate::model`]) runs unchanged on either.
+//!
+//! Tensors are row-major `rows × width` f32 activations, one row per token of the
+//! batch. A batch may hold tokens of several sequences: [`SeqRows`] says which rows
+//! belong to which KV cache and at which positions. Every operation computes a row
+//! from that row's inputs alone (attention: from its own sequence's cache), which is
+//! what makes a sequence's results independent of what else is in the batch.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use astra_gguf::GgufFile;
+
+use crate::config::Config;
+use crate::weights::MatRef;
+use crate::EngineError;
+
+/// The gated feed-forward's activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU (Llama).
+    Silu,
+    /// GeGLU with the tanh approximation of GELU (Gemma).
+    GeluTanh,
+}
+
+/// Rotary position embedding of each head's first `dims` values.
+#[derive(Clone, Copy, Debug)]
+pub struct Rope {
+    pub dims: usize,
+    pub base: f32,
+    /// Rotate the two halves (NeoX) rather than adjacent pairs.
+    pub neox: bool,
+}
+
+/// One sequence's part of a batch: rows `rows` of the batch's tensors are its tokens at
+/// positions `pos`, `pos + 1`, …, and `kv` is its cache.
+pub struct SeqRows<'a, K> {
+    pub kv: &'a mut K,
+    pub rows: Range<usize>,
+    pub pos: usize,
+}
+
+pub trait Backend: Send + Sync + Sized + 'static {
+    /// Activations on the device: `rows × width` f32.
+    type Tensor: Send;
+    /// A quantized weight matrix on the device, as stored in the file.
+    type Matrix: Send + Sync;
+    /// An f32 vector on the device (norm weights).
+    type Vector: Send + Sync;
+    /// One sequence's keys and values, every layer.
+    type KvCache: Send;
+
+    /// What it runs on, for logs and reports.
+    fn describe(&self) -> String;
+
+    /// Makes the matrix `m` of `file` available to the kernels.
+    fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<Self::Matrix, EngineError>;
+    fn vector(&self, v: &[f32]) -> Result<Self::Vector, EngineError>;
+    /// A zeroed `rows × width` tensor.
+    fn tensor(&self, rows: usize, width: usize) -> Self::Tensor;
+    /// A KV cache for `ctx` positions, written by batches of at most `max_batch` tokens
+    /// of the sequence.
+    fn kv_cache(&self, cfg: &Config, ctx: usize, max_batch: usize) -> Result<Self::KvCache, EngineError>;
+    fn kv_bytes(&self, kv: &Self::KvCache) -> usize;
+    /// The whole tensor, on the host.
+    fn read(&self, t: &Self::Tensor) -> Vec<f32>;
+
+    /// `out[i] = dequantize(table row tokens[i]) · scale`.
+    fn embed(&self, table: &Self::Matrix, tokens: &[u32], scale: Option<f32>, out: &mut Self::Tensor);
+    /// A tensor of the given rows of `x`, in that order.
+    fn gather(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+    /// `out = rms_norm(x) · w` for each row.
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Vector, eps: f32, out: &mut Self::Tensor);
+    /// RMSNorm in place of each group of `w`'s length: whole rows, or each head.
+    fn rms_norm_groups(&self, x: &mut Self::Tensor, w: &Self::Vector, eps: f32);
+    /// `out = x · wᵀ` for every `(w, out)`; the weights share one conversion of `x`
+    /// where their kernels take the same activation format.
+    fn matmul(&self, x: &Self::Tensor, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]);
+    /// RoPE of each `head_dim` head of row `i` at position `positions[i]`.
+    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &[u32], rope: Rope);
+    fn scale(&self, x: &mut Self::Tensor, s: f32);
+    /// `x += y`.
+    fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+    /// `gate = act(gate) · up`.
+    fn glu(&self, gate: &mut Self::Tensor, up: &Self::Tensor, act: Activation);
+    /// Stores each sequence's keys and values of `layer` (rows of `k`, `v`) in its cache,
+    /// then writes to `out` the attention of its queries (rows of `q`, heads of
+    /// `cfg.head_dim`) over its cached positions: causal, within the layer's window,
+    /// scores scaled by `scale`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        layer: usize,
+        seqs: &mut [SeqRows<'_, Self::KvCache>],
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        scale: f32,
+        out: &mut Self::Tensor,
+    );
+}

@@ -1,0 +1,176 @@
+//! The CPU backend: tensors in host memory, weights read in place from the memory-mapped
+//! file by the SIMD quantized kernels, work spread over the engine's thread pool.
+
+use std::sync::Arc;
+
+use astra_gguf::GgufFile;
+use astra_quant::matmul::{matmul_quantized_on, Parallel, QuantizedActivations};
+use astra_quant::ActType;
+
+use crate::attention::KvCache;
+use crate::backend::{Activation, Backend, Rope, SeqRows};
+use crate::config::Config;
+use crate::ops::{add_inplace, gelu, rms_norm, rms_norm_inplace, rope, silu};
+use crate::pool::Pool;
+use crate::weights::MatRef;
+use crate::EngineError;
+
+pub struct CpuBackend {
+    pool: Pool,
+}
+
+impl CpuBackend {
+    /// A backend running on `threads` threads (the caller's and `threads - 1` more).
+    pub fn new(threads: usize) -> CpuBackend {
+        CpuBackend { pool: Pool::new(threads.max(1)) }
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+}
+
+/// `rows × width` f32 activations, row-major.
+pub struct CpuTensor {
+    data: Vec<f32>,
+    width: usize,
+}
+
+impl CpuTensor {
+    fn rows(&self) -> impl Iterator<Item = &[f32]> {
+        self.data.chunks_exact(self.width)
+    }
+
+    fn rows_mut(&mut self) -> impl Iterator<Item = &mut [f32]> {
+        self.data.chunks_exact_mut(self.width)
+    }
+}
+
+/// A weight matrix read in place from the mapped file.
+pub struct CpuMatrix {
+    file: Arc<GgufFile>,
+    m: MatRef,
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type Matrix = CpuMatrix;
+    type Vector = Vec<f32>;
+    type KvCache = KvCache;
+
+    fn describe(&self) -> String {
+        format!("cpu ({} threads, {})", self.threads(), astra_quant::Isa::selected().name())
+    }
+
+    fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<CpuMatrix, EngineError> {
+        Ok(CpuMatrix { file: Arc::clone(file), m: m.clone() })
+    }
+
+    fn vector(&self, v: &[f32]) -> Result<Vec<f32>, EngineError> {
+        Ok(v.to_vec())
+    }
+
+    fn tensor(&self, rows: usize, width: usize) -> CpuTensor {
+        CpuTensor { data: vec![0.0; rows * width], width }
+    }
+
+    fn kv_cache(&self, cfg: &Config, ctx: usize, max_batch: usize) -> Result<KvCache, EngineError> {
+        Ok(KvCache::new(cfg, ctx, max_batch))
+    }
+
+    fn kv_bytes(&self, kv: &KvCache) -> usize {
+        kv.bytes()
+    }
+
+    fn read(&self, t: &CpuTensor) -> Vec<f32> {
+        t.data.clone()
+    }
+
+    fn embed(&self, table: &CpuMatrix, tokens: &[u32], scale: Option<f32>, out: &mut CpuTensor) {
+        let m = table.m.view(&table.file);
+        for (row, &tok) in out.rows_mut().zip(tokens) {
+            astra_quant::dequantize(m.ty, m.row(tok as usize), row).expect("embedding row");
+            if let Some(scale) = scale {
+                row.iter_mut().for_each(|v| *v *= scale);
+            }
+        }
+    }
+
+    fn gather(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
+        let w = x.width;
+        CpuTensor { data: rows.iter().flat_map(|&r| &x.data[r * w..(r + 1) * w]).copied().collect(), width: w }
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, w: &Vec<f32>, eps: f32, out: &mut CpuTensor) {
+        for (o, x) in out.rows_mut().zip(x.rows()) {
+            rms_norm(x, w, eps, o);
+        }
+    }
+
+    fn rms_norm_groups(&self, x: &mut CpuTensor, w: &Vec<f32>, eps: f32) {
+        for g in x.data.chunks_exact_mut(w.len()) {
+            rms_norm_inplace(g, w, eps);
+        }
+    }
+
+    fn matmul(&self, x: &CpuTensor, outs: &mut [(&CpuMatrix, &mut CpuTensor)]) {
+        // Consecutive weights taking the same activation type share its quantization.
+        let mut shared: Option<(ActType, QuantizedActivations)> = None;
+        for (w, out) in outs.iter_mut() {
+            let k = &w.m.kernels;
+            if shared.as_ref().is_none_or(|(a, _)| *a != k.act) {
+                let acts = QuantizedActivations::new(k.act, &x.data, x.width).expect("activation shape");
+                shared = Some((k.act, acts));
+            }
+            let (_, acts) = shared.as_ref().expect("just set");
+            matmul_quantized_on(&self.pool, &w.m.view(&w.file), acts, &mut out.data, k);
+        }
+    }
+
+    fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &[u32], r: Rope) {
+        for (row, &pos) in x.rows_mut().zip(positions) {
+            for head in row.chunks_exact_mut(head_dim) {
+                rope(head, pos as usize, r.dims, r.base, r.neox);
+            }
+        }
+    }
+
+    fn scale(&self, x: &mut CpuTensor, s: f32) {
+        x.data.iter_mut().for_each(|v| *v *= s);
+    }
+
+    fn add(&self, x: &mut CpuTensor, y: &CpuTensor) {
+        add_inplace(&mut x.data, &y.data);
+    }
+
+    fn glu(&self, gate: &mut CpuTensor, up: &CpuTensor, act: Activation) {
+        let f: fn(f32) -> f32 = match act {
+            Activation::Silu => silu,
+            Activation::GeluTanh => gelu,
+        };
+        for (g, &u) in gate.data.iter_mut().zip(&up.data) {
+            *g = f(*g) * u;
+        }
+    }
+
+    fn attention(
+        &self,
+        layer: usize,
+        seqs: &mut [SeqRows<'_, KvCache>],
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        scale: f32,
+        out: &mut CpuTensor,
+    ) {
+        let (qw, kw) = (q.width, k.width);
+        for s in seqs.iter_mut() {
+            let rows = s.rows.clone();
+            for (i, r) in rows.clone().enumerate() {
+                s.kv.store(layer, s.pos + i, &k.data[r * kw..(r + 1) * kw], &v.data[r * kw..(r + 1) * kw]);
+            }
+            let (q, o) = (&q.data[rows.start * qw..rows.end * qw], &mut out.data[rows.start * qw..rows.end * qw]);
+            s.kv.layer(layer, scale).attend(&self.pool, q, s.pos, o);
+        }
+    }
+}
