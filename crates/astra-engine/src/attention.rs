@@ -61,6 +61,13 @@ impl KvCache {
         KvCache { layers, n_head: cfg.n_head, n_head_kv: cfg.n_head_kv, head_dim: cfg.head_dim, ctx }
     }
 
+    /// How far below the highest position written a sequence may be cut back and
+    /// continued: a ring keeps the positions a query needs only while fewer than
+    /// `slots - window` later positions have overwritten them.
+    pub fn rewind_limit(&self) -> usize {
+        self.layers.iter().filter_map(|l| l.window.map(|w| l.slots.saturating_sub(w))).min().unwrap_or(usize::MAX)
+    }
+
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(|l| 2 * l.k.len() * 2).sum()
     }

@@ -66,6 +66,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// of the sequence.
     fn kv_cache(&self, cfg: &Config, ctx: usize, max_batch: usize) -> Result<Self::KvCache, EngineError>;
     fn kv_bytes(&self, kv: &Self::KvCache) -> usize;
+    /// How many positions below the highest one written a sequence may be cut back to
+    /// and continued from (unlimited without sliding-window rings).
+    fn kv_rewind_limit(&self, kv: &Self::KvCache) -> usize;
     /// The whole tensor, on the host.
     fn read(&self, t: &Self::Tensor) -> Vec<f32>;
 

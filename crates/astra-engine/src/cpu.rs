@@ -82,6 +82,10 @@ impl Backend for CpuBackend {
         kv.bytes()
     }
 
+    fn kv_rewind_limit(&self, kv: &KvCache) -> usize {
+        kv.rewind_limit()
+    }
+
     fn read(&self, t: &CpuTensor) -> Vec<f32> {
         t.data.clone()
     }

@@ -31,7 +31,11 @@ pub struct Session<B: Backend = CpuBackend> {
     kv: B::KvCache,
     ctx: usize,
     kv_bytes: usize,
-    pub n_past: usize,
+    rewind_limit: usize,
+    /// Positions held (the next token goes at this position).
+    n_past: usize,
+    /// The highest position count reached since the cache was last emptied.
+    high: usize,
 }
 
 impl<B: Backend> Session<B> {
@@ -39,9 +43,21 @@ impl<B: Backend> Session<B> {
         self.ctx
     }
 
-    /// Forgets positions from `n` on (their cache entries are overwritten later).
-    pub fn truncate(&mut self, n: usize) {
-        self.n_past = self.n_past.min(n);
+    /// Positions held: the next token goes at this position.
+    pub fn n_past(&self) -> usize {
+        self.n_past
+    }
+
+    /// Keeps the first `n` positions (at most those held) to continue from, and returns
+    /// how many it kept: `n`, or 0 when a sliding-window ring has already overwritten
+    /// entries that continuing from `n` would need.
+    pub fn rewind(&mut self, n: usize) -> usize {
+        let n = n.min(self.n_past);
+        self.n_past = if self.high - n <= self.rewind_limit { n } else { 0 };
+        if self.n_past == 0 {
+            self.high = 0;
+        }
+        self.n_past
     }
 
     pub fn kv_bytes(&self) -> usize {
@@ -99,7 +115,14 @@ impl<B: Backend> Model<B> {
             )));
         }
         let kv = self.backend.kv_cache(&self.cfg, ctx, MAX_BATCH)?;
-        Ok(Session { kv_bytes: self.backend.kv_bytes(&kv), kv, ctx, n_past: 0 })
+        Ok(Session {
+            kv_bytes: self.backend.kv_bytes(&kv),
+            rewind_limit: self.backend.kv_rewind_limit(&kv),
+            kv,
+            ctx,
+            n_past: 0,
+            high: 0,
+        })
     }
 
     /// Runs `tokens` at the session's next positions and returns the logits of the
@@ -233,7 +256,9 @@ impl<B: Backend> Model<B> {
             be.add(&mut x, &o);
         }
         for p in parts {
-            steps[p.step].session.n_past += p.range.len();
+            let s = &mut *steps[p.step].session;
+            s.n_past += p.range.len();
+            s.high = s.high.max(s.n_past);
         }
         let mut out: Vec<Vec<f32>> = parts.iter().map(|_| Vec::new()).collect();
         if wanted.is_empty() {

@@ -175,7 +175,8 @@ fn gemma3_batched_sequences_are_independent() {
 
 /// Gemma 3's sliding-window layers past their window (512): a prompt of 1100 tokens fed
 /// as one call (three batches) and in uneven chunks gives the same bits, while the local
-/// layers' caches hold only their window and a batch.
+/// layers' caches hold only their window and a batch, and a rewind is honoured only
+/// where the ring still holds what continuing needs.
 #[test]
 fn gemma3_past_the_sliding_window() {
     let Some(model) = load("gemma3-270m", 2) else { return };
@@ -197,4 +198,10 @@ fn gemma3_past_the_sliding_window() {
     let global = c.layer_local.iter().filter(|&&l| !l).count();
     let want = slot_bytes * (global * 2048 + (c.n_layer - global) * 1024);
     assert_eq!(s.kv_bytes(), want);
+    // Cut back within the ring's margin, the sequence continues with the same bits;
+    // further back, the overwritten window is reported by keeping nothing.
+    assert_eq!(s.rewind(1000), 1000);
+    let again = model.forward(&mut s, &prompt[1000..], 0).unwrap();
+    assert!(again.iter().zip(&whole).all(|(a, b)| a.to_bits() == b.to_bits()) && again.len() == whole.len());
+    assert_eq!(s.rewind(400), 0);
 }

@@ -112,6 +112,17 @@ impl ChatTemplate {
             })
             .map_err(|e| TemplateError(e.to_string()))
     }
+
+    /// The prompt text that opens the assistant's turn, ready to encode with special
+    /// tokens added: when the tokenizer adds BOS itself, a BOS the template printed at
+    /// the start is dropped (as llama.cpp does), so the prompt never starts with two.
+    pub fn prompt(&self, messages: &[ChatMessage], tokenizer_adds_bos: bool) -> Result<String, TemplateError> {
+        let text = self.render(messages, true)?;
+        match text.strip_prefix(self.bos_token.as_str()) {
+            Some(rest) if tokenizer_adds_bos && !self.bos_token.is_empty() => Ok(rest.to_owned()),
+            _ => Ok(text),
+        }
+    }
 }
 
 #[cfg(test)]

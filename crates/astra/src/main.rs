@@ -27,6 +27,8 @@ enum Command {
     Bench(cmd::bench::Args),
     /// Perplexity of a text, as llama-perplexity measures it.
     Perplexity(cmd::perplexity::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(cmd::serve::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -39,6 +41,7 @@ fn main() -> std::process::ExitCode {
         Command::Run(args) => cmd::run::run(args),
         Command::Bench(args) => cmd::bench::run(args),
         Command::Perplexity(args) => cmd::perplexity::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

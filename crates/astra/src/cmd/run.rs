@@ -60,7 +60,7 @@ pub fn run(args: Args) -> Result<()> {
     let tok = Tokenizer::from_metadata(model.file.metadata())?;
     let prompt = if args.chat {
         let template = ChatTemplate::for_model(model.file.metadata(), &tok)?;
-        template.render(&[ChatMessage::new("user", args.prompt.clone())], true)?
+        template.prompt(&[ChatMessage::new("user", args.prompt.clone())], tok.vocab().add_bos)?
     } else {
         args.prompt.clone()
     };

@@ -1,0 +1,356 @@
+//! OpenAI request bodies: parsing and validation into what the scheduler runs, with a
+//! message that names the offending field for every rejection.
+
+use astra_engine::sampler::SamplerConfig;
+use astra_tokenizer::ChatMessage;
+use serde_json::{Map, Value};
+
+/// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+}
+
+impl ApiError {
+    pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError { status: 400, message: message.into(), kind: "invalid_request_error", param: Some(param.to_owned()) }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError { status: 400, message: message.into(), kind: "invalid_request_error", param: None }
+    }
+
+    pub fn body(&self) -> Value {
+        let code = match self.status {
+            404 => "not_found",
+            405 => "method_not_allowed",
+            413 => "request_too_large",
+            429 => "rate_limit_exceeded",
+            503 => "unavailable",
+            s if s >= 500 => "server_error",
+            _ => "invalid_request",
+        };
+        serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}})
+    }
+}
+
+/// The prompt of a request, before tokenization.
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    Chat(Vec<ChatMessage>),
+}
+
+/// A validated completion request (chat or plain).
+#[derive(Debug, Clone)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    pub sampler: SamplerConfig,
+    pub max_tokens: Option<usize>,
+    pub stop: Vec<String>,
+    /// Alternatives per token when log probabilities were asked for.
+    pub logprobs: Option<usize>,
+    pub n: usize,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Choices one request may ask for.
+pub const MAX_CHOICES: usize = 16;
+/// Alternatives per token in `top_logprobs`.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+const MAX_STOPS: usize = 16;
+
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// Reads typed, range-checked optional fields of a JSON object.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl<'a> Fields<'a> {
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.0.get(key).filter(|v| !v.is_null())
+    }
+
+    fn number(&self, key: &str, lo: f64, hi: f64) -> Result<Option<f32>, ApiError> {
+        let Some(v) = self.get(key) else { return Ok(None) };
+        let x = v.as_f64().ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be a number")))?;
+        if !(lo..=hi).contains(&x) {
+            return Err(ApiError::invalid(key, format!("'{key}' must be between {lo} and {hi}, got {x}")));
+        }
+        Ok(Some(x as f32))
+    }
+
+    fn integer(&self, key: &str, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
+        let Some(v) = self.get(key) else { return Ok(None) };
+        let x = v.as_i64().ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be an integer")))?;
+        if !(lo..=hi).contains(&x) {
+            return Err(ApiError::invalid(key, format!("'{key}' must be between {lo} and {hi}, got {x}")));
+        }
+        Ok(Some(x))
+    }
+
+    fn boolean(&self, key: &str) -> Result<Option<bool>, ApiError> {
+        let Some(v) = self.get(key) else { return Ok(None) };
+        v.as_bool().map(Some).ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be true or false")))
+    }
+}
+
+/// The body as a JSON object.
+pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
+    match v {
+        Value::Object(m) => Ok(m),
+        _ => Err(ApiError::bad_request("the body must be a JSON object")),
+    }
+}
+
+fn stop_strings(f: &Fields) -> Result<Vec<String>, ApiError> {
+    let stops = match f.get("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|s| s.as_str().map(str::to_owned).ok_or_else(|| ApiError::invalid("stop", "'stop' must be a string or a list of strings")))
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(ApiError::invalid("stop", "'stop' must be a string or a list of strings")),
+    };
+    if stops.len() > MAX_STOPS {
+        return Err(ApiError::invalid("stop", format!("at most {MAX_STOPS} stop strings, got {}", stops.len())));
+    }
+    Ok(stops)
+}
+
+/// `logit_bias`: token id (as a string key) → bias in [-100, 100]; -100 bans the token.
+fn logit_bias(f: &Fields, n_vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(v) = f.get("logit_bias") else { return Ok(Vec::new()) };
+    let map = v.as_object().ok_or_else(|| ApiError::invalid("logit_bias", "'logit_bias' must be an object of token id to bias"))?;
+    let mut out = Vec::with_capacity(map.len().min(n_vocab));
+    for (k, b) in map {
+        let id: u32 = k
+            .parse()
+            .ok()
+            .filter(|&id: &u32| (id as usize) < n_vocab)
+            .ok_or_else(|| ApiError::invalid("logit_bias", format!("'logit_bias' key {k:?} is not a token id below {n_vocab}")))?;
+        let bias = b
+            .as_f64()
+            .filter(|x| (-100.0..=100.0).contains(x))
+            .ok_or_else(|| ApiError::invalid("logit_bias", format!("'logit_bias' for token {id} must be a number in [-100, 100]")))?;
+        out.push((id, if bias <= -100.0 { f32::NEG_INFINITY } else { bias as f32 }));
+    }
+    out.sort_by_key(|&(id, _)| id);
+    Ok(out)
+}
+
+fn message_content(v: Option<&Value>, i: usize, role: &str) -> Result<String, ApiError> {
+    let param = format!("messages[{i}].content");
+    match v {
+        Some(Value::String(s)) => Ok(s.clone()),
+        None | Some(Value::Null) if role == "assistant" => Ok(String::new()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                let kind = p.get("type").and_then(Value::as_str);
+                match (kind, p.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (Some("text"), None) => return Err(ApiError::invalid(&param, format!("{param}[{j}] has no 'text' string"))),
+                    (Some(other), _) => {
+                        return Err(ApiError::invalid(&param, format!("{param}[{j}]: content of type '{other}' is not supported (text only)")))
+                    }
+                    (None, _) => return Err(ApiError::invalid(&param, format!("{param}[{j}] must be an object with a 'type'"))),
+                }
+            }
+            Ok(text)
+        }
+        None | Some(Value::Null) => Err(ApiError::invalid(&param, format!("{param} is required"))),
+        Some(_) => Err(ApiError::invalid(&param, format!("{param} must be a string or an array of content parts"))),
+    }
+}
+
+fn messages(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
+    let v = f.get("messages").ok_or_else(|| ApiError::invalid("messages", "'messages' is required"))?;
+    let list = v.as_array().ok_or_else(|| ApiError::invalid("messages", "'messages' must be an array"))?;
+    if list.is_empty() {
+        return Err(ApiError::invalid("messages", "'messages' must not be empty"));
+    }
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let m = m.as_object().ok_or_else(|| ApiError::invalid("messages", format!("messages[{i}] must be an object")))?;
+            let role = m
+                .get("role")
+                .and_then(Value::as_str)
+                .ok_or_else(|| ApiError::invalid("messages", format!("messages[{i}].role must be a string")))?;
+            if !ROLES.contains(&role) {
+                return Err(ApiError::invalid("messages", format!("messages[{i}].role '{role}' is not one of {}", ROLES.join(", "))));
+            }
+            Ok(ChatMessage::new(role, message_content(m.get("content"), i, role)?))
+        })
+        .collect()
+}
+
+fn prompt(f: &Fields, n_vocab: usize) -> Result<Prompt, ApiError> {
+    match f.get("prompt") {
+        None => Err(ApiError::invalid("prompt", "'prompt' is required")),
+        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => Ok(Prompt::Text(a[0].as_str().unwrap_or_default().to_owned())),
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => a
+            .iter()
+            .map(|t| {
+                t.as_u64()
+                    .filter(|&id| (id as usize) < n_vocab)
+                    .map(|id| id as u32)
+                    .ok_or_else(|| ApiError::invalid("prompt", format!("prompt token {t} is not a token id below {n_vocab}")))
+            })
+            .collect::<Result<_, _>>()
+            .map(Prompt::Tokens),
+        Some(_) => Err(ApiError::invalid("prompt", "'prompt' must be a string, a one-string list or a non-empty list of token ids")),
+    }
+}
+
+/// Parses a `/v1/chat/completions` (`chat`) or `/v1/completions` body.
+pub fn completion_request(body: &Map<String, Value>, chat: bool, n_vocab: usize) -> Result<CompletionRequest, ApiError> {
+    let f = Fields(body);
+    let prompt = if chat { Prompt::Chat(messages(&f)?) } else { prompt(&f, n_vocab)? };
+    let max_tokens = match f.integer("max_completion_tokens", 1, i64::MAX)? {
+        Some(n) => Some(n),
+        None => f.integer("max_tokens", 1, i64::MAX)?,
+    };
+    let logprobs = if chat {
+        let want = f.boolean("logprobs")?.unwrap_or(false);
+        let top = f.integer("top_logprobs", 0, MAX_TOP_LOGPROBS as i64)?;
+        if top.is_some() && !want {
+            return Err(ApiError::invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true"));
+        }
+        want.then_some(top.unwrap_or(0) as usize)
+    } else {
+        f.integer("logprobs", 0, MAX_TOP_LOGPROBS as i64)?.map(|n| n as usize)
+    };
+    let stream = f.boolean("stream")?.unwrap_or(false);
+    let include_usage = match f.get("stream_options") {
+        None => false,
+        Some(Value::Object(o)) => Fields(o).boolean("include_usage")?.unwrap_or(false),
+        Some(_) => return Err(ApiError::invalid("stream_options", "'stream_options' must be an object")),
+    };
+    let defaults = SamplerConfig::default();
+    let sampler = SamplerConfig {
+        // OpenAI's default temperature is 1.
+        temperature: f.number("temperature", 0.0, 2.0)?.unwrap_or(1.0),
+        top_k: f.integer("top_k", 0, i64::from(u32::MAX))?.map_or(defaults.top_k, |k| k as usize),
+        top_p: f.number("top_p", 0.0, 1.0)?.unwrap_or(defaults.top_p),
+        min_p: f.number("min_p", 0.0, 1.0)?.unwrap_or(defaults.min_p),
+        repeat_penalty: f.number("repeat_penalty", 0.0, 10.0)?.unwrap_or(defaults.repeat_penalty),
+        frequency_penalty: f.number("frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0),
+        presence_penalty: f.number("presence_penalty", -2.0, 2.0)?.unwrap_or(0.0),
+        logit_bias: logit_bias(&f, n_vocab)?,
+        seed: match f.get("seed") {
+            None => defaults.seed,
+            Some(v) => v
+                .as_i64()
+                .map(|s| s as u64)
+                .or_else(|| v.as_u64())
+                .ok_or_else(|| ApiError::invalid("seed", "'seed' must be an integer"))?,
+        },
+        ..defaults
+    };
+    Ok(CompletionRequest {
+        prompt,
+        sampler,
+        max_tokens: max_tokens.map(|n| n as usize),
+        stop: stop_strings(&f)?,
+        logprobs,
+        n: f.integer("n", 1, MAX_CHOICES as i64)?.unwrap_or(1) as usize,
+        stream,
+        include_usage,
+    })
+}
+
+/// `/tokenize`: `{"content": string, "add_special"?: bool, "parse_special"?: bool, "with_pieces"?: bool}`.
+pub struct TokenizeRequest {
+    pub content: String,
+    pub add_special: bool,
+    pub parse_special: bool,
+    pub with_pieces: bool,
+}
+
+pub fn tokenize_request(body: &Map<String, Value>) -> Result<TokenizeRequest, ApiError> {
+    let f = Fields(body);
+    let content = match f.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return Err(ApiError::invalid("content", "'content' must be a string")),
+        None => return Err(ApiError::invalid("content", "'content' is required")),
+    };
+    Ok(TokenizeRequest {
+        content,
+        add_special: f.boolean("add_special")?.unwrap_or(false),
+        parse_special: f.boolean("parse_special")?.unwrap_or(true),
+        with_pieces: f.boolean("with_pieces")?.unwrap_or(false),
+    })
+}
+
+/// `/detokenize`: `{"tokens": [id, ...]}`.
+pub fn detokenize_request(body: &Map<String, Value>, n_vocab: usize) -> Result<Vec<u32>, ApiError> {
+    let f = Fields(body);
+    let list = match f.get("tokens") {
+        Some(Value::Array(a)) => a,
+        Some(_) => return Err(ApiError::invalid("tokens", "'tokens' must be an array of token ids")),
+        None => return Err(ApiError::invalid("tokens", "'tokens' is required")),
+    };
+    list.iter()
+        .map(|t| {
+            t.as_u64()
+                .filter(|&id| (id as usize) < n_vocab)
+                .map(|id| id as u32)
+                .ok_or_else(|| ApiError::invalid("tokens", format!("{t} is not a token id below {n_vocab}")))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn chat(v: Value) -> Result<CompletionRequest, ApiError> {
+        completion_request(v.as_object().unwrap(), true, 1000)
+    }
+
+    #[test]
+    fn accepts_openai_shapes() {
+        let r = chat(json!({
+            "model": "x", "messages": [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}],
+            "max_tokens": 5, "temperature": 0, "stop": "\n", "logit_bias": {"7": -100, "9": 2.5},
+            "logprobs": true, "top_logprobs": 3, "n": 2, "stream": true, "stream_options": {"include_usage": true},
+            "seed": -1, "user": "ignored"
+        }))
+        .unwrap();
+        let Prompt::Chat(m) = &r.prompt else { panic!("chat prompt") };
+        assert_eq!(m[1].content, "hi there");
+        assert_eq!(r.max_tokens, Some(5));
+        assert_eq!(r.sampler.temperature, 0.0);
+        assert_eq!(r.sampler.logit_bias, vec![(7, f32::NEG_INFINITY), (9, 2.5)]);
+        assert_eq!((r.logprobs, r.n, r.stream, r.include_usage), (Some(3), 2, true, true));
+        assert_eq!(r.stop, vec!["\n".to_owned()]);
+    }
+
+    #[test]
+    fn rejects_with_the_field_named() {
+        for (body, param) in [
+            (json!({"messages": []}), "messages"),
+            (json!({"messages": [{"role": "wizard", "content": "x"}]}), "messages"),
+            (json!({"messages": [{"role": "user", "content": 3}]}), "messages[0].content"),
+            (json!({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}), "temperature"),
+            (json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}), "max_tokens"),
+            (json!({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5000": 1}}), "logit_bias"),
+            (json!({"messages": [{"role": "user", "content": "x"}], "n": 17}), "n"),
+            (json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), "top_logprobs"),
+        ] {
+            let e = chat(body.clone()).unwrap_err();
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{body}: {}", e.message);
+        }
+    }
+}

@@ -1,0 +1,12 @@
+//! astra's OpenAI-compatible server: `serve` binds the port at once, loads the model
+//! behind it (`/health` says when it is ready), and runs the continuous-batching
+//! scheduler on its own thread while tokio serves HTTP.
+
+pub mod api;
+pub mod generation;
+pub mod http;
+pub mod metrics;
+pub mod scheduler;
+mod serve;
+
+pub use serve::{serve, ServeOptions};

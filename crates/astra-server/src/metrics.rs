@@ -1,0 +1,137 @@
+//! The server's counters, gauges and latency histograms, rendered in the Prometheus
+//! text exposition format for `GET /metrics`.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Request outcomes counted by `astra_requests_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Completed and delivered.
+    Ok,
+    /// Rejected as invalid (4xx other than 429).
+    Invalid,
+    /// Turned away because the queue was full (429).
+    Rejected,
+    /// The client went away before the end.
+    Cancelled,
+    /// Failed inside the server.
+    Error,
+}
+
+const OUTCOMES: [(Outcome, &str); 5] = [
+    (Outcome::Ok, "ok"),
+    (Outcome::Invalid, "invalid"),
+    (Outcome::Rejected, "rejected"),
+    (Outcome::Cancelled, "cancelled"),
+    (Outcome::Error, "error"),
+];
+
+/// Upper bounds (seconds) of the latency histograms' buckets.
+const BUCKETS: [f64; 14] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+
+#[derive(Default)]
+pub struct Histogram {
+    inner: Mutex<HistogramData>,
+}
+
+#[derive(Default)]
+struct HistogramData {
+    counts: [u64; BUCKETS.len()],
+    count: u64,
+    sum: f64,
+}
+
+impl Histogram {
+    pub fn observe(&self, seconds: f64) {
+        let mut h = self.inner.lock().expect("histogram lock");
+        if let Some(i) = BUCKETS.iter().position(|&b| seconds <= b) {
+            h.counts[i] += 1;
+        }
+        h.count += 1;
+        h.sum += seconds;
+    }
+
+    fn render(&self, name: &str, help: &str, out: &mut String) {
+        let h = self.inner.lock().expect("histogram lock");
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (b, c) in BUCKETS.iter().zip(h.counts) {
+            cumulative += c;
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", h.count, h.sum, h.count);
+    }
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    requests: [AtomicU64; OUTCOMES.len()],
+    pub prompt_tokens: AtomicU64,
+    pub generated_tokens: AtomicU64,
+    pub cached_tokens: AtomicU64,
+    pub queue_depth: AtomicU64,
+    pub slots_busy: AtomicU64,
+    pub slots_total: AtomicU64,
+    pub time_to_first_token: Histogram,
+    pub inter_token_latency: Histogram,
+    pub request_duration: Histogram,
+}
+
+impl Metrics {
+    pub fn request(&self, outcome: Outcome) {
+        let i = OUTCOMES.iter().position(|(o, _)| *o == outcome).expect("every outcome is listed");
+        self.requests[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn add(counter: &AtomicU64, n: usize) {
+        counter.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        out.push_str("# HELP astra_requests_total Requests by outcome.\n# TYPE astra_requests_total counter\n");
+        for ((_, label), c) in OUTCOMES.iter().zip(&self.requests) {
+            let _ = writeln!(out, "astra_requests_total{{outcome=\"{label}\"}} {}", get(c));
+        }
+        for (name, kind, help, c) in [
+            ("astra_prompt_tokens_total", "counter", "Prompt tokens received.", &self.prompt_tokens),
+            ("astra_generated_tokens_total", "counter", "Tokens generated.", &self.generated_tokens),
+            ("astra_cached_tokens_total", "counter", "Prompt tokens served from the prompt cache.", &self.cached_tokens),
+            ("astra_queue_depth", "gauge", "Requests waiting for a slot.", &self.queue_depth),
+            ("astra_slots_busy", "gauge", "Slots generating.", &self.slots_busy),
+            ("astra_slots_total", "gauge", "Slots.", &self.slots_total),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}", get(c));
+        }
+        self.time_to_first_token.render(
+            "astra_time_to_first_token_seconds",
+            "From a request's arrival to its first generated token.",
+            &mut out,
+        );
+        self.inter_token_latency.render("astra_inter_token_latency_seconds", "Between consecutive generated tokens.", &mut out);
+        self.request_duration.render("astra_request_duration_seconds", "From a request's arrival to its end.", &mut out);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let m = Metrics::default();
+        for s in [0.001, 0.2, 0.2, 500.0] {
+            m.request_duration.observe(s);
+        }
+        let text = m.render();
+        assert!(text.contains("astra_request_duration_seconds_bucket{le=\"0.005\"} 1\n"));
+        assert!(text.contains("astra_request_duration_seconds_bucket{le=\"0.25\"} 3\n"));
+        assert!(text.contains("astra_request_duration_seconds_bucket{le=\"120\"} 3\n"));
+        assert!(text.contains("astra_request_duration_seconds_bucket{le=\"+Inf\"} 4\n"));
+        assert!(text.contains("astra_request_duration_seconds_count 4\n"));
+    }
+}

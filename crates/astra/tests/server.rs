@@ -1,0 +1,381 @@
+//! `astra serve` end to end: the real binary on a loopback port with the real SmolLM2
+//! model, driven over HTTP.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Server {
+    /// Starts `astra serve` on a free port with `extra` arguments; waits until ready.
+    fn start(extra: &[&str]) -> Option<Server> {
+        let model = astra_models::model_for_test("smollm2-135m")?;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_astra"))
+            .args(["serve", "--port", "0", "--threads", "2", "--ctx", "2048", "--model"])
+            .arg(&model)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start astra serve");
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let line = lines.next().expect("a first line").unwrap();
+        let addr = line.strip_prefix("astra: listening on ").unwrap_or_else(|| panic!("unexpected first line {line:?}")).to_owned();
+        // Keep draining stdout so the server never blocks on it.
+        std::thread::spawn(move || for _ in lines {});
+        let server = Server { child, base: addr };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let (status, _) = server.get("/health");
+            if status == 200 {
+                return Some(server);
+            }
+            assert_eq!(status, 503, "/health while loading");
+            assert!(Instant::now() < deadline, "the model did not load in 60 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn agent() -> ureq::Agent {
+        ureq::Agent::config_builder().http_status_as_error(false).build().into()
+    }
+
+    fn get(&self, path: &str) -> (u16, String) {
+        let mut r = Self::agent().get(&format!("{}{path}", self.base)).call().expect("GET");
+        (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+    }
+
+    fn post_raw(&self, path: &str, body: &str) -> (u16, String) {
+        post_to(&self.base, path, body)
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let (status, text) = self.post_raw(path, &body.to_string());
+        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}")))
+    }
+
+    /// A successful chat completion.
+    fn chat(&self, body: &Value) -> Value {
+        let (status, v) = self.post("/v1/chat/completions", body);
+        assert_eq!(status, 200, "{v}");
+        v
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.get("/metrics");
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.trim().parse().ok()))
+            .unwrap_or_else(|| panic!("metric {name} missing"))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// POSTs a JSON body to `base` + `path` (from any thread); returns status and body.
+fn post_to(base: &str, path: &str, body: &str) -> (u16, String) {
+    let mut r = Server::agent()
+        .post(&format!("{base}{path}"))
+        .header("content-type", "application/json")
+        .send(body)
+        .expect("POST");
+    (r.status().as_u16(), r.body_mut().with_config().limit(64 << 20).read_to_string().unwrap())
+}
+
+fn content(v: &Value) -> &str {
+    v["choices"][0]["message"]["content"].as_str().unwrap()
+}
+
+fn user(text: &str, max_tokens: usize) -> Value {
+    json!({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0})
+}
+
+/// Reads a streamed response's `data:` payloads.
+fn sse_events(text: &str) -> Vec<String> {
+    text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).map(str::to_owned).collect()
+}
+
+#[test]
+fn chat_whole_and_streamed_agree() {
+    let Some(s) = Server::start(&[]) else { return };
+    let prompt = "Write a long story about a dragon who learns to bake bread.";
+    let whole = s.chat(&user(prompt, 24));
+    assert_eq!(whole["object"], "chat.completion");
+    assert_eq!(whole["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(whole["choices"][0]["finish_reason"], "length");
+    assert_eq!(whole["usage"]["completion_tokens"], 24);
+    assert!(whole["timings"]["predicted_per_second"].as_f64().unwrap() > 0.0);
+    let mut body = user(prompt, 24);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let (status, text) = s.post_raw("/v1/chat/completions", &body.to_string());
+    assert_eq!(status, 200);
+    let events = sse_events(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(streamed, content(&whole));
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 24);
+    assert_eq!(usage["prompt_tokens"], whole["usage"]["prompt_tokens"]);
+    assert!(chunks.iter().any(|c| c["choices"][0]["finish_reason"] == "length"));
+    // Plain completions, too.
+    let (status, v) = s.post("/v1/completions", &json!({"prompt": "The sky is", "max_tokens": 8, "temperature": 0}));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["usage"]["completion_tokens"], 8);
+}
+
+fn long_prefix() -> String {
+    let mut s = String::from("You are a meticulous assistant. Background notes follow.\n");
+    for i in 0..40 {
+        s.push_str(&format!("Note {i}: the river town of Vell{i} trades wool, salt and copper with its neighbours.\n"));
+    }
+    s
+}
+
+fn with_prefix(question: &str) -> Value {
+    json!({"messages": [{"role": "system", "content": long_prefix()}, {"role": "user", "content": question}],
+           "max_tokens": 16, "temperature": 0})
+}
+
+#[test]
+fn shared_prefix_is_served_from_the_cache_with_the_same_output() {
+    let Some(s) = Server::start(&[]) else { return };
+    let first = s.chat(&with_prefix("Which town trades salt?"));
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let second = s.chat(&with_prefix("Summarise note 3."));
+    let prompt_tokens = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    let prefix_tokens = {
+        let (_, v) = s.post("/tokenize", &json!({"content": long_prefix()}));
+        v["tokens"].as_array().unwrap().len() as u64
+    };
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(prefix_tokens > 400 && cached * 10 >= prefix_tokens * 9, "cached {cached} of a {prefix_tokens}-token prefix");
+    assert!(cached < prompt_tokens);
+    // The same request on a fresh server (nothing cached) gives the same text.
+    drop(s);
+    let fresh = Server::start(&[]).unwrap();
+    let uncached = fresh.chat(&with_prefix("Summarise note 3."));
+    assert_eq!(uncached["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(content(&uncached), content(&second));
+}
+
+#[test]
+fn json_key_order_and_whitespace_do_not_change_caching() {
+    let Some(s) = Server::start(&[]) else { return };
+    let a = r#"{"model":"m","temperature":0,"max_tokens":6,"messages":[{"role":"user","content":"Tell me about otters."}]}"#;
+    let b = r#"{ "messages" : [ { "content" : "Tell me about otters.", "role" : "user" } ],
+                 "max_tokens" : 6 ,"temperature":0.0, "model": "m" }"#;
+    let (sa, va) = s.post_raw("/v1/chat/completions", a);
+    let (sb, vb) = s.post_raw("/v1/chat/completions", b);
+    assert_eq!((sa, sb), (200, 200));
+    let (va, vb): (Value, Value) = (serde_json::from_str(&va).unwrap(), serde_json::from_str(&vb).unwrap());
+    let prompt = vb["usage"]["prompt_tokens"].as_u64().unwrap();
+    // Everything but the last prompt token (whose logits start the generation).
+    assert_eq!(vb["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), prompt - 1);
+    assert_eq!(content(&va), content(&vb));
+}
+
+#[test]
+fn logit_bias_bans_the_greedy_token() {
+    let Some(s) = Server::start(&[]) else { return };
+    let mut body = user("Write one word: the color of grass.", 12);
+    body["logprobs"] = json!(true);
+    let plain = s.chat(&body);
+    let ids = |v: &Value| -> Vec<u64> {
+        v["choices"][0]["logprobs"]["content"].as_array().unwrap().iter().map(|t| t["id"].as_u64().unwrap()).collect()
+    };
+    let first = ids(&plain)[0];
+    body["logit_bias"] = json!({ first.to_string(): -100 });
+    let biased = s.chat(&body);
+    assert_ne!(content(&biased), content(&plain));
+    assert!(!ids(&biased).contains(&first), "token {first} was emitted despite a -100 bias");
+}
+
+#[test]
+fn concurrent_requests_match_their_single_outputs() {
+    let Some(s) = Server::start(&["--parallel", "4", "--queue", "32"]) else { return };
+    let prompts: Vec<String> = (0..16).map(|i| format!("Give me fact number {i} about the number {}.", i * 7 + 3)).collect();
+    let single: Vec<String> = prompts.iter().map(|p| content(&s.chat(&user(p, 12))).to_owned()).collect();
+    let base = s.base.clone();
+    let handles: Vec<_> = prompts
+        .iter()
+        .cloned()
+        .map(|p| {
+            let base = base.clone();
+            std::thread::spawn(move || {
+                let (status, text) = post_to(&base, "/v1/chat/completions", &user(&p, 12).to_string());
+                assert_eq!(status, 200, "{text}");
+                content(&serde_json::from_str(&text).unwrap()).to_owned()
+            })
+        })
+        .collect();
+    for (i, (h, want)) in handles.into_iter().zip(&single).enumerate() {
+        assert_eq!(&h.join().unwrap(), want, "request {i} under load");
+    }
+}
+
+#[test]
+fn a_disconnecting_client_frees_its_slot() {
+    let Some(s) = Server::start(&["--parallel", "1"]) else { return };
+    let addr = s.base.strip_prefix("http://").unwrap().to_owned();
+    let body = json!({"messages": [{"role": "user", "content": "Count slowly to a thousand."}], "max_tokens": 1500,
+                      "temperature": 0, "stream": true})
+    .to_string();
+    let mut conn = TcpStream::connect(&addr).unwrap();
+    write!(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut buf = [0u8; 2048];
+    let n = conn.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    let busy = |want: u64| {
+        let t0 = Instant::now();
+        loop {
+            let h: Value = serde_json::from_str(&s.get("/health").1).unwrap();
+            if h["slots_processing"] == want {
+                return t0.elapsed();
+            }
+            assert!(t0.elapsed() < Duration::from_secs(5), "slots_processing is not {want} after 5 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    busy(1);
+    drop(conn);
+    // The slot frees within a few steps, long before 1500 tokens could be generated.
+    busy(0);
+    assert_eq!(s.metric("astra_requests_total{outcome=\"cancelled\"}"), 1.0);
+    // And the next request is served.
+    assert_eq!(s.chat(&user("Hi", 3))["usage"]["completion_tokens"], 3);
+}
+
+#[test]
+fn over_the_queue_is_429() {
+    let Some(s) = Server::start(&["--parallel", "1", "--queue", "1"]) else { return };
+    let base = s.base.clone();
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let base = base.clone();
+            std::thread::spawn(move || post_to(&base, "/v1/chat/completions", &user(&format!("Story {i}"), 40).to_string()))
+        })
+        .collect();
+    let results: Vec<(u16, String)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let rejected: Vec<&(u16, String)> = results.iter().filter(|(st, _)| *st == 429).collect();
+    assert!(results.iter().all(|(st, _)| *st == 200 || *st == 429), "{results:?}");
+    assert!(!rejected.is_empty() && results.iter().any(|(st, _)| *st == 200), "{results:?}");
+    let err: Value = serde_json::from_str(&rejected[0].1).unwrap();
+    assert_eq!(err["error"]["type"], "rate_limit_error");
+    assert!(err["error"]["message"].as_str().unwrap().contains("busy"));
+}
+
+#[test]
+fn malformed_requests_get_4xx() {
+    let Some(s) = Server::start(&[]) else { return };
+    let chat = "/v1/chat/completions";
+    let ok_msgs = r#""messages":[{"role":"user","content":"hi"}]"#;
+    let cases: Vec<(&str, String, u16)> = vec![
+        (chat, "not json".into(), 400),
+        (chat, "[1,2]".into(), 400),
+        (chat, "{}".into(), 400),
+        (chat, r#"{"messages":"hi"}"#.into(), 400),
+        (chat, r#"{"messages":[]}"#.into(), 400),
+        (chat, r#"{"messages":[3]}"#.into(), 400),
+        (chat, r#"{"messages":[{"role":"wizard","content":"x"}]}"#.into(), 400),
+        (chat, r#"{"messages":[{"content":"x"}]}"#.into(), 400),
+        (chat, r#"{"messages":[{"role":"user","content":7}]}"#.into(), 400),
+        (chat, r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#.into(), 400),
+        (chat, format!(r#"{{{ok_msgs},"max_tokens":-1}}"#), 400),
+        (chat, format!(r#"{{{ok_msgs},"max_tokens":"ten"}}"#), 400),
+        (chat, format!(r#"{{{ok_msgs},"max_tokens":1000000}}"#), 400),
+        (chat, format!(r#"{{{ok_msgs},"temperature":-1}}"#), 400),
+        (chat, format!(r#"{{{ok_msgs},"temperature":1e30}}"#), 400),
+        (chat, format!(r#"{{{ok_msgs},"top_p":1.5}}"#), 400),
+        (chat, format!(r#"{{{ok_msgs},"n":0}}"#), 400),
+        (chat, format!(r#"{{{ok_msgs},"n":1000}}"#), 400),
+        (chat, format!(r#"{{{ok_msgs},"stop":5}}"#), 400),
+        (chat, format!(r#"{{{ok_msgs},"logit_bias":{{"abc":1}}}}"#), 400),
+        (chat, format!(r#"{{{ok_msgs},"logit_bias":{{"99999999":1}}}}"#), 400),
+        (chat, format!(r#"{{{ok_msgs},"logit_bias":{{"5":-1000}}}}"#), 400),
+        (chat, format!(r#"{{{ok_msgs},"seed":"x"}}"#), 400),
+        (chat, format!(r#"{{{ok_msgs},"stream":"yes"}}"#), 400),
+        (chat, format!(r#"{{{ok_msgs},"logprobs":true,"top_logprobs":100}}"#), 400),
+        (chat, format!(r#"{{{ok_msgs},"presence_penalty":9}}"#), 400),
+        (chat, format!(r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#, "word ".repeat(3000)), 400),
+        (chat, format!(r#"{{{ok_msgs},"pad":"{}"}}"#, "x".repeat(9 << 20)), 413),
+        ("/v1/completions", "{}".into(), 400),
+        ("/v1/completions", r#"{"prompt":{"a":1}}"#.into(), 400),
+        ("/v1/completions", r#"{"prompt":[1, 99999999]}"#.into(), 400),
+        ("/tokenize", r#"{"content":5}"#.into(), 400),
+        ("/detokenize", r#"{"tokens":[-1]}"#.into(), 400),
+        ("/v1/nowhere", "{}".into(), 404),
+    ];
+    assert!(cases.len() >= 20);
+    for (path, body, want) in &cases {
+        let (status, text) = s.post_raw(path, body);
+        assert_eq!(status, *want, "{path} {}: {text}", &body[..body.len().min(80)]);
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{path}: error body is not JSON: {text}"));
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{text}");
+    }
+    let (status, _) = s.get("/v1/chat/completions");
+    assert_eq!(status, 405);
+    assert_eq!(s.get("/health").0, 200, "the server survives");
+    assert_eq!(s.metric("astra_requests_total{outcome=\"invalid\"}") as usize, cases.iter().filter(|c| c.0 != "/tokenize" && c.0 != "/detokenize" && c.0 != "/v1/nowhere").count());
+}
+
+#[test]
+fn tokenize_detokenize_models_props_metrics() {
+    let Some(s) = Server::start(&[]) else { return };
+    let (status, v) = s.post("/tokenize", &json!({"content": "Hello world", "with_pieces": true}));
+    assert_eq!(status, 200);
+    let ids: Vec<u64> = v["tokens"].as_array().unwrap().iter().map(|t| t["id"].as_u64().unwrap()).collect();
+    let pieces: String = v["tokens"].as_array().unwrap().iter().map(|t| t["piece"].as_str().unwrap()).collect();
+    assert_eq!(pieces, "Hello world");
+    let (_, d) = s.post("/detokenize", &json!({"tokens": ids}));
+    assert_eq!(d["content"], "Hello world");
+    let models: Value = serde_json::from_str(&s.get("/v1/models").1).unwrap();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["meta"]["n_vocab"], 49152);
+    let props: Value = serde_json::from_str(&s.get("/props").1).unwrap();
+    assert_eq!(props["default_generation_settings"]["n_ctx"], 2048);
+    assert_eq!(props["eos_token"], "<|im_end|>");
+    s.chat(&user("Hi", 4));
+    for name in ["astra_time_to_first_token_seconds_count", "astra_inter_token_latency_seconds_count", "astra_request_duration_seconds_count"] {
+        assert!(s.metric(name) >= 1.0, "{name}");
+    }
+    assert_eq!(s.metric("astra_generated_tokens_total"), 4.0);
+    assert_eq!(s.metric("astra_requests_total{outcome=\"ok\"}"), 1.0);
+}
+
+#[test]
+fn sigterm_finishes_in_flight_requests_then_exits_zero() {
+    let Some(mut s) = Server::start(&[]) else { return };
+    let base = s.base.clone();
+    let inflight = std::thread::spawn(move || post_to(&base, "/v1/chat/completions", &user("Describe the sea.", 48).to_string()));
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = s.child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let (status, body) = inflight.join().unwrap();
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 48);
+    let t0 = Instant::now();
+    loop {
+        if let Some(code) = s.child.try_wait().unwrap() {
+            assert!(code.success(), "exit status {code}");
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "the server did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
