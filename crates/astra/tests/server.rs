@@ -379,3 +379,22 @@ fn sigterm_finishes_in_flight_requests_then_exits_zero() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// The official `openai` Python package as the client (tests/openai_client.py). Needs
+/// python3 with `openai` importable; scripts/test installs it and requires this test.
+#[test]
+fn official_openai_python_client() {
+    let script = format!("{}/tests/openai_client.py", env!("CARGO_MANIFEST_DIR"));
+    let has_client = Command::new("python3").args(["-c", "import openai"]).status().is_ok_and(|s| s.success());
+    if !has_client {
+        let why = "the openai Python package is not importable (scripts/test installs it)";
+        assert!(std::env::var("ASTRA_REQUIRE_OPENAI").map_or(true, |v| v != "1"), "{why}");
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let Some(s) = Server::start(&[]) else { return };
+    let out = Command::new("python3").arg(&script).arg(&s.base).output().expect("run python3");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("all checks passed"), "{text}");
+}
