@@ -54,6 +54,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// One sequence's keys and values, every layer.
     type KvCache: Send;
 
+    /// The backend's short name (`cpu`, `cuda`).
+    fn name(&self) -> &'static str;
     /// What it runs on, for logs and reports.
     fn describe(&self) -> String;
 

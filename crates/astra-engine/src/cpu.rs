@@ -58,6 +58,10 @@ impl Backend for CpuBackend {
     type Vector = Vec<f32>;
     type KvCache = KvCache;
 
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
     fn describe(&self) -> String {
         format!("cpu ({} threads, {})", self.threads(), astra_quant::Isa::selected().name())
     }

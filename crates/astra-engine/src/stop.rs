@@ -24,11 +24,20 @@ impl StopMatcher {
     }
 
     pub fn push(&mut self, text: &str) -> StopOutcome {
+        self.push_split(text).0
+    }
+
+    /// As [`StopMatcher::push`]; on a stop, also returns the text received after the
+    /// stop string (empty otherwise).
+    pub fn push_split(&mut self, text: &str) -> (StopOutcome, String) {
         self.held.push_str(text);
-        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+        // The earliest match; at equal starts, the longest stop string.
+        let found = self.stops.iter().filter_map(|s| self.held.find(s.as_str()).map(|at| (at, usize::MAX - s.len()))).min();
+        if let Some((at, inv_len)) = found {
             let before = self.held[..at].to_owned();
+            let after = self.held[at + (usize::MAX - inv_len)..].to_owned();
             self.held.clear();
-            return StopOutcome::Stopped(before);
+            return (StopOutcome::Stopped(before), after);
         }
         // Keep the longest suffix that is a proper prefix of some stop string.
         let keep = self
@@ -42,7 +51,7 @@ impl StopMatcher {
         let release = self.held.len() - keep;
         let out = self.held[..release].to_owned();
         self.held.drain(..release);
-        StopOutcome::Continue(out)
+        (StopOutcome::Continue(out), String::new())
     }
 
     /// The end of generation for another reason: whatever is held is released.
@@ -70,5 +79,12 @@ mod tests {
         assert_eq!(m.push("AY"), StopOutcome::Continue("STAY".into()));
         assert_eq!(m.push("x S"), StopOutcome::Continue("x ".into()));
         assert_eq!(m.finish(), "S");
+    }
+
+    #[test]
+    fn the_text_after_a_split_marker_is_kept() {
+        let mut m = StopMatcher::new(vec!["</think>".into()]);
+        assert_eq!(m.push_split("plan: a, b</thi"), (StopOutcome::Continue("plan: a, b".into()), String::new()));
+        assert_eq!(m.push_split("nk>\n\nThe answer"), (StopOutcome::Stopped(String::new()), "\n\nThe answer".into()));
     }
 }

@@ -4,6 +4,7 @@
 use astra_engine::sampler::SamplerConfig;
 use astra_tokenizer::ChatMessage;
 use serde_json::{Map, Value};
+use sha2::Digest;
 
 /// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone)]
@@ -45,10 +46,36 @@ pub enum Prompt {
     Chat(Vec<ChatMessage>),
 }
 
+/// An image content part: where it sits and a digest of its URL (for a `data:` URL,
+/// of the image bytes themselves).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImagePart {
+    pub message: usize,
+    pub digest: [u8; 32],
+}
+
+/// Thinking controls of a request (astra's extension fields).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ThinkingRequest {
+    /// Open the thinking after the generation prompt.
+    pub think: bool,
+    /// Thinking tokens allowed, replacing the answer reservation.
+    pub thinking_budget: Option<usize>,
+    /// Tokens of the cap reserved for the answer (0 turns the reservation off).
+    pub answer_room: Option<usize>,
+}
+
 /// A validated completion request (chat or plain).
 #[derive(Debug, Clone)]
 pub struct CompletionRequest {
     pub prompt: Prompt,
+    /// Image parts of the messages (not part of `prompt`'s text).
+    pub images: Vec<ImagePart>,
+    pub thinking: ThinkingRequest,
+    /// Capabilities the request needs beyond text (`tools`, `response_format`).
+    pub needs: Vec<&'static str>,
+    /// ollama's `keep_alive`: `Some(None)` keeps the model loaded for good.
+    pub keep_alive: Option<Option<std::time::Duration>>,
     pub sampler: SamplerConfig,
     pub max_tokens: Option<usize>,
     pub stop: Vec<String>,
@@ -145,7 +172,7 @@ fn logit_bias(f: &Fields, n_vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
     Ok(out)
 }
 
-fn message_content(v: Option<&Value>, i: usize, role: &str) -> Result<String, ApiError> {
+fn message_content(v: Option<&Value>, i: usize, role: &str, images: &mut Vec<ImagePart>) -> Result<String, ApiError> {
     let param = format!("messages[{i}].content");
     match v {
         Some(Value::String(s)) => Ok(s.clone()),
@@ -156,6 +183,14 @@ fn message_content(v: Option<&Value>, i: usize, role: &str) -> Result<String, Ap
                 let kind = p.get("type").and_then(Value::as_str);
                 match (kind, p.get("text").and_then(Value::as_str)) {
                     (Some("text"), Some(t)) => text.push_str(t),
+                    (Some("image_url"), _) => {
+                        let url = p
+                            .get("image_url")
+                            .and_then(|u| u.get("url").or(Some(u)))
+                            .and_then(Value::as_str)
+                            .ok_or_else(|| ApiError::invalid(&param, format!("{param}[{j}].image_url.url must be a string")))?;
+                        images.push(ImagePart { message: i, digest: sha2::Sha256::digest(url.as_bytes()).into() });
+                    }
                     (Some("text"), None) => return Err(ApiError::invalid(&param, format!("{param}[{j}] has no 'text' string"))),
                     (Some(other), _) => {
                         return Err(ApiError::invalid(&param, format!("{param}[{j}]: content of type '{other}' is not supported (text only)")))
@@ -170,7 +205,7 @@ fn message_content(v: Option<&Value>, i: usize, role: &str) -> Result<String, Ap
     }
 }
 
-fn messages(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
+fn messages(f: &Fields, images: &mut Vec<ImagePart>) -> Result<Vec<ChatMessage>, ApiError> {
     let v = f.get("messages").ok_or_else(|| ApiError::invalid("messages", "'messages' is required"))?;
     let list = v.as_array().ok_or_else(|| ApiError::invalid("messages", "'messages' must be an array"))?;
     if list.is_empty() {
@@ -187,7 +222,7 @@ fn messages(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
             if !ROLES.contains(&role) {
                 return Err(ApiError::invalid("messages", format!("messages[{i}].role '{role}' is not one of {}", ROLES.join(", "))));
             }
-            Ok(ChatMessage::new(role, message_content(m.get("content"), i, role)?))
+            Ok(ChatMessage::new(role, message_content(m.get("content"), i, role, images)?))
         })
         .collect()
 }
@@ -214,7 +249,22 @@ fn prompt(f: &Fields, n_vocab: usize) -> Result<Prompt, ApiError> {
 /// Parses a `/v1/chat/completions` (`chat`) or `/v1/completions` body.
 pub fn completion_request(body: &Map<String, Value>, chat: bool, n_vocab: usize) -> Result<CompletionRequest, ApiError> {
     let f = Fields(body);
-    let prompt = if chat { Prompt::Chat(messages(&f)?) } else { prompt(&f, n_vocab)? };
+    let mut images = Vec::new();
+    let prompt = if chat { Prompt::Chat(messages(&f, &mut images)?) } else { prompt(&f, n_vocab)? };
+    let mut needs = Vec::new();
+    if f.get("tools").and_then(Value::as_array).is_some_and(|t| !t.is_empty()) {
+        needs.push("tools");
+    }
+    if let Some(kind) = f.get("response_format").and_then(|r| r.get("type")).and_then(Value::as_str) {
+        if kind != "text" {
+            needs.push("structured_output");
+        }
+    }
+    let thinking = ThinkingRequest {
+        think: f.boolean("think")?.unwrap_or(false),
+        thinking_budget: f.integer("thinking_budget", 0, i64::MAX)?.map(|n| n as usize),
+        answer_room: f.integer("answer_room", 0, i64::MAX)?.map(|n| n as usize),
+    };
     let max_tokens = match f.integer("max_completion_tokens", 1, i64::MAX)? {
         Some(n) => Some(n),
         None => f.integer("max_tokens", 1, i64::MAX)?,
@@ -258,6 +308,10 @@ pub fn completion_request(body: &Map<String, Value>, chat: bool, n_vocab: usize)
     };
     Ok(CompletionRequest {
         prompt,
+        images,
+        thinking,
+        needs,
+        keep_alive: keep_alive(&f)?,
         sampler,
         max_tokens: max_tokens.map(|n| n as usize),
         stop: stop_strings(&f)?,
@@ -266,6 +320,41 @@ pub fn completion_request(body: &Map<String, Value>, chat: bool, n_vocab: usize)
         stream,
         include_usage,
     })
+}
+
+/// ollama's `keep_alive`: a duration string ("30s", "5m", "1h", "250ms"), a number of
+/// seconds, 0 to unload right after the request, a negative value to stay loaded.
+fn keep_alive(f: &Fields) -> Result<Option<Option<std::time::Duration>>, ApiError> {
+    use std::time::Duration;
+    let bad = || ApiError::invalid("keep_alive", "'keep_alive' must be seconds or a duration such as \"30s\", \"5m\", \"1h\"");
+    let secs = match f.get("keep_alive") {
+        None => return Ok(None),
+        Some(Value::Number(n)) => n.as_f64().ok_or_else(bad)?,
+        Some(Value::String(s)) => parse_duration_secs(s).ok_or_else(bad)?,
+        Some(_) => return Err(bad()),
+    };
+    if secs < 0.0 {
+        return Ok(Some(None));
+    }
+    Duration::try_from_secs_f64(secs).map(|d| Some(Some(d))).map_err(|_| bad())
+}
+
+/// Seconds in "250ms", "30s", "5m", "1h", "-1" or a bare number.
+pub fn parse_duration_secs(s: &str) -> Option<f64> {
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| c.is_ascii_alphabetic()) {
+        Some(at) => s.split_at(at),
+        None => (s, "s"),
+    };
+    let n: f64 = num.trim().parse().ok()?;
+    let scale = match unit {
+        "ms" => 1e-3,
+        "s" => 1.0,
+        "m" => 60.0,
+        "h" => 3600.0,
+        _ => return None,
+    };
+    Some(n * scale).filter(|x| x.is_finite())
 }
 
 /// `/tokenize`: `{"content": string, "add_special"?: bool, "parse_special"?: bool, "with_pieces"?: bool}`.
@@ -348,9 +437,35 @@ mod tests {
             (json!({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5000": 1}}), "logit_bias"),
             (json!({"messages": [{"role": "user", "content": "x"}], "n": 17}), "n"),
             (json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), "top_logprobs"),
+            (json!({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}), "messages[0].content"),
+            (json!({"messages": [{"role": "user", "content": "x"}], "keep_alive": "soon"}), "keep_alive"),
+            (json!({"messages": [{"role": "user", "content": "x"}], "answer_room": -1}), "answer_room"),
         ] {
             let e = chat(body.clone()).unwrap_err();
             assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{body}: {}", e.message);
         }
+    }
+
+    #[test]
+    fn images_are_digested_by_their_bytes() {
+        let with = |url: &str| {
+            chat(json!({"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]}]}))
+            .unwrap()
+        };
+        let (a, b, c) = (with("data:image/png;base64,AAAA"), with("data:image/png;base64,AAAB"), with("data:image/png;base64,AAAA"));
+        assert_eq!(a.images.len(), 1);
+        assert_ne!(a.images[0].digest, b.images[0].digest, "same length, different bytes");
+        assert_eq!(a.images, c.images);
+        let Prompt::Chat(m) = &a.prompt else { panic!("chat") };
+        assert_eq!(m[0].content, "what is this?");
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration_secs("5m"), Some(300.0));
+        assert_eq!(parse_duration_secs("250ms"), Some(0.25));
+        assert_eq!(parse_duration_secs("-1"), Some(-1.0));
+        assert_eq!(parse_duration_secs("3 days"), None);
     }
 }

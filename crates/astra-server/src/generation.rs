@@ -1,5 +1,6 @@
 //! One sequence's decoding after its prompt: sampling, end-of-generation tokens, the
-//! token budget, text streamed through UTF-8 reassembly and stop strings, and the log
+//! token budget, text streamed through UTF-8 reassembly, the split of thinking from
+//! the answer (with the answer reservation's wrap-up), stop strings, and the log
 //! probabilities a client asked for.
 
 use astra_engine::sampler::{Sampler, SamplerConfig};
@@ -24,6 +25,28 @@ impl FinishReason {
     }
 }
 
+/// The sentence injected when a thinking budget runs out inside the thinking.
+pub const WRAP_UP: &str = "I have thought about this long enough; time to give my answer.";
+
+/// Thinking tokens before the budget's end at which the wrap-up may come early, so that
+/// it lands where a word ends rather than inside one.
+const WRAP_UP_WINDOW: usize = 8;
+
+/// How a thinking request is run.
+#[derive(Clone, Debug)]
+pub struct ThinkingParams {
+    /// The marker that ends the thinking (`</think>`).
+    pub end: String,
+    /// Thinking tokens allowed before the wrap-up is injected; `None`: unlimited.
+    pub budget: Option<usize>,
+    /// The wrap-up text (the sentence and the end marker) and its tokens.
+    pub wrap_up_text: String,
+    pub wrap_up_tokens: Vec<u32>,
+    /// The budget's terms (cap, answer room, budget) for the per-request log line;
+    /// `None`: not logged.
+    pub log: Option<String>,
+}
+
 /// What a client asked of the generation.
 #[derive(Clone, Debug)]
 pub struct GenParams {
@@ -32,6 +55,8 @@ pub struct GenParams {
     pub stop: Vec<String>,
     /// Alternatives reported per token with its log probability; `None`: no logprobs.
     pub logprobs: Option<usize>,
+    /// `Some` when the generation starts inside the thinking.
+    pub thinking: Option<ThinkingParams>,
 }
 
 /// A token's log probability under the model (before any bias or penalty), with the
@@ -43,14 +68,19 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
-/// The outcome of one generated token.
-#[derive(Clone, Debug)]
+/// The outcome of one step.
+#[derive(Clone, Debug, Default)]
 pub struct Emitted {
-    /// The token, or `None` when an end-of-generation token ended the sequence.
+    /// The sampled token to feed next; `None` when the sequence ended on an
+    /// end-of-generation token, or when `inject` replaces it.
     pub id: Option<u32>,
-    /// Text released by this token (possibly empty while a stop string may be forming
-    /// or a UTF-8 sequence is incomplete).
-    pub text: String,
+    /// Tokens to feed instead of a sampled one (the thinking wrap-up).
+    pub inject: Option<Vec<u32>>,
+    /// Thinking text released by this step.
+    pub reasoning: String,
+    /// Answer text released by this step (possibly empty while a stop string may be
+    /// forming or a UTF-8 sequence is incomplete).
+    pub content: String,
     pub logprob: Option<TokenLogprob>,
     pub finish: Option<FinishReason>,
 }
@@ -60,7 +90,19 @@ pub struct Generation {
     sampler: Sampler,
     decoder: StreamDecoder,
     stops: StopMatcher,
+    /// Splits the thinking off while it lasts.
+    think: Option<StopMatcher>,
+    /// The answer has started (leading whitespace after the thinking is dropped).
+    answering: bool,
     pub generated: Vec<u32>,
+    pub thinking_tokens: usize,
+    pub injected: bool,
+}
+
+/// Whether a token's text starts a new word (so that text injected before it does not
+/// split a word).
+fn starts_word(bytes: &[u8]) -> bool {
+    bytes.first().is_none_or(|&b| !(b.is_ascii_alphanumeric() || b >= 0x80))
 }
 
 impl Generation {
@@ -69,7 +111,62 @@ impl Generation {
         let mut sampler = Sampler::new(params.sampler.clone());
         sampler.accept(prompt);
         let stops = StopMatcher::new(params.stop.clone());
-        Generation { params, sampler, decoder: StreamDecoder::new(), stops, generated: Vec::new() }
+        let think = params.thinking.as_ref().map(|t| StopMatcher::new(vec![t.end.clone()]));
+        Generation {
+            params,
+            sampler,
+            decoder: StreamDecoder::new(),
+            stops,
+            think,
+            answering: false,
+            generated: Vec::new(),
+            thinking_tokens: 0,
+            injected: false,
+        }
+    }
+
+    pub fn params(&self) -> &GenParams {
+        &self.params
+    }
+
+    /// Routes released text to the thinking or the answer.
+    fn route(&mut self, text: &str, out: &mut Emitted) -> bool {
+        let mut rest = text.to_owned();
+        if let Some(think) = &mut self.think {
+            match think.push_split(&rest) {
+                (StopOutcome::Continue(t), _) => {
+                    out.reasoning.push_str(&t);
+                    return false;
+                }
+                (StopOutcome::Stopped(t), after) => {
+                    out.reasoning.push_str(&t);
+                    rest = after;
+                    self.think = None;
+                }
+            }
+        }
+        if !self.answering {
+            rest = rest.trim_start().to_owned();
+            self.answering = !rest.is_empty();
+        }
+        match self.stops.push(&rest) {
+            StopOutcome::Continue(t) => {
+                out.content.push_str(&t);
+                false
+            }
+            StopOutcome::Stopped(t) => {
+                out.content.push_str(&t);
+                true
+            }
+        }
+    }
+
+    /// Whether the thinking budget calls for the wrap-up before a token with `bytes`.
+    fn wrap_up_due(&self, bytes: &[u8]) -> bool {
+        let Some(budget) = self.params.thinking.as_ref().and_then(|t| t.budget) else { return false };
+        self.think.is_some()
+            && !self.injected
+            && (self.thinking_tokens >= budget || (self.thinking_tokens + WRAP_UP_WINDOW >= budget && starts_word(bytes)))
     }
 
     /// Picks the next token from `logits`; `room` is how many more positions the
@@ -78,35 +175,52 @@ impl Generation {
         let log_probs = self.params.logprobs.map(|n| (log_softmax(logits), n));
         let id = self.sampler.sample(logits);
         let logprob = log_probs.map(|(lp, n)| TokenLogprob { id, logprob: lp[id as usize], top: top_n(&lp, n) });
+        let mut out = Emitted { logprob, ..Emitted::default() };
         if tok.vocab().eog.contains(&id) {
-            return Emitted { id: None, text: self.flush(), logprob, finish: Some(FinishReason::Stop) };
+            let tail = self.decoder.finish();
+            self.route(&tail, &mut out);
+            self.release_held(&mut out);
+            out.finish = Some(FinishReason::Stop);
+            return out;
         }
-        self.generated.push(id);
         let mut bytes = Vec::new();
         tok.token_bytes(id, false, &mut bytes);
+        let wrap_up_fits = self.params.thinking.as_ref().is_some_and(|t| room > t.wrap_up_tokens.len());
+        if wrap_up_fits && self.wrap_up_due(&bytes) {
+            // The sampled token is dropped; the wrap-up is fed in its place.
+            self.injected = true;
+            let t = self.params.thinking.as_ref().expect("budget implies thinking");
+            let (text, tokens) = (format!("{}{}", self.decoder.finish(), t.wrap_up_text), t.wrap_up_tokens.clone());
+            out.logprob = None;
+            out.inject = Some(tokens);
+            self.route(&text, &mut out);
+            return out;
+        }
+        self.generated.push(id);
+        if self.think.is_some() {
+            self.thinking_tokens += 1;
+        }
+        out.id = Some(id);
         let piece = self.decoder.push(&bytes);
-        let (mut text, stopped) = match self.stops.push(&piece) {
-            StopOutcome::Continue(t) => (t, false),
-            StopOutcome::Stopped(t) => (t, true),
-        };
-        let finish = if stopped {
-            Some(FinishReason::Stop)
+        let stopped = self.route(&piece, &mut out);
+        if stopped {
+            out.finish = Some(FinishReason::Stop);
         } else if self.generated.len() >= self.params.max_tokens || room == 0 {
-            text.push_str(&self.flush());
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
-        Emitted { id: Some(id), text, logprob, finish }
+            let tail = self.decoder.finish();
+            if !self.route(&tail, &mut out) {
+                self.release_held(&mut out);
+            }
+            out.finish = Some(FinishReason::Length);
+        }
+        out
     }
 
-    /// Releases held text at the end of a sequence (a stop string in it still ends it
-    /// there).
-    fn flush(&mut self) -> String {
-        match self.stops.push(&self.decoder.finish()) {
-            StopOutcome::Continue(t) => t + &self.stops.finish(),
-            StopOutcome::Stopped(t) => t,
+    /// Releases text held back for a possible marker or stop string at the end.
+    fn release_held(&mut self, out: &mut Emitted) {
+        if let Some(think) = &mut self.think {
+            out.reasoning.push_str(&think.finish());
         }
+        out.content.push_str(&self.stops.finish());
     }
 }
 
@@ -152,5 +266,14 @@ mod tests {
         for (l, p) in logits.iter().zip(&lp) {
             assert!(((*l as f64 - z.ln()) - *p as f64).abs() < 1e-6);
         }
+    }
+
+    #[test]
+    fn word_starts() {
+        assert!(starts_word(b" the"));
+        assert!(starts_word(b"\n"));
+        assert!(starts_word(b","));
+        assert!(!starts_word(b"ing"));
+        assert!(!starts_word("é".as_bytes()));
     }
 }

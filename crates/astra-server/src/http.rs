@@ -14,14 +14,25 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use serde_json::{json, Map, Value};
+use sha2::Digest;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use astra_tokenizer::{ChatTemplate, EncodeOptions, Tokenizer};
 
 use crate::api::{self, ApiError, CompletionRequest, Prompt};
-use crate::generation::{FinishReason, GenParams, TokenLogprob};
+use crate::generation::{FinishReason, GenParams, ThinkingParams, TokenLogprob, WRAP_UP};
+use crate::keep_awake::{AwakeGuard, KeepAwake};
 use crate::metrics::{Metrics, Outcome};
-use crate::scheduler::{Event, Job, Usage};
+use crate::scheduler::{Event, Job, ModelStatus, PromptKey, Status, Usage};
+
+/// What a text-only model does with image content parts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImagePolicy {
+    /// 400, naming the missing capability.
+    Reject,
+    /// Dropped, with a warning in the response.
+    Omit,
+}
 
 /// What the server knows once the model has loaded.
 pub struct Ready {
@@ -34,19 +45,87 @@ pub struct Ready {
     pub n_vocab: usize,
     pub ctx_train: usize,
     pub slots: usize,
+    pub capabilities: Capabilities,
+    pub think_markers: (String, String),
+    pub answer_room: usize,
+    pub images: ImagePolicy,
+    /// New requests get 503 while available memory is below this (bytes).
+    pub min_free_mem: Option<u64>,
+}
+
+/// What the loaded model and backend can do, as `/props` and the start-up line say.
+#[derive(Clone, Debug)]
+pub struct Capabilities {
+    pub logit_bias: bool,
+    pub images: bool,
+    pub thinking: bool,
+    pub tools: bool,
+    pub structured_output: bool,
+    pub backend: String,
+}
+
+impl Capabilities {
+    pub fn line(&self) -> String {
+        let b = |x: bool| u8::from(x);
+        format!(
+            "capabilities: logit_bias={} images={} thinking={} tools={} structured_output={} backend={}",
+            b(self.logit_bias),
+            b(self.images),
+            b(self.thinking),
+            b(self.tools),
+            b(self.structured_output),
+            self.backend
+        )
+    }
+
+    fn has(&self, name: &str) -> bool {
+        match name {
+            "tools" => self.tools,
+            "structured_output" => self.structured_output,
+            "images" => self.images,
+            _ => false,
+        }
+    }
+
+    fn json(&self) -> Value {
+        json!({"logit_bias": self.logit_bias, "images": self.images, "thinking": self.thinking, "tools": self.tools,
+               "structured_output": self.structured_output, "backend": self.backend})
+    }
+}
+
+fn missing_capability(name: &str, hint: &str) -> ApiError {
+    ApiError {
+        status: 400,
+        message: format!("this model lacks the '{name}' capability ({name}=0 in /props){hint}"),
+        kind: "invalid_request_error",
+        param: Some(name.to_owned()),
+    }
 }
 
 pub struct AppState {
     pub ready: OnceLock<Ready>,
     pub metrics: Arc<Metrics>,
+    pub status: Arc<ModelStatus>,
+    pub keep_awake: Arc<KeepAwake>,
     pub body_limit: usize,
+    /// SHA-256 of the API key, when one is required.
+    pub api_key: Option<[u8; 32]>,
     next_id: AtomicU64,
     started: u64,
 }
 
 impl AppState {
-    pub fn new(metrics: Arc<Metrics>, body_limit: usize) -> AppState {
-        AppState { ready: OnceLock::new(), metrics, body_limit, next_id: AtomicU64::new(1), started: unix_now() }
+    pub fn new(metrics: Arc<Metrics>, keep_awake: Arc<KeepAwake>, body_limit: usize, api_key: Option<&str>) -> AppState {
+        AppState {
+            ready: OnceLock::new(),
+            metrics,
+            status: Arc::new(ModelStatus::default()),
+            keep_awake,
+            body_limit,
+            api_key: api_key.map(|k| sha2::Sha256::digest(k.as_bytes()).into()),
+            next_id: AtomicU64::new(1),
+            started: unix_now(),
+        }
     }
 }
 
@@ -60,6 +139,34 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::BAD_REQUEST);
         (status, axum::Json(self.body())).into_response()
+    }
+}
+
+/// Compares SHA-256 digests in constant time (the digest also hides the key's length).
+fn same_digest(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Requires `Authorization: Bearer KEY` on every route but `/health` when a key is set.
+async fn require_key(State(state): State<Shared>, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let Some(want) = &state.api_key else { return next.run(req).await };
+    if req.uri().path() == "/health" {
+        return next.run(req).await;
+    }
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|k| sha2::Sha256::digest(k.trim().as_bytes()).into());
+    match given {
+        Some(d) if same_digest(&d, want) => next.run(req).await,
+        _ => {
+            let e = ApiError { status: 401, message: "a valid API key is required (Authorization: Bearer KEY)".into(), kind: "invalid_request_error", param: None };
+            let mut body = e.body();
+            body["error"]["code"] = json!("invalid_api_key");
+            (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response()
+        }
     }
 }
 
@@ -80,6 +187,7 @@ pub fn router(state: Shared) -> Router {
         .method_not_allowed_fallback(|| async {
             ApiError { status: 405, message: "method not allowed on this endpoint".into(), kind: "invalid_request_error", param: None }
         })
+        .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), require_key))
         .with_state(state)
 }
 
@@ -92,9 +200,12 @@ fn ready(state: &AppState) -> Result<&Ready, ApiError> {
 }
 
 async fn health(State(state): State<Shared>) -> Response {
-    match state.ready.get() {
-        None => (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "loading", "loaded": false}))).into_response(),
-        Some(r) => {
+    match (state.ready.get(), state.status.get()) {
+        (None, _) | (_, Status::Loading) => {
+            (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "loading", "loaded": false}))).into_response()
+        }
+        (Some(_), Status::Idle) => axum::Json(json!({"status": "idle", "loaded": false})).into_response(),
+        (Some(r), Status::Ready) => {
             let busy = state.metrics.slots_busy.load(Ordering::Relaxed) as usize;
             axum::Json(json!({
                 "status": "ready", "loaded": true, "slots_idle": r.slots.saturating_sub(busy), "slots_processing": busy,
@@ -127,12 +238,16 @@ async fn props(State(state): State<Shared>) -> Result<Response, ApiError> {
         "bos_token": text(r.tok.bos()),
         "eos_token": text(r.tok.eos()),
         "chat_template_kind": format!("{:?}", r.template.kind()),
+        "capabilities": r.capabilities.json(),
+        "think_markers": [r.think_markers.0, r.think_markers.1],
+        "answer_room": r.answer_room,
         "build_info": concat!("astra ", env!("CARGO_PKG_VERSION")),
     }))
     .into_response())
 }
 
 async fn metrics(State(state): State<Shared>) -> Response {
+    state.metrics.keep_awake_holders.store(state.keep_awake.holders() as u64, Ordering::Relaxed);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
 }
 
@@ -148,15 +263,22 @@ async fn read_body(state: &AppState, body: Body) -> Result<Map<String, Value>, A
 
 /// Counts a request's outcome once, when it ends; one dropped before deciding (its
 /// client went away) counts as cancelled.
+/// It also keeps the host awake while the request is in flight.
 struct Tracker {
     metrics: Arc<Metrics>,
     start: Instant,
     outcome: Option<Outcome>,
+    _awake: AwakeGuard,
 }
 
 impl Tracker {
     fn new(state: &AppState) -> Tracker {
-        Tracker { metrics: Arc::clone(&state.metrics), start: Instant::now(), outcome: None }
+        Tracker {
+            metrics: Arc::clone(&state.metrics),
+            start: Instant::now(),
+            outcome: None,
+            _awake: KeepAwake::acquire(&state.keep_awake),
+        }
     }
 
     fn fail(&mut self, e: ApiError) -> ApiError {
@@ -224,13 +346,14 @@ struct Accepted {
     created: u64,
     tok: Arc<Tokenizer>,
     tracker: Tracker,
+    warnings: Vec<String>,
 }
 
 async fn complete(state: Shared, body: Body, chat: bool) -> Response {
     let mut tracker = Tracker::new(&state);
     match accept(&state, body, chat).await {
         Err(e) => tracker.fail(e).into_response(),
-        Ok((req, events)) => {
+        Ok(Queued { req, events, warnings }) => {
             let r = state.ready.get().expect("accepted only when ready");
             let n = state.next_id.fetch_add(1, Ordering::Relaxed);
             let a = Accepted {
@@ -242,6 +365,7 @@ async fn complete(state: Shared, body: Body, chat: bool) -> Response {
                 chat,
                 tracker,
                 req,
+                warnings,
             };
             if a.req.stream {
                 stream_response(a)
@@ -252,21 +376,90 @@ async fn complete(state: Shared, body: Body, chat: bool) -> Response {
     }
 }
 
+/// A request accepted into the queue, before the response starts.
+struct Queued {
+    req: CompletionRequest,
+    events: UnboundedReceiver<Event>,
+    warnings: Vec<String>,
+}
+
+fn unavailable(message: String) -> ApiError {
+    ApiError { status: 503, message, kind: "unavailable_error", param: None }
+}
+
+/// The thinking of a request that thinks: its end marker, budget and wrap-up.
+fn thinking_params(r: &Ready, req: &CompletionRequest) -> ThinkingParams {
+    let end = r.think_markers.1.clone();
+    let cap = req.max_tokens;
+    let loggable = |c: usize| c <= 32768;
+    let (budget, log) = match (req.thinking.thinking_budget, cap) {
+        (Some(b), cap) => (Some(b), cap.filter(|&c| loggable(c)).map(|c| format!("cap={c} answer_room=off thinking_budget={b} (requested)"))),
+        (None, Some(cap)) => {
+            let room = req.thinking.answer_room.unwrap_or(r.answer_room);
+            let budget = (room > 0).then(|| cap.saturating_sub(room));
+            let shown = budget.map_or_else(|| "unlimited".to_owned(), |b| b.to_string());
+            (budget, loggable(cap).then(|| format!("cap={cap} answer_room={room} thinking_budget={shown}")))
+        }
+        (None, None) => (None, None),
+    };
+    let wrap_up_text = format!("\n{WRAP_UP}\n{end}\n\n");
+    let wrap_up_tokens = r.tok.encode(&wrap_up_text, EncodeOptions { add_special: false, parse_special: true });
+    ThinkingParams { end, budget, wrap_up_text, wrap_up_tokens, log }
+}
+
 /// Validates, tokenizes and queues a completion request.
-async fn accept(state: &AppState, body: Body, chat: bool) -> Result<(CompletionRequest, UnboundedReceiver<Event>), ApiError> {
+async fn accept(state: &AppState, body: Body, chat: bool) -> Result<Queued, ApiError> {
     let r = ready(state)?;
+    if let Some(min) = r.min_free_mem {
+        let available = state.metrics.available_memory.load(Ordering::Relaxed);
+        if available < min {
+            return Err(unavailable(format!(
+                "available memory ({} MiB) is below --min-free-mem-mib ({} MiB); new requests are refused until memory frees up",
+                available >> 20,
+                min >> 20
+            )));
+        }
+    }
     let body = read_body(state, body).await?;
     let req = api::completion_request(&body, chat, r.n_vocab)?;
-    let prompt = match &req.prompt {
-        Prompt::Chat(messages) => {
-            let text = r
-                .template
-                .prompt(messages, r.tok.vocab().add_bos)
-                .map_err(|e| ApiError::invalid("messages", format!("the chat template failed: {}", e.0)))?;
-            r.tok.encode(&text, EncodeOptions::default())
+    if let Some(need) = req.needs.iter().find(|n| !r.capabilities.has(n)) {
+        return Err(missing_capability(need, ""));
+    }
+    let mut warnings = Vec::new();
+    if !req.images.is_empty() && !r.capabilities.images {
+        match r.images {
+            ImagePolicy::Reject => return Err(missing_capability("images", "; send text only, or start the server with --images omit")),
+            ImagePolicy::Omit => warnings.push(format!(
+                "{} image part(s) omitted: this model lacks the 'images' capability",
+                req.images.len()
+            )),
         }
-        Prompt::Text(text) => r.tok.encode(text, EncodeOptions::default()),
-        Prompt::Tokens(ids) => ids.clone(),
+    }
+    let start = r.think_markers.0.as_str();
+    let encode = |text: &str| r.tok.encode(text, EncodeOptions::default());
+    let (prompt, thinking) = match &req.prompt {
+        Prompt::Chat(_) | Prompt::Text(_) => {
+            let mut text = match &req.prompt {
+                Prompt::Chat(messages) => r
+                    .template
+                    .prompt(messages, r.tok.vocab().add_bos)
+                    .map_err(|e| ApiError::invalid("messages", format!("the chat template failed: {}", e.0)))?,
+                Prompt::Text(t) => t.clone(),
+                Prompt::Tokens(_) => unreachable!("matched above"),
+            };
+            if req.thinking.think && !text.trim_end().ends_with(start) {
+                text.push_str(start);
+            }
+            let thinking = text.trim_end().ends_with(start);
+            (encode(&text), thinking)
+        }
+        Prompt::Tokens(ids) => {
+            let mut ids = ids.clone();
+            if req.thinking.think {
+                ids.extend(r.tok.encode(start, EncodeOptions { add_special: false, parse_special: true }));
+            }
+            (ids, req.thinking.think)
+        }
     };
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
@@ -288,16 +481,19 @@ async fn accept(state: &AppState, body: Body, chat: bool) -> Result<(CompletionR
         Some(m) => m,
         None => room,
     };
+    let thinking = thinking.then(|| thinking_params(r, &req));
+    let media: Vec<[u8; 32]> = req.images.iter().map(|i| i.digest).collect();
     let (tx, rx) = unbounded_channel();
     for index in 0..req.n {
         let mut sampler = req.sampler.clone();
         sampler.seed = sampler.seed.wrapping_add(index as u64);
         let job = Job {
-            prompt: prompt.clone(),
-            params: GenParams { sampler, max_tokens, stop: req.stop.clone(), logprobs: req.logprobs },
+            key: PromptKey { tokens: prompt.clone(), media: media.clone() },
+            params: GenParams { sampler, max_tokens, stop: req.stop.clone(), logprobs: req.logprobs, thinking: thinking.clone() },
             index,
             events: tx.clone(),
             received: Instant::now(),
+            keep_alive: req.keep_alive,
         };
         // Counted before sending: the scheduler counts it out when it takes the job.
         state.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
@@ -310,11 +506,11 @@ async fn accept(state: &AppState, body: Body, chat: bool) -> Result<(CompletionR
                     kind: "rate_limit_error",
                     param: None,
                 },
-                TrySendError::Disconnected(_) => ApiError { status: 503, message: "the server is shutting down".into(), kind: "unavailable_error", param: None },
+                TrySendError::Disconnected(_) => unavailable("the server is shutting down".into()),
             });
         }
     }
-    Ok((req, rx))
+    Ok(Queued { req, events: rx, warnings })
 }
 
 fn token_piece(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
@@ -338,9 +534,11 @@ fn usage_json(usage: &[Usage]) -> Value {
     let prompt = usage.first().map_or(0, |u| u.prompt_tokens);
     let cached = usage.first().map_or(0, |u| u.cached_tokens);
     let completion: usize = usage.iter().map(|u| u.completion_tokens).sum();
+    let reasoning: usize = usage.iter().map(|u| u.reasoning_tokens).sum();
     json!({
         "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
     })
 }
 
@@ -362,6 +560,7 @@ fn timings_json(usage: &[Usage]) -> Value {
 /// One choice of a whole (non-streamed) response, as it accumulates.
 #[derive(Default)]
 struct Choice {
+    reasoning: String,
     text: String,
     logprobs: Vec<TokenLogprob>,
     finish: Option<FinishReason>,
@@ -379,7 +578,8 @@ async fn whole_response(mut a: Accepted) -> Response {
         match a.events.recv().await {
             Some(Event::Token { index, emitted }) => {
                 let c = &mut choices[index];
-                c.text.push_str(&emitted.text);
+                c.reasoning.push_str(&emitted.reasoning);
+                c.text.push_str(&emitted.content);
                 c.logprobs.extend(emitted.logprob);
             }
             Some(Event::Done { index, finish, usage }) => {
@@ -403,7 +603,11 @@ async fn whole_response(mut a: Accepted) -> Response {
                     .req
                     .logprobs
                     .map(|_| json!({"content": c.logprobs.iter().map(|l| chat_logprob(tok, l)).collect::<Vec<_>>()}));
-                json!({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs, "finish_reason": finish})
+                let mut message = json!({"role": "assistant", "content": c.text});
+                if !c.reasoning.is_empty() {
+                    message["reasoning_content"] = json!(c.reasoning);
+                }
+                json!({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
             } else {
                 let logprobs = a.req.logprobs.map(|_| completion_logprobs(tok, &c.logprobs));
                 json!({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": finish})
@@ -411,12 +615,15 @@ async fn whole_response(mut a: Accepted) -> Response {
         })
         .collect();
     a.tracker.outcome = Some(Outcome::Ok);
-    axum::Json(json!({
+    let mut body = json!({
         "id": a.id, "object": if a.chat { "chat.completion" } else { "text_completion" }, "created": a.created,
         "model": a.model, "system_fingerprint": concat!("astra-", env!("CARGO_PKG_VERSION")), "choices": list,
         "usage": usage_json(&usage), "timings": timings_json(&usage),
-    }))
-    .into_response()
+    });
+    if !a.warnings.is_empty() {
+        body["warnings"] = json!(a.warnings);
+    }
+    axum::Json(body).into_response()
 }
 
 /// The legacy completions `logprobs` object.
@@ -476,11 +683,14 @@ impl Streaming {
             if self.a.req.include_usage {
                 self.usage.sort_by_key(|(i, _)| *i);
                 let usage: Vec<Usage> = self.usage.iter().map(|(_, u)| u.clone()).collect();
-                let last = json!({
+                let mut last = json!({
                     "id": self.a.id, "object": if self.a.chat { "chat.completion.chunk" } else { "text_completion" },
                     "created": self.a.created, "model": self.a.model, "choices": [],
                     "usage": usage_json(&usage), "timings": timings_json(&usage),
                 });
+                if !self.a.warnings.is_empty() {
+                    last["warnings"] = json!(self.a.warnings);
+                }
                 out.push_str(&format!("data: {last}\n\n"));
             }
             out.push_str("data: [DONE]\n\n");
@@ -494,10 +704,17 @@ impl Streaming {
                         (Some(l), Some(_)) => Some(completion_logprobs(&self.a.tok, std::slice::from_ref(l))),
                         _ => None,
                     };
-                    if emitted.text.is_empty() && logprobs.is_none() {
+                    if emitted.content.is_empty() && emitted.reasoning.is_empty() && logprobs.is_none() {
                         continue;
                     }
-                    return Some(sse(&self.chunk(index, json!({"content": emitted.text}), logprobs, None)));
+                    let mut delta = json!({});
+                    if !emitted.reasoning.is_empty() {
+                        delta["reasoning_content"] = json!(emitted.reasoning);
+                    }
+                    if !emitted.content.is_empty() || emitted.reasoning.is_empty() {
+                        delta["content"] = json!(emitted.content);
+                    }
+                    return Some(sse(&self.chunk(index, delta, logprobs, None)));
                 }
                 Some(Event::Done { index, finish, usage }) => {
                     self.left -= 1;

@@ -5,8 +5,10 @@
 pub mod api;
 pub mod generation;
 pub mod http;
+pub mod keep_awake;
 pub mod metrics;
 pub mod scheduler;
 mod serve;
+pub mod telemetry;
 
 pub use serve::{serve, ServeOptions};

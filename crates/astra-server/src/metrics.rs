@@ -65,7 +65,6 @@ impl Histogram {
     }
 }
 
-#[derive(Default)]
 pub struct Metrics {
     requests: [AtomicU64; OUTCOMES.len()],
     pub prompt_tokens: AtomicU64,
@@ -77,6 +76,37 @@ pub struct Metrics {
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
     pub request_duration: Histogram,
+    /// From the telemetry sampler: bytes.
+    pub resident_memory: AtomicU64,
+    /// From the telemetry sampler: bytes (`u64::MAX` until known).
+    pub available_memory: AtomicU64,
+    /// The sampler's own cost.
+    pub telemetry_nanos: AtomicU64,
+    pub telemetry_samples: AtomicU64,
+    /// Requests holding the keep-awake inhibitor.
+    pub keep_awake_holders: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            requests: Default::default(),
+            prompt_tokens: AtomicU64::new(0),
+            generated_tokens: AtomicU64::new(0),
+            cached_tokens: AtomicU64::new(0),
+            queue_depth: AtomicU64::new(0),
+            slots_busy: AtomicU64::new(0),
+            slots_total: AtomicU64::new(0),
+            time_to_first_token: Histogram::default(),
+            inter_token_latency: Histogram::default(),
+            request_duration: Histogram::default(),
+            resident_memory: AtomicU64::new(0),
+            available_memory: AtomicU64::new(u64::MAX),
+            telemetry_nanos: AtomicU64::new(0),
+            telemetry_samples: AtomicU64::new(0),
+            keep_awake_holders: AtomicU64::new(0),
+        }
+    }
 }
 
 impl Metrics {
@@ -103,9 +133,26 @@ impl Metrics {
             ("astra_queue_depth", "gauge", "Requests waiting for a slot.", &self.queue_depth),
             ("astra_slots_busy", "gauge", "Slots generating.", &self.slots_busy),
             ("astra_slots_total", "gauge", "Slots.", &self.slots_total),
+            ("astra_process_resident_memory_bytes", "gauge", "Resident memory of the server process (1 Hz sample).", &self.resident_memory),
+            ("astra_keep_awake_requests", "gauge", "Requests in flight holding the host awake.", &self.keep_awake_holders),
+            ("astra_telemetry_samples_total", "counter", "Telemetry samples taken.", &self.telemetry_samples),
         ] {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}", get(c));
         }
+        let avail = get(&self.available_memory);
+        if avail != u64::MAX {
+            let _ = writeln!(
+                out,
+                "# HELP astra_system_available_memory_bytes Memory the system can give without swapping (1 Hz sample).\n\
+                 # TYPE astra_system_available_memory_bytes gauge\nastra_system_available_memory_bytes {avail}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP astra_telemetry_seconds_total Time spent taking telemetry samples.\n\
+             # TYPE astra_telemetry_seconds_total counter\nastra_telemetry_seconds_total {}",
+            get(&self.telemetry_nanos) as f64 * 1e-9
+        );
         self.time_to_first_token.render(
             "astra_time_to_first_token_seconds",
             "From a request's arrival to its first generated token.",

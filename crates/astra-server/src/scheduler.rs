@@ -16,10 +16,10 @@
 //! idle sequences and active ones together stay within the memory budget, the least
 //! recently used idle ones dropped first.
 
-use std::sync::atomic::Ordering;
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use astra_engine::{Model, Session, Step, MAX_BATCH};
 use astra_tokenizer::Tokenizer;
@@ -28,14 +28,70 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::generation::{Emitted, FinishReason, GenParams, Generation};
 use crate::metrics::Metrics;
 
+/// What the prompt cache is keyed by: the prompt's tokens and the digests of the
+/// images that came with it (a changed image, even of the same length, changes the key).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PromptKey {
+    pub tokens: Vec<u32>,
+    pub media: Vec<[u8; 32]>,
+}
+
+impl PromptKey {
+    /// Tokens of this prompt a sequence cached under `cached` can skip: their common
+    /// prefix (none when the images differ), short of the prompt's last token, whose
+    /// logits start the generation.
+    pub fn reusable_from(&self, cached: &PromptKey) -> usize {
+        if self.media != cached.media {
+            return 0;
+        }
+        common_prefix(&self.tokens, &cached.tokens).min(self.tokens.len().saturating_sub(1))
+    }
+}
+
+/// Whether the model is in memory, as `/health` reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Status {
+    Loading,
+    Ready,
+    /// Unloaded after `--keep-alive` of idleness; the next request loads it.
+    Idle,
+}
+
+#[derive(Default)]
+pub struct ModelStatus(AtomicU8);
+
+impl ModelStatus {
+    pub fn get(&self) -> Status {
+        match self.0.load(Ordering::Acquire) {
+            1 => Status::Ready,
+            2 => Status::Idle,
+            _ => Status::Loading,
+        }
+    }
+
+    pub fn set(&self, s: Status) {
+        self.0.store(
+            match s {
+                Status::Loading => 0,
+                Status::Ready => 1,
+                Status::Idle => 2,
+            },
+            Ordering::Release,
+        );
+    }
+}
+
 /// One sequence to generate: a request's prompt (one per requested choice).
 pub struct Job {
-    pub prompt: Vec<u32>,
+    pub key: PromptKey,
     pub params: GenParams,
     /// The choice index within the request.
     pub index: usize,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
+    /// How long the model stays loaded after this request (`Some(None)`: for good;
+    /// `None`: the server's `--keep-alive`).
+    pub keep_alive: Option<Option<Duration>>,
 }
 
 /// Token counts and timings of a finished sequence.
@@ -44,6 +100,7 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    pub reasoning_tokens: usize,
     pub prompt_ms: f64,
     pub predicted_ms: f64,
 }
@@ -56,7 +113,7 @@ pub enum Event {
 
 struct Idle {
     session: Session,
-    tokens: Vec<u32>,
+    key: PromptKey,
     used: u64,
 }
 
@@ -67,23 +124,40 @@ struct Active {
     tokens: Vec<u32>,
     /// Prompt tokens already in the cache.
     fed: usize,
-    /// The last sampled token, to feed next.
-    next: [u32; 1],
+    /// Tokens to feed next: the last sampled one, or an injected wrap-up.
+    next: Vec<u32>,
     generation: Generation,
     cached: usize,
     prompt_done: Option<Instant>,
     last_token: Instant,
 }
 
+/// Loads the model (again, after an idle unload).
+pub type Loader = Box<dyn Fn() -> Result<Arc<Model>, String> + Send>;
+
+/// The scheduler's limits.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Sequences decoded together.
+    pub parallel: usize,
+    /// Positions per sequence.
+    pub ctx: usize,
+    /// Bytes all sequences (active and idle) may take.
+    pub budget: usize,
+    /// Idle time before the model is unloaded; `None`: never.
+    pub keep_alive: Option<Duration>,
+}
+
 pub struct Scheduler {
-    model: Arc<Model>,
+    model: Option<Arc<Model>>,
+    loader: Loader,
+    status: Arc<ModelStatus>,
     tok: Arc<Tokenizer>,
     jobs: Receiver<Job>,
     metrics: Arc<Metrics>,
-    parallel: usize,
-    ctx: usize,
-    /// Bytes all sequences (active and idle) may take.
-    budget: usize,
+    limits: Limits,
+    /// Idle time before unloading, as the last finished request set it.
+    hold: Option<Duration>,
     idle: Vec<Idle>,
     active: Vec<Active>,
     clock: u64,
@@ -94,17 +168,68 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 impl Scheduler {
+    /// A scheduler for `model` (loaded by `loader`, which reloads it after an idle
+    /// unload), reporting its state in `status`.
     pub fn new(
         model: Arc<Model>,
+        loader: Loader,
+        status: Arc<ModelStatus>,
         tok: Arc<Tokenizer>,
         jobs: Receiver<Job>,
         metrics: Arc<Metrics>,
-        parallel: usize,
-        ctx: usize,
-        budget: usize,
+        limits: Limits,
     ) -> Scheduler {
-        metrics.slots_total.store(parallel as u64, Ordering::Relaxed);
-        Scheduler { model, tok, jobs, metrics, parallel, ctx, budget, idle: Vec::new(), active: Vec::new(), clock: 0 }
+        metrics.slots_total.store(limits.parallel as u64, Ordering::Relaxed);
+        status.set(Status::Ready);
+        Scheduler {
+            model: Some(model),
+            loader,
+            status,
+            tok,
+            jobs,
+            metrics,
+            hold: limits.keep_alive,
+            limits,
+            idle: Vec::new(),
+            active: Vec::new(),
+            clock: 0,
+        }
+    }
+
+    /// Waits for the next job while nothing is active, unloading the model once it
+    /// has been idle for the hold time. `None`: the queue is closed.
+    fn wait_for_job(&mut self) -> Option<Job> {
+        if let (Some(_), Some(hold)) = (&self.model, self.hold) {
+            match self.jobs.recv_timeout(hold) {
+                Ok(job) => return Some(job),
+                Err(RecvTimeoutError::Disconnected) => return None,
+                Err(RecvTimeoutError::Timeout) => {
+                    self.idle.clear();
+                    self.model = None;
+                    self.status.set(Status::Idle);
+                    eprintln!("astra: INFO model unloaded after {hold:?} idle");
+                }
+            }
+        }
+        self.jobs.recv().ok()
+    }
+
+    /// The model, loading it first if it was unloaded.
+    fn ensure_loaded(&mut self) -> Result<Arc<Model>, String> {
+        if let Some(m) = &self.model {
+            return Ok(Arc::clone(m));
+        }
+        self.status.set(Status::Loading);
+        let loaded = (self.loader)();
+        match &loaded {
+            Ok(m) => {
+                self.model = Some(Arc::clone(m));
+                self.status.set(Status::Ready);
+                eprintln!("astra: INFO model loaded again");
+            }
+            Err(_) => self.status.set(Status::Idle),
+        }
+        loaded
     }
 
     /// Serves jobs until the queue's senders are gone and every job has finished.
@@ -124,11 +249,11 @@ impl Scheduler {
     /// Moves queued jobs into free slots, waiting for one when nothing is active.
     /// Returns false when the queue is closed and nothing is left to do.
     fn admit(&mut self) -> bool {
-        while self.active.len() < self.parallel {
+        while self.active.len() < self.limits.parallel {
             let job = if self.active.is_empty() {
-                match self.jobs.recv() {
-                    Ok(j) => j,
-                    Err(_) => return false,
+                match self.wait_for_job() {
+                    Some(j) => j,
+                    None => return false,
                 }
             } else {
                 match self.jobs.try_recv() {
@@ -152,43 +277,53 @@ impl Scheduler {
     }
 
     fn start(&mut self, job: Job) -> Result<(), String> {
-        // The prompt's last token is always fed again: its logits start the generation.
-        let reusable = |tokens: &[u32]| common_prefix(tokens, &job.prompt).min(job.prompt.len() - 1);
-        let best = (0..self.idle.len()).max_by_key(|&i| (reusable(&self.idle[i].tokens), self.idle[i].used));
+        let model = match self.ensure_loaded() {
+            Ok(m) => m,
+            Err(e) => {
+                let message = format!("loading the model: {e}");
+                let _ = job.events.send(Event::Failed { index: job.index, message: message.clone() });
+                return Err(message);
+            }
+        };
+        let reusable = |key: &PromptKey| job.key.reusable_from(key);
+        let best = (0..self.idle.len()).max_by_key(|&i| (reusable(&self.idle[i].key), self.idle[i].used));
         let mut taken = match best {
-            Some(i) if reusable(&self.idle[i].tokens) > 0 => Some(self.idle.swap_remove(i)),
+            Some(i) if reusable(&self.idle[i].key) > 0 => Some(self.idle.swap_remove(i)),
             _ => None,
         };
         if taken.is_none() {
             let new_bytes = self.idle.first().map(|i| i.session.kv_bytes());
-            let fits = new_bytes.is_none_or(|b| self.session_bytes() + b <= self.budget);
+            let fits = new_bytes.is_none_or(|b| self.session_bytes() + b <= self.limits.budget);
             if !fits {
                 // Recycle the least recently used idle sequence.
                 let lru = (0..self.idle.len()).min_by_key(|&i| self.idle[i].used).expect("an idle sequence exists");
                 taken = Some(self.idle.swap_remove(lru));
             }
         }
-        let (mut session, mut tokens) = match taken {
-            Some(i) => (i.session, i.tokens),
-            None => match self.model.session(self.ctx) {
-                Ok(s) => (s, Vec::new()),
+        let (mut session, reuse) = match taken {
+            Some(i) => {
+                let n = reusable(&i.key);
+                (i.session, n)
+            }
+            None => match model.session(self.limits.ctx) {
+                Ok(s) => (s, 0),
                 Err(e) => {
                     let _ = job.events.send(Event::Failed { index: job.index, message: e.to_string() });
                     return Err(e.to_string());
                 }
             },
         };
-        let keep = session.rewind(reusable(&tokens));
-        tokens.truncate(keep);
-        Metrics::add(&self.metrics.prompt_tokens, job.prompt.len());
+        let keep = session.rewind(reuse);
+        let tokens = job.key.tokens[..keep].to_vec();
+        Metrics::add(&self.metrics.prompt_tokens, job.key.tokens.len());
         Metrics::add(&self.metrics.cached_tokens, keep);
-        let generation = Generation::new(job.params.clone(), &job.prompt);
+        let generation = Generation::new(job.params.clone(), &job.key.tokens);
         self.active.push(Active {
             job,
             session,
             tokens,
             fed: keep,
-            next: [0],
+            next: Vec::new(),
             generation,
             cached: keep,
             prompt_done: None,
@@ -213,8 +348,10 @@ impl Scheduler {
     /// Returns a finished sequence to the idle set (the prompt cache).
     fn retire(&mut self, a: Active) {
         self.clock += 1;
-        self.idle.push(Idle { session: a.session, tokens: a.tokens, used: self.clock });
-        while self.session_bytes() > self.budget && !self.idle.is_empty() {
+        self.hold = a.job.keep_alive.unwrap_or(self.limits.keep_alive);
+        let key = PromptKey { tokens: a.tokens, media: a.job.key.media };
+        self.idle.push(Idle { session: a.session, key, used: self.clock });
+        while self.session_bytes() > self.limits.budget && !self.idle.is_empty() {
             let lru = (0..self.idle.len()).min_by_key(|&i| self.idle[i].used).expect("non-empty");
             self.idle.swap_remove(lru);
         }
@@ -225,13 +362,13 @@ impl Scheduler {
         let mut room = MAX_BATCH;
         let mut plan: Vec<(usize, usize)> = Vec::with_capacity(self.active.len()); // (active index, tokens)
         for (i, a) in self.active.iter().enumerate() {
-            if a.fed == a.job.prompt.len() {
-                plan.push((i, 1));
-                room -= 1;
+            if a.fed == a.job.key.tokens.len() {
+                plan.push((i, a.next.len()));
+                room = room.saturating_sub(a.next.len());
             }
         }
         for (i, a) in self.active.iter().enumerate() {
-            let left = a.job.prompt.len() - a.fed;
+            let left = a.job.key.tokens.len() - a.fed;
             if left > 0 && room > 0 {
                 let n = left.min(room);
                 plan.push((i, n));
@@ -245,16 +382,17 @@ impl Scheduler {
             let Some(&&(_, n)) = planned.peek().filter(|(j, _)| *j == i) else { continue };
             planned.next();
             let Active { session, job, fed, next, .. } = a;
-            let (tokens, logits_from) = if *fed == job.prompt.len() {
-                (&next[..], 0)
+            let (tokens, logits_from) = if *fed == job.key.tokens.len() {
+                (&next[..], next.len() - 1)
             } else {
-                let chunk = &job.prompt[*fed..*fed + n];
-                let last = *fed + n == job.prompt.len();
+                let chunk = &job.key.tokens[*fed..*fed + n];
+                let last = *fed + n == job.key.tokens.len();
                 (chunk, if last { n - 1 } else { n })
             };
             steps.push(Step { session, tokens, logits_from });
         }
-        let result = self.model.forward_many(&mut steps);
+        let model = Arc::clone(self.model.as_ref().expect("active sequences imply a loaded model"));
+        let result = model.forward_many(&mut steps);
         drop(steps);
         let logits = match result {
             Ok(l) => l,
@@ -268,10 +406,10 @@ impl Scheduler {
         let mut finished = Vec::new();
         for (&(i, n), mut logits) in plan.iter().zip(logits) {
             let a = &mut self.active[i];
-            if a.fed == a.job.prompt.len() {
-                a.tokens.push(a.next[0]);
+            if a.fed == a.job.key.tokens.len() {
+                a.tokens.append(&mut a.next);
             } else {
-                a.tokens.extend_from_slice(&a.job.prompt[a.fed..a.fed + n]);
+                a.tokens.extend_from_slice(&a.job.key.tokens[a.fed..a.fed + n]);
                 a.fed += n;
             }
             if logits.is_empty() {
@@ -286,11 +424,14 @@ impl Scheduler {
                 Some(_) => self.metrics.inter_token_latency.observe((now - a.last_token).as_secs_f64()),
             }
             a.last_token = now;
-            let room = self.ctx - a.session.n_past();
+            let room = self.limits.ctx - a.session.n_past();
             let emitted = a.generation.step(&self.tok, &mut logits, room);
             if let Some(id) = emitted.id {
-                a.next = [id];
+                a.next = vec![id];
                 Metrics::add(&self.metrics.generated_tokens, 1);
+            }
+            if let Some(tokens) = &emitted.inject {
+                a.next = tokens.clone();
             }
             let finish = emitted.finish;
             let _ = a.job.events.send(Event::Token { index: a.job.index, emitted });
@@ -305,14 +446,37 @@ impl Scheduler {
             let now = Instant::now();
             let prompt_done = a.prompt_done.unwrap_or(now);
             let usage = Usage {
-                prompt_tokens: a.job.prompt.len(),
+                prompt_tokens: a.job.key.tokens.len(),
                 cached_tokens: a.cached,
                 completion_tokens: a.generation.generated.len(),
+                reasoning_tokens: a.generation.thinking_tokens,
                 prompt_ms: (prompt_done - a.job.received).as_secs_f64() * 1e3,
                 predicted_ms: (now - prompt_done).as_secs_f64() * 1e3,
             };
+            if let Some(t) = a.generation.params().thinking.as_ref().filter(|t| t.log.is_some()) {
+                let injected = if a.generation.injected { "yes" } else { "no" };
+                eprintln!("astra: INFO reasoning budget: {} thinking_tokens={} wrap_up_injected={injected}", t.log.as_deref().unwrap_or(""), usage.reasoning_tokens);
+            }
             let _ = a.job.events.send(Event::Done { index: a.job.index, finish, usage });
             self.retire(a);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_keys_reuse_only_with_the_same_images() {
+        let key = |tokens: &[u32], media: &[u8]| PromptKey { tokens: tokens.to_vec(), media: media.iter().map(|&b| [b; 32]).collect() };
+        let cached = key(&[1, 2, 3, 4, 5], &[7]);
+        assert_eq!(key(&[1, 2, 3, 9], &[7]).reusable_from(&cached), 3);
+        // The whole cached prompt again: all but the last token.
+        assert_eq!(key(&[1, 2, 3, 4, 5], &[7]).reusable_from(&cached), 4);
+        // A changed image (same length, other bytes) or one more or less: nothing.
+        assert_eq!(key(&[1, 2, 3, 4, 5], &[8]).reusable_from(&cached), 0);
+        assert_eq!(key(&[1, 2, 3, 4, 5], &[]).reusable_from(&cached), 0);
+        assert_eq!(key(&[1, 2, 3, 4, 5], &[7, 7]).reusable_from(&cached), 0);
     }
 }

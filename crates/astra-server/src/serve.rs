@@ -6,12 +6,13 @@ use std::sync::mpsc::sync_channel;
 use std::sync::Arc;
 use std::time::Duration;
 
-use astra_engine::Model;
+use astra_engine::{Backend, Model};
 use astra_tokenizer::{ChatTemplate, Tokenizer};
 
-use crate::http::{router, AppState, Ready};
+use crate::http::{router, AppState, Capabilities, ImagePolicy, Ready};
+use crate::keep_awake::KeepAwake;
 use crate::metrics::Metrics;
-use crate::scheduler::Scheduler;
+use crate::scheduler::{Limits, Loader, ModelStatus, Scheduler};
 
 #[derive(Clone, Debug)]
 pub struct ServeOptions {
@@ -33,11 +34,38 @@ pub struct ServeOptions {
     pub body_limit: usize,
     /// How long in-flight requests may run after a shutdown signal.
     pub shutdown_grace: Duration,
+    /// Thinking markers; `None`: from the chat template, else `<think>`/`</think>`.
+    pub think_markers: Option<(String, String)>,
+    /// Tokens of a thinking request's cap reserved for its answer, by default.
+    pub answer_room: usize,
+    pub images: ImagePolicy,
+    /// Refuse new requests while available memory is below this many MiB.
+    pub min_free_mem_mib: Option<u64>,
+    /// Unload the model after this long without requests; `None`: never.
+    pub keep_alive: Option<Duration>,
+    /// Require `Authorization: Bearer KEY`.
+    pub api_key: Option<String>,
+}
+
+/// Thinking markers known from chat templates, checked in order.
+const KNOWN_THINK_MARKERS: [(&str, &str); 2] = [("<think>", "</think>"), ("<|START_THINKING|>", "<|END_THINKING|>")];
+
+/// The thinking markers: given, else the first known pair the template uses, else
+/// `<think>`/`</think>`.
+fn think_markers(opts: &ServeOptions, template_source: Option<&str>) -> (String, String) {
+    if let Some(m) = &opts.think_markers {
+        return m.clone();
+    }
+    let found = template_source.and_then(|t| KNOWN_THINK_MARKERS.iter().find(|(a, b)| t.contains(a) && t.contains(b)));
+    let (a, b) = found.copied().unwrap_or(KNOWN_THINK_MARKERS[0]);
+    (a.to_owned(), b.to_owned())
 }
 
 /// Loads the model and starts the scheduler; returns what the HTTP side needs.
-fn load(opts: &ServeOptions, metrics: Arc<Metrics>) -> Result<(Ready, Scheduler), String> {
-    let model = Model::load(&opts.model, opts.threads).map_err(|e| e.to_string())?;
+fn load(opts: &ServeOptions, metrics: Arc<Metrics>, status: Arc<ModelStatus>) -> Result<(Ready, Scheduler), String> {
+    let (path, threads) = (opts.model.clone(), opts.threads);
+    let loader: Loader = Box::new(move || Model::load(&path, threads).map_err(|e| e.to_string()));
+    let model = loader()?;
     let tok = Arc::new(Tokenizer::from_metadata(model.file.metadata()).map_err(|e| e.to_string())?);
     let template = ChatTemplate::for_model(model.file.metadata(), &tok).map_err(|e| e.0)?;
     let ctx = opts.ctx.min(model.cfg.ctx_train.max(1));
@@ -52,6 +80,16 @@ fn load(opts: &ServeOptions, metrics: Arc<Metrics>) -> Result<(Ready, Scheduler)
         ));
     }
     let (queue, jobs) = sync_channel(opts.queue);
+    let capabilities = Capabilities {
+        logit_bias: true,
+        images: false,
+        thinking: true,
+        tools: false,
+        structured_output: false,
+        backend: model.backend.name().to_owned(),
+    };
+    eprintln!("astra: INFO {}", capabilities.line());
+    let think_markers = think_markers(opts, model.file.metadata().str("tokenizer.chat_template").ok());
     let ready = Ready {
         tok: Arc::clone(&tok),
         template,
@@ -62,8 +100,14 @@ fn load(opts: &ServeOptions, metrics: Arc<Metrics>) -> Result<(Ready, Scheduler)
         n_vocab: model.cfg.n_vocab,
         ctx_train: model.cfg.ctx_train,
         slots: opts.parallel,
+        capabilities,
+        think_markers,
+        answer_room: opts.answer_room,
+        images: opts.images,
+        min_free_mem: opts.min_free_mem_mib.map(|m| m << 20),
     };
-    let scheduler = Scheduler::new(model, tok, jobs, metrics, opts.parallel, ctx, budget);
+    let limits = Limits { parallel: opts.parallel, ctx, budget, keep_alive: opts.keep_alive };
+    let scheduler = Scheduler::new(model, loader, status, tok, jobs, metrics, limits);
     Ok((ready, scheduler))
 }
 
@@ -106,12 +150,15 @@ pub fn serve(opts: ServeOptions) -> Result<(), String> {
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         println!("astra: listening on http://{addr}");
         let metrics = Arc::new(Metrics::default());
-        let state = Arc::new(AppState::new(Arc::clone(&metrics), opts.body_limit));
+        crate::telemetry::start(Arc::clone(&metrics));
+        let keep_awake = Arc::new(KeepAwake::for_host());
+        let state = Arc::new(AppState::new(Arc::clone(&metrics), keep_awake, opts.body_limit, opts.api_key.as_deref()));
+        let status = Arc::clone(&state.status);
         let loading = Arc::clone(&state);
         let load_opts = opts.clone();
         std::thread::Builder::new()
             .name("astra-scheduler".into())
-            .spawn(move || match load(&load_opts, metrics) {
+            .spawn(move || match load(&load_opts, metrics, status) {
                 Ok((ready, scheduler)) => {
                     let _ = loading.ready.set(ready);
                     println!("astra: model loaded; serving {}", load_opts.model_name);

@@ -1,110 +1,15 @@
 //! `astra serve` end to end: the real binary on a loopback port with the real SmolLM2
 //! model, driven over HTTP.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod common;
+
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::{content, post_to, sse_events, user, Server};
 use serde_json::{json, Value};
-
-struct Server {
-    child: Child,
-    base: String,
-}
-
-impl Server {
-    /// Starts `astra serve` on a free port with `extra` arguments; waits until ready.
-    fn start(extra: &[&str]) -> Option<Server> {
-        let model = astra_models::model_for_test("smollm2-135m")?;
-        let mut child = Command::new(env!("CARGO_BIN_EXE_astra"))
-            .args(["serve", "--port", "0", "--threads", "2", "--ctx", "2048", "--model"])
-            .arg(&model)
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start astra serve");
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let line = lines.next().expect("a first line").unwrap();
-        let addr = line.strip_prefix("astra: listening on ").unwrap_or_else(|| panic!("unexpected first line {line:?}")).to_owned();
-        // Keep draining stdout so the server never blocks on it.
-        std::thread::spawn(move || for _ in lines {});
-        let server = Server { child, base: addr };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let (status, _) = server.get("/health");
-            if status == 200 {
-                return Some(server);
-            }
-            assert_eq!(status, 503, "/health while loading");
-            assert!(Instant::now() < deadline, "the model did not load in 60 s");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn agent() -> ureq::Agent {
-        ureq::Agent::config_builder().http_status_as_error(false).build().into()
-    }
-
-    fn get(&self, path: &str) -> (u16, String) {
-        let mut r = Self::agent().get(&format!("{}{path}", self.base)).call().expect("GET");
-        (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
-    }
-
-    fn post_raw(&self, path: &str, body: &str) -> (u16, String) {
-        post_to(&self.base, path, body)
-    }
-
-    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let (status, text) = self.post_raw(path, &body.to_string());
-        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}")))
-    }
-
-    /// A successful chat completion.
-    fn chat(&self, body: &Value) -> Value {
-        let (status, v) = self.post("/v1/chat/completions", body);
-        assert_eq!(status, 200, "{v}");
-        v
-    }
-
-    fn metric(&self, name: &str) -> f64 {
-        let (_, text) = self.get("/metrics");
-        text.lines()
-            .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.trim().parse().ok()))
-            .unwrap_or_else(|| panic!("metric {name} missing"))
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// POSTs a JSON body to `base` + `path` (from any thread); returns status and body.
-fn post_to(base: &str, path: &str, body: &str) -> (u16, String) {
-    let mut r = Server::agent()
-        .post(&format!("{base}{path}"))
-        .header("content-type", "application/json")
-        .send(body)
-        .expect("POST");
-    (r.status().as_u16(), r.body_mut().with_config().limit(64 << 20).read_to_string().unwrap())
-}
-
-fn content(v: &Value) -> &str {
-    v["choices"][0]["message"]["content"].as_str().unwrap()
-}
-
-fn user(text: &str, max_tokens: usize) -> Value {
-    json!({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0})
-}
-
-/// Reads a streamed response's `data:` payloads.
-fn sse_events(text: &str) -> Vec<String> {
-    text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).map(str::to_owned).collect()
-}
 
 #[test]
 fn chat_whole_and_streamed_agree() {

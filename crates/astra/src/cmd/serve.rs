@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use anyhow::{anyhow, Result};
+use astra_server::http::ImagePolicy;
 use astra_server::ServeOptions;
 
 #[derive(clap::Args)]
@@ -38,6 +39,48 @@ pub struct Args {
     /// Seconds in-flight requests may run after SIGTERM or Ctrl-C.
     #[arg(long, default_value_t = 30)]
     shutdown_grace: u64,
+    /// Thinking markers as START,END (default: from the chat template, else
+    /// <think>,</think>).
+    #[arg(long, value_parser = parse_markers)]
+    think_markers: Option<(String, String)>,
+    /// Tokens of a thinking request's max_tokens reserved for the answer when the
+    /// request sets neither answer_room nor thinking_budget (0: no reservation).
+    #[arg(long, default_value_t = 512)]
+    answer_room: usize,
+    /// What a text-only model does with image content parts: reject (400) or omit
+    /// (dropped, with a warning in the response).
+    #[arg(long, value_enum, default_value = "reject")]
+    images: Images,
+    /// Refuse new requests (503) while the system's available memory is below this.
+    #[arg(long)]
+    min_free_mem_mib: Option<u64>,
+    /// Unload the model after this long without requests ("30s", "5m", "1h"; default:
+    /// never); the next request loads it again.
+    #[arg(long, value_parser = parse_duration)]
+    keep_alive: Option<Duration>,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health.
+    #[arg(long, env = "ASTRA_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Images {
+    Reject,
+    Omit,
+}
+
+fn parse_markers(s: &str) -> Result<(String, String), String> {
+    match s.split_once(',') {
+        Some((a, b)) if !a.is_empty() && !b.is_empty() => Ok((a.to_owned(), b.to_owned())),
+        _ => Err("expected START,END (two non-empty markers)".into()),
+    }
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    astra_server::api::parse_duration_secs(s)
+        .filter(|&x| x >= 0.0)
+        .and_then(|x| Duration::try_from_secs_f64(x).ok())
+        .ok_or_else(|| format!("{s:?} is not a duration such as 30s, 5m or 1h"))
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -59,6 +102,15 @@ pub fn run(args: Args) -> Result<()> {
         queue: args.queue,
         body_limit: args.body_limit,
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
+        think_markers: args.think_markers,
+        answer_room: args.answer_room,
+        images: match args.images {
+            Images::Reject => ImagePolicy::Reject,
+            Images::Omit => ImagePolicy::Omit,
+        },
+        min_free_mem_mib: args.min_free_mem_mib,
+        keep_alive: args.keep_alive,
+        api_key: args.api_key.filter(|k| !k.is_empty()),
     })
     .map_err(|e| anyhow!(e))
 }
