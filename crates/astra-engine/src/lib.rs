@@ -38,6 +38,9 @@ pub enum EngineError {
     Invalid(String),
     #[error("tensor {0} is missing from the model file")]
     MissingTensor(String),
+    /// The backend's device is missing or failed.
+    #[error("{0}")]
+    Backend(String),
     #[error("the context holds {ctx} positions; {needed} are needed")]
     ContextFull { ctx: usize, needed: usize },
 }

@@ -5,7 +5,11 @@
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use astra_engine::Model;
+use std::sync::Arc;
+
+use astra_engine::{Backend, Model};
+
+use super::backend::{with_model, BackendKind, OnModel};
 use serde_json::json;
 
 #[derive(clap::Args)]
@@ -28,6 +32,8 @@ pub struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendKind,
 }
 
 fn mean_sd(v: &[f64]) -> (f64, f64) {
@@ -55,7 +61,23 @@ pub fn run(args: Args) -> Result<()> {
     }
     let path = astra_models::resolve(&args.model)?;
     let threads = args.threads.unwrap_or_else(super::run::default_threads);
-    let model = Model::load(&path, threads)?;
+    with_model(args.backend, &path.clone(), threads, Bench { args, path, threads })
+}
+
+struct Bench {
+    args: Args,
+    path: std::path::PathBuf,
+    threads: usize,
+}
+
+impl OnModel for Bench {
+    fn run<B: Backend>(self, model: Arc<Model<B>>) -> Result<()> {
+        let Bench { args, path, threads } = self;
+        bench(&args, &path, threads, &model)
+    }
+}
+
+fn bench<B: Backend>(args: &Args, path: &std::path::Path, threads: usize, model: &Model<B>) -> Result<()> {
     let ctx = (args.n_prompt.max(args.n_gen) + 1).min(model.cfg.ctx_train);
     if args.n_prompt > ctx || args.n_gen > ctx {
         bail!("the model's context is {}", model.cfg.ctx_train);
@@ -99,7 +121,7 @@ pub fn run(args: Args) -> Result<()> {
         println!(
             "{}",
             json!({
-                "model": name, "threads": threads, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
+                "model": name, "backend": model.backend.describe(), "threads": threads, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
                 "pp_tokens_per_s": ppm, "pp_sd": pps, "tg_tokens_per_s": tgm, "tg_sd": tgs,
                 "pp_samples": pp, "tg_samples": tg,
                 "weight_bytes_per_token": model.weight_bytes_per_token(),
@@ -114,7 +136,8 @@ pub fn run(args: Args) -> Result<()> {
             continue;
         }
         let (m, sd) = mean_sd(samples);
-        println!("| {name} | {size_mib:.1} MiB | CPU | {threads} | {test} | {m:.2} ± {sd:.2} |");
+        let backend = model.backend.name().to_uppercase();
+        println!("| {name} | {size_mib:.1} MiB | {backend} | {threads} | {test} | {m:.2} ± {sd:.2} |");
     }
     Ok(())
 }

@@ -5,9 +5,13 @@ use std::io::Write;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use astra_engine::{Model, Sampler, SamplerConfig, StopMatcher, StopOutcome};
+use std::sync::Arc;
+
+use astra_engine::{Backend, Model, Sampler, SamplerConfig, StopMatcher, StopOutcome};
 use astra_tokenizer::{ChatMessage, ChatTemplate, EncodeOptions, StreamDecoder, Tokenizer};
 use serde_json::json;
+
+use super::backend::{with_model, BackendKind, OnModel};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -48,6 +52,8 @@ pub struct Args {
     /// Stop when the text contains this string (repeatable); it is not printed.
     #[arg(long)]
     stop: Vec<String>,
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendKind,
 }
 
 pub fn default_threads() -> usize {
@@ -56,7 +62,17 @@ pub fn default_threads() -> usize {
 
 pub fn run(args: Args) -> Result<()> {
     let path = astra_models::resolve(&args.model)?;
-    let model = Model::load(&path, args.threads.unwrap_or_else(default_threads))?;
+    let threads = args.threads.unwrap_or_else(default_threads);
+    with_model(args.backend, &path, threads, args)
+}
+
+impl OnModel for Args {
+    fn run<B: Backend>(self, model: Arc<Model<B>>) -> Result<()> {
+        generate(&self, &model)
+    }
+}
+
+fn generate<B: Backend>(args: &Args, model: &Model<B>) -> Result<()> {
     let tok = Tokenizer::from_metadata(model.file.metadata())?;
     let prompt = if args.chat {
         let template = ChatTemplate::for_model(model.file.metadata(), &tok)?;

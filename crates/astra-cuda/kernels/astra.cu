@@ -1,0 +1,513 @@
+// astra's CUDA kernels, compiled at run time by NVRTC for the device present.
+//
+// Header-free (NVRTC ships no CUDA headers): f16 conversions are inline PTX, types are
+// spelled out. Weight blocks are read as stored in GGUF (byte structs, unaligned), with
+// the layouts of ggml; the scalar references are astra-quant's dot/scalar.rs and
+// quantize.rs, whose arithmetic these kernels follow operation for operation where the
+// CPU engine's bits are the target (activation quantization, per-block integer sums).
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef short i16;
+
+#define WARP 32
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// An f16 stored little-endian at an arbitrary byte address.
+__device__ __forceinline__ float ldh(const u8* p) { return h2f((u16)p[0] | ((u16)p[1] << 8)); }
+
+__device__ __forceinline__ float ldf(const u8* p) {
+    unsigned int b = (unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16) | ((unsigned int)p[3] << 24);
+    return __int_as_float((int)b);
+}
+
+__device__ __forceinline__ int ldi16(const u8* p) { return (int)(i16)((u16)p[0] | ((u16)p[1] << 8)); }
+
+// Round to nearest, ties to even, for |v| < 2^22 (ggml's nearest_int), with no fused
+// multiply-add around it.
+__device__ __forceinline__ int nearest_int(float v) {
+    int bits = __float_as_int(__fadd_rn(v, 12582912.0f));
+    return (bits & 0x007fffff) - 0x00400000;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ int warp_sum_int(int v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ---------------------------------------------------------------------------------
+// Activation quantization (bit-identical to astra-quant's quantize_q8_0/q8_1/q8_k).
+
+// One warp per 32-block; grid (blocks per row, rows). Q8_0: d(f16) qs[32];
+// Q8_1: d(f16) s(f16) qs[32].
+extern "C" __global__ void quantize_q8_32(const float* x, u8* out, int cols, int with_sum) {
+    int b = blockIdx.x, row = blockIdx.y, lane = threadIdx.x;
+    int nb = cols / 32;
+    float v = x[(long)row * cols + b * 32 + lane];
+    float amax = warp_max(fabsf(v));
+    float d = __fdiv_rn(amax, 127.0f);
+    float id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+    int q = nearest_int(__fmul_rn(v, id));
+    int bytes = with_sum ? 36 : 34;
+    u8* blk = out + ((long)row * nb + b) * bytes;
+    int head = with_sum ? 4 : 2;
+    blk[head + lane] = (u8)(i8)q;
+    int sum = warp_sum_int(q);
+    if (lane == 0) {
+        u16 hd = f2h(d);
+        blk[0] = hd & 0xff;
+        blk[1] = hd >> 8;
+        if (with_sum) {
+            u16 hs = f2h(__fmul_rn(d, (float)sum));
+            blk[2] = hs & 0xff;
+            blk[3] = hs >> 8;
+        }
+    }
+}
+
+// One 256-thread CTA per 256-block; grid (blocks per row, rows). Q8_K: d(f32) qs[256]
+// bsums[16](i16).
+extern "C" __global__ void quantize_q8_k(const float* x, u8* out, int cols) {
+    __shared__ float s_amax[8];
+    __shared__ int s_idx[8];
+    __shared__ int s_q[256];
+    int b = blockIdx.x, row = blockIdx.y, t = threadIdx.x;
+    int nb = cols / 256;
+    const float* xb = x + (long)row * cols + b * 256;
+    float v = xb[t];
+    // The first element of the largest magnitude.
+    float a = fabsf(v);
+    int idx = t;
+    for (int o = WARP / 2; o > 0; o >>= 1) {
+        float a2 = __shfl_xor_sync(0xffffffffu, a, o);
+        int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (a2 > a || (a2 == a && i2 < idx)) {
+            a = a2;
+            idx = i2;
+        }
+    }
+    if ((t & 31) == 0) {
+        s_amax[t / 32] = a;
+        s_idx[t / 32] = idx;
+    }
+    __syncthreads();
+    float amax = s_amax[0];
+    int best = s_idx[0];
+    for (int w = 1; w < 8; w++) {
+        if (s_amax[w] > amax || (s_amax[w] == amax && s_idx[w] < best)) {
+            amax = s_amax[w];
+            best = s_idx[w];
+        }
+    }
+    u8* blk = out + ((long)row * nb + b) * 292;
+    if (amax == 0.0f) {
+        blk[4 + t] = 0;
+        if (t < 4) blk[t] = 0;
+        if (t < 32) blk[260 + t] = 0;
+        return;
+    }
+    float iscale = __fdiv_rn(-127.0f, xb[best]);
+    int q = min(nearest_int(__fmul_rn(iscale, v)), 127);
+    blk[4 + t] = (u8)(i8)q;
+    s_q[t] = q;
+    __syncthreads();
+    if (t < 16) {
+        int s = 0;
+        for (int j = 0; j < 16; j++) s += s_q[16 * t + j];
+        u16 h = (u16)(i16)s;
+        blk[260 + 2 * t] = h & 0xff;
+        blk[261 + 2 * t] = h >> 8;
+    }
+    if (t == 0) {
+        float d = __fdiv_rn(1.0f, iscale);
+        unsigned int bits = (unsigned int)__float_as_int(d);
+        blk[0] = bits & 0xff;
+        blk[1] = (bits >> 8) & 0xff;
+        blk[2] = (bits >> 16) & 0xff;
+        blk[3] = bits >> 24;
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// One block of a weight row against one activation block: the block's float
+// contribution (and, for types with a minimum, the minimum's apart).
+
+__device__ __forceinline__ float blk_q4_0(const u8* w, const u8* a) {
+    const u8* qs = w + 2;
+    const i8* y = (const i8*)(a + 2);
+    int isum = 0;
+    for (int j = 0; j < 16; j++) {
+        isum += ((qs[j] & 15) - 8) * y[j];
+        isum += ((qs[j] >> 4) - 8) * y[j + 16];
+    }
+    return (float)isum * (ldh(w) * ldh(a));
+}
+
+__device__ __forceinline__ float blk_q4_1(const u8* w, const u8* a, float* mins) {
+    const u8* qs = w + 4;
+    const i8* y = (const i8*)(a + 4);
+    int isum = 0;
+    for (int j = 0; j < 16; j++) {
+        isum += (qs[j] & 15) * y[j];
+        isum += (qs[j] >> 4) * y[j + 16];
+    }
+    *mins += ldh(w + 2) * ldh(a + 2);
+    return (float)isum * (ldh(w) * ldh(a));
+}
+
+__device__ __forceinline__ float blk_q5_0(const u8* w, const u8* a) {
+    unsigned int qh = (unsigned int)w[2] | ((unsigned int)w[3] << 8) | ((unsigned int)w[4] << 16) | ((unsigned int)w[5] << 24);
+    const u8* qs = w + 6;
+    const i8* y = (const i8*)(a + 2);
+    int isum = 0;
+    for (int j = 0; j < 16; j++) {
+        int lo = (qs[j] & 15) | (((qh >> j) & 1) << 4);
+        int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        isum += (lo - 16) * y[j] + (hi - 16) * y[j + 16];
+    }
+    return (float)isum * (ldh(w) * ldh(a));
+}
+
+__device__ __forceinline__ float blk_q8_0(const u8* w, const u8* a) {
+    const i8* x = (const i8*)(w + 2);
+    const i8* y = (const i8*)(a + 2);
+    int isum = 0;
+    for (int j = 0; j < 32; j++) isum += x[j] * y[j];
+    return (float)isum * (ldh(w) * ldh(a));
+}
+
+__device__ __forceinline__ void scale_min_k4(int j, const u8* q, int* sc, int* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Q4_K: d dmin scales[12] qs[128]; activation Q8_K.
+__device__ __forceinline__ float blk_q4_k(const u8* w, const u8* a) {
+    const u8* scales = w + 4;
+    const u8* qs = w + 16;
+    const i8* y = (const i8*)(a + 4);
+    int isum = 0, msum = 0;
+    for (int g = 0; g < 8; g++) {
+        int sc, m;
+        scale_min_k4(g, scales, &sc, &m);
+        int gsum = 0;
+        for (int l = 0; l < 32; l++) {
+            int k = 32 * g + l;
+            u8 byte = qs[32 * (k / 64) + (k % 32)];
+            int code = ((k / 32) % 2 == 0) ? (byte & 15) : (byte >> 4);
+            gsum += code * y[k];
+        }
+        isum += sc * gsum;
+        msum += m * (ldi16(a + 260 + 4 * g) + ldi16(a + 262 + 4 * g));
+    }
+    float da = ldf(a);
+    return (float)isum * (ldh(w) * da) - (float)msum * (ldh(w + 2) * da);
+}
+
+// Q6_K: ql[128] qh[64] scales[16](i8) d(f16); activation Q8_K.
+__device__ __forceinline__ float blk_q6_k(const u8* w, const u8* a) {
+    const u8* ql = w;
+    const u8* qh = w + 128;
+    const i8* scales = (const i8*)(w + 192);
+    const i8* y = (const i8*)(a + 4);
+    int isum = 0;
+    for (int k = 0; k < 256; k++) {
+        int n = k / 128, r = (k % 128) / 32, l = k % 32;
+        u8 qlb = ql[64 * n + 32 * (r % 2) + l];
+        int low = r < 2 ? (qlb & 15) : (qlb >> 4);
+        int high = (qh[32 * n + l] >> (2 * r)) & 3;
+        int q = (low | (high << 4)) - 32;
+        isum += scales[k / 16] * q * y[k];
+    }
+    return (float)isum * (ldh(w + 208) * ldf(a));
+}
+
+// Weight type codes (GGUF's ggml type ids).
+#define T_Q4_0 2
+#define T_Q4_1 3
+#define T_Q5_0 6
+#define T_Q8_0 8
+#define T_Q4_K 12
+#define T_Q6_K 14
+
+// out[t * rows + r] = Σ_b block(w[r][b], a[t][b]): one warp per weight row, lanes over
+// its blocks; grid (ceil(rows / 4), tokens), 128 threads.
+extern "C" __global__ void matvec(int type, const u8* w, const u8* a, float* out, int rows, int nb, int wbytes, int abytes) {
+    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    int r = blockIdx.x * 4 + warp;
+    int t = blockIdx.y;
+    if (r >= rows) return;
+    const u8* wr = w + (long)r * nb * wbytes;
+    const u8* at = a + (long)t * nb * abytes;
+    float sum = 0.0f, mins = 0.0f;
+    for (int b = lane; b < nb; b += WARP) {
+        const u8* wb = wr + (long)b * wbytes;
+        const u8* ab = at + (long)b * abytes;
+        switch (type) {
+            case T_Q4_0: sum += blk_q4_0(wb, ab); break;
+            case T_Q4_1: sum += blk_q4_1(wb, ab, &mins); break;
+            case T_Q5_0: sum += blk_q5_0(wb, ab); break;
+            case T_Q8_0: sum += blk_q8_0(wb, ab); break;
+            case T_Q4_K: sum += blk_q4_k(wb, ab); break;
+            case T_Q6_K: sum += blk_q6_k(wb, ab); break;
+        }
+    }
+    float total = warp_sum(sum) + warp_sum(mins);
+    if (lane == 0) out[(long)t * rows + r] = total;
+}
+
+// ---------------------------------------------------------------------------------
+// Dequantization of single weights (embedding rows).
+
+__device__ float dequant_one(int type, const u8* row, int k) {
+    switch (type) {
+        case 0: return ldf(row + 4 * k);
+        case 1: return ldh(row + 2 * k);
+        case T_Q4_0: {
+            const u8* b = row + (k / 32) * 18;
+            int j = k % 32;
+            int q = j < 16 ? (b[2 + j] & 15) : (b[2 + j - 16] >> 4);
+            return (float)(q - 8) * ldh(b);
+        }
+        case T_Q4_1: {
+            const u8* b = row + (k / 32) * 20;
+            int j = k % 32;
+            int q = j < 16 ? (b[4 + j] & 15) : (b[4 + j - 16] >> 4);
+            return (float)q * ldh(b) + ldh(b + 2);
+        }
+        case T_Q5_0: {
+            const u8* b = row + (k / 32) * 22;
+            int j = k % 32;
+            unsigned int qh = (unsigned int)b[2] | ((unsigned int)b[3] << 8) | ((unsigned int)b[4] << 16) | ((unsigned int)b[5] << 24);
+            int nib = j < 16 ? (b[6 + j] & 15) : (b[6 + j - 16] >> 4);
+            int q = nib | (((qh >> j) & 1) << 4);
+            return (float)(q - 16) * ldh(b);
+        }
+        case T_Q8_0: {
+            const u8* b = row + (k / 32) * 34;
+            return (float)((const i8*)(b + 2))[k % 32] * ldh(b);
+        }
+        case T_Q4_K: {
+            const u8* b = row + (k / 256) * 144;
+            int kk = k % 256, g = kk / 32;
+            int sc, m;
+            scale_min_k4(g, b + 4, &sc, &m);
+            u8 byte = b[16 + 32 * (kk / 64) + (kk % 32)];
+            int code = ((kk / 32) % 2 == 0) ? (byte & 15) : (byte >> 4);
+            return ldh(b) * (float)sc * (float)code - ldh(b + 2) * (float)m;
+        }
+        case T_Q6_K: {
+            const u8* b = row + (k / 256) * 210;
+            int kk = k % 256;
+            int n = kk / 128, r = (kk % 128) / 32, l = kk % 32;
+            u8 qlb = b[64 * n + 32 * (r % 2) + l];
+            int low = r < 2 ? (qlb & 15) : (qlb >> 4);
+            int high = (b[128 + 32 * n + l] >> (2 * r)) & 3;
+            int q = (low | (high << 4)) - 32;
+            return ldh(b + 208) * (float)((const i8*)(b + 192))[kk / 16] * (float)q;
+        }
+    }
+    return 0.0f;
+}
+
+// out[i] = dequantize(table row tokens[i]) · scale; grid (ceil(cols / 256), tokens).
+extern "C" __global__ void embed(int type, const u8* table, const unsigned int* tokens, float* out, int cols, long row_bytes, float scale, int scaled) {
+    int k = blockIdx.x * blockDim.x + threadIdx.x;
+    int i = blockIdx.y;
+    if (k >= cols) return;
+    float v = dequant_one(type, table + (long)tokens[i] * row_bytes, k);
+    out[(long)i * cols + k] = scaled ? v * scale : v;
+}
+
+// ---------------------------------------------------------------------------------
+// Row operations.
+
+// RMSNorm of each group of n values (a row, or a head): one CTA of 256 threads per
+// group; the sum of squares in f64 as the CPU engine sums it. In place when x == out
+// (each element is read by the thread that writes it, after the reduction).
+__device__ void rms_norm_group(const float* x, const float* w, float* out, int n, float eps) {
+    __shared__ double part[8];
+    const float* xg = x + (long)blockIdx.x * n;
+    float* og = out + (long)blockIdx.x * n;
+    double s = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += (double)xg[i] * (double)xg[i];
+    for (int o = WARP / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (threadIdx.x % WARP == 0) part[threadIdx.x / WARP] = s;
+    __syncthreads();
+    double total = 0.0;
+    for (int i = 0; i < (int)(blockDim.x / WARP); i++) total += part[i];
+    float mean = (float)(total / (double)n);
+    float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+    for (int i = threadIdx.x; i < n; i += blockDim.x) og[i] = __fmul_rn(__fmul_rn(xg[i], scale), w[i]);
+}
+
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int n, float eps) {
+    rms_norm_group(x, w, out, n, eps);
+}
+
+extern "C" __global__ void rms_norm_inplace(float* x, const float* w, int n, float eps) {
+    rms_norm_group(x, w, x, n, eps);
+}
+
+// RoPE on the first `dims` values of each head: pairs (2i, 2i+1), or (i, i + dims/2)
+// for NeoX. theta = pos · theta_scale^i by repeated multiplication, as ggml builds it.
+// grid (heads per row, rows), dims/2 threads.
+extern "C" __global__ void rope(float* x, const unsigned int* positions, int width, int head_dim, int dims, float theta_scale, int neox) {
+    int i = threadIdx.x, head = blockIdx.x, row = blockIdx.y;
+    if (i >= dims / 2) return;
+    float theta = (float)positions[row];
+    for (int k = 0; k < i; k++) theta = __fmul_rn(theta, theta_scale);
+    float s, c;
+    sincosf(theta, &s, &c);
+    float* h = x + (long)row * width + head * head_dim;
+    int a = neox ? i : 2 * i, b = neox ? i + dims / 2 : 2 * i + 1;
+    float x0 = h[a], x1 = h[b];
+    h[a] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    h[b] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+}
+
+extern "C" __global__ void scale(float* x, long n, float s) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = __fmul_rn(x[i], s);
+}
+
+extern "C" __global__ void add(float* x, const float* y, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = __fadd_rn(x[i], y[i]);
+}
+
+// gate = act(gate) · up; act 0: SiLU, 1: GELU (tanh approximation).
+extern "C" __global__ void glu(float* gate, const float* up, long n, int act) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = gate[i];
+    float a;
+    if (act == 0) {
+        a = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
+    } else {
+        float inner = __fmul_rn(__fmul_rn(0.7978846f, g), __fadd_rn(1.0f, __fmul_rn(__fmul_rn(0.044715f, g), g)));
+        a = __fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.0f, tanhf(inner)));
+    }
+    gate[i] = __fmul_rn(a, up[i]);
+}
+
+// out row i = x row rows[i].
+extern "C" __global__ void gather(const float* x, const unsigned int* rows, float* out, int width) {
+    int k = blockIdx.x * blockDim.x + threadIdx.x;
+    int i = blockIdx.y;
+    if (k < width) out[(long)i * width + k] = x[(long)rows[i] * width + k];
+}
+
+// ---------------------------------------------------------------------------------
+// KV cache and attention. A layer's cache is (kv_head, slot, head_dim) in f16; position
+// p lives in slot p % slots (a ring for sliding-window layers).
+
+// Stores n rows of keys and values (kv_dim = kv_heads · head_dim each) at positions
+// pos, pos+1, …; grid (kv_heads, n), head_dim threads.
+extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16* vc, int row0, int pos, int slots, int kv_dim, int head_dim) {
+    int d = threadIdx.x, g = blockIdx.x, i = blockIdx.y;
+    long src = (long)(row0 + i) * kv_dim + g * head_dim + d;
+    long dst = ((long)g * slots + (pos + i) % slots) * head_dim + d;
+    kc[dst] = f2h(k[src]);
+    vc[dst] = f2h(v[src]);
+}
+
+#define CHUNK 64
+#define MAX_HEAD_DIM 256
+
+// Attention of query rows row0.. (positions pos, pos+1, …) over their cached positions,
+// split at absolute multiples of CHUNK; each chunk's (max, Σexp, Σexp·v) merged into a
+// running total. grid (n_head, rows), CHUNK threads; head_dim ≤ 256.
+extern "C" __global__ void attention(const float* q, const u16* kc, const u16* vc, float* out, int row0, int pos0,
+                                     int slots, int window, int n_head, int group, int head_dim, float scale) {
+    __shared__ float sq[MAX_HEAD_DIM];
+    __shared__ float sp[CHUNK];
+    __shared__ float red[CHUNK];
+    int h = blockIdx.x, i = blockIdx.y, t = threadIdx.x;
+    int row = row0 + i, pos = pos0 + i;
+    int g = h / group;
+    int width = n_head * head_dim;
+    for (int d = t; d < head_dim; d += CHUNK) sq[d] = q[(long)row * width + h * head_dim + d];
+    __syncthreads();
+    int first = window > 0 ? max(0, pos + 1 - window) : 0;
+    const int per = MAX_HEAD_DIM / CHUNK;
+    float acc[per];
+    for (int j = 0; j < per; j++) acc[j] = 0.0f;
+    float run_max = NEG_INF, run_sum = 0.0f;
+    const u16* kh = kc + (long)g * slots * head_dim;
+    const u16* vh = vc + (long)g * slots * head_dim;
+    for (int c = first / CHUNK; c <= pos / CHUNK; c++) {
+        int lo = max(c * CHUNK, first), hi = min(c * CHUNK + CHUNK - 1, pos);
+        int p = c * CHUNK + t;
+        float s = NEG_INF;
+        if (p >= lo && p <= hi) {
+            const u16* kr = kh + (long)(p % slots) * head_dim;
+            float dot = 0.0f;
+            for (int d = 0; d < head_dim; d++) dot = __fadd_rn(dot, __fmul_rn(sq[d], h2f(kr[d])));
+            s = __fmul_rn(dot, scale);
+        }
+        red[t] = s;
+        __syncthreads();
+        for (int o = CHUNK / 2; o > 0; o >>= 1) {
+            if (t < o) red[t] = fmaxf(red[t], red[t + o]);
+            __syncthreads();
+        }
+        float m = red[0];
+        __syncthreads();
+        float e = (p >= lo && p <= hi) ? expf(s - m) : 0.0f;
+        sp[t] = e;
+        red[t] = e;
+        __syncthreads();
+        for (int o = CHUNK / 2; o > 0; o >>= 1) {
+            if (t < o) red[t] += red[t + o];
+            __syncthreads();
+        }
+        float csum = red[0];
+        float new_max = fmaxf(run_max, m);
+        float a_old = run_max == NEG_INF ? 0.0f : expf(run_max - new_max);
+        float a_new = expf(m - new_max);
+        for (int j = 0; j < per; j++) {
+            int d = t + j * CHUNK;
+            if (d >= head_dim) break;
+            float cacc = 0.0f;
+            for (int pp = lo; pp <= hi; pp++) cacc += sp[pp - c * CHUNK] * h2f(vh[(long)(pp % slots) * head_dim + d]);
+            acc[j] = acc[j] * a_old + cacc * a_new;
+        }
+        run_sum = run_sum * a_old + csum * a_new;
+        run_max = new_max;
+        __syncthreads();
+    }
+    float inv = 1.0f / run_sum;
+    for (int j = 0; j < per; j++) {
+        int d = t + j * CHUNK;
+        if (d < head_dim) out[(long)row * width + h * head_dim + d] = acc[j] * inv;
+    }
+}

@@ -1,0 +1,369 @@
+//! [`CudaBackend`]: the engine's ops as launches of the run-time compiled kernels on
+//! one stream. Weights are uploaded as stored (quantized blocks); activations are
+//! quantized on the device by the CPU engine's arithmetic, and every matrix product is
+//! a per-block integer dot product as on the CPU.
+
+use std::sync::Arc;
+
+use astra_engine::backend::{Activation, Backend, Rope, SeqRows};
+use astra_engine::config::Config;
+use astra_engine::weights::MatRef;
+use astra_engine::attention::CHUNK;
+use astra_engine::EngineError;
+use astra_gguf::{GgmlType, GgufFile};
+use astra_quant::ActType;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+
+use crate::nvrtc;
+
+fn gpu_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> EngineError + '_ {
+    move |e| EngineError::Backend(format!("CUDA: {what}: {e}"))
+}
+
+/// The kernels of the library.
+struct Kernels {
+    quantize_q8_32: CudaFunction,
+    quantize_q8_k: CudaFunction,
+    matvec: CudaFunction,
+    embed: CudaFunction,
+    rms_norm: CudaFunction,
+    rms_norm_inplace: CudaFunction,
+    rope: CudaFunction,
+    scale: CudaFunction,
+    add: CudaFunction,
+    glu: CudaFunction,
+    gather: CudaFunction,
+    kv_store: CudaFunction,
+    attention: CudaFunction,
+    _module: Arc<CudaModule>,
+}
+
+pub struct CudaBackend {
+    stream: Arc<CudaStream>,
+    k: Kernels,
+    device: String,
+}
+
+/// Activations on the device: `rows × width` f32.
+pub struct GpuTensor {
+    buf: CudaSlice<f32>,
+    rows: usize,
+    width: usize,
+}
+
+/// A weight matrix on the device, its blocks as stored.
+pub struct GpuMatrix {
+    data: CudaSlice<u8>,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    act: ActType,
+}
+
+struct LayerKv {
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    slots: usize,
+    window: Option<usize>,
+}
+
+/// One sequence's KV cache: per layer `(kv_head, slot, head_dim)` in f16, sliding-window
+/// layers as rings of `window + max_batch` slots (whole chunks), as on the CPU.
+pub struct GpuKv {
+    layers: Vec<LayerKv>,
+    n_head: usize,
+    n_head_kv: usize,
+    head_dim: usize,
+}
+
+/// Threads per CTA for element-wise kernels.
+const THREADS: u32 = 256;
+
+fn grid_for(n: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: ((n as u32).div_ceil(THREADS), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Why CUDA cannot be used here, in one line; `None` when the driver is present.
+pub fn unavailable_reason() -> Option<String> {
+    // SAFETY: probes for the library only.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Some("no CUDA driver (libcuda.so) on this machine: --backend cuda needs an NVIDIA GPU and its driver".into());
+    }
+    if !nvrtc::available() {
+        return Some("NVRTC (libnvrtc.so.13) is not on the library path: install the CUDA 13 toolkit or its nvrtc package".into());
+    }
+    None
+}
+
+impl CudaBackend {
+    /// The backend on GPU `ordinal`, with the kernels compiled (or taken from the disk
+    /// cache) for its architecture.
+    pub fn new(ordinal: usize) -> Result<CudaBackend, EngineError> {
+        if let Some(why) = unavailable_reason() {
+            return Err(EngineError::Backend(why));
+        }
+        let count = CudaContext::device_count().map_err(gpu_err("counting devices"))?;
+        if ordinal as i32 >= count {
+            return Err(EngineError::Backend(format!("CUDA device {ordinal} requested; {count} present")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(gpu_err("creating a context"))?;
+        // One stream, in order: the per-buffer event tracking is not needed.
+        // SAFETY: every launch goes to the one stream below.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability().map_err(gpu_err("compute capability"))?;
+        let arch = format!("sm_{major}{minor}");
+        let mut driver = 0;
+        // SAFETY: an out-parameter.
+        let _ = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+        let (name, source) = nvrtc::SOURCES[0];
+        let cubin = nvrtc::cubin_cached(name, source, &arch, driver).map_err(EngineError::Load)?;
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(gpu_err("loading kernels"))?;
+        let f = |n: &str| module.load_function(n).map_err(gpu_err("kernel lookup"));
+        let k = Kernels {
+            quantize_q8_32: f("quantize_q8_32")?,
+            quantize_q8_k: f("quantize_q8_k")?,
+            matvec: f("matvec")?,
+            embed: f("embed")?,
+            rms_norm: f("rms_norm")?,
+            rms_norm_inplace: f("rms_norm_inplace")?,
+            rope: f("rope")?,
+            scale: f("scale")?,
+            add: f("add")?,
+            glu: f("glu")?,
+            gather: f("gather")?,
+            kv_store: f("kv_store")?,
+            attention: f("attention")?,
+            _module: Arc::clone(&module),
+        };
+        let device = format!("{} ({arch}, driver {driver})", ctx.name().unwrap_or_else(|_| "GPU".into()));
+        Ok(CudaBackend { stream: ctx.default_stream(), k, device })
+    }
+
+    fn upload<T: cudarc::driver::DeviceRepr>(&self, v: &[T]) -> CudaSlice<T> {
+        self.stream.clone_htod(v).expect("CUDA upload")
+    }
+
+    /// Quantizes `x`'s rows for the activation type `act`.
+    fn quantize(&self, x: &GpuTensor, act: ActType) -> CudaSlice<u8> {
+        let row_bytes = act.row_bytes(x.width).expect("a whole number of blocks");
+        // SAFETY: every byte is written by the kernel below.
+        let mut out = unsafe { self.stream.alloc::<u8>(row_bytes * x.rows) }.expect("CUDA alloc");
+        let (cols, rows) = (x.width as i32, x.rows as u32);
+        match act {
+            ActType::Q8_0 | ActType::Q8_1 => {
+                let with_sum = i32::from(act == ActType::Q8_1);
+                let cfg = LaunchConfig { grid_dim: (x.width as u32 / 32, rows, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
+                let mut b = self.stream.launch_builder(&self.k.quantize_q8_32);
+                b.arg(&x.buf).arg(&mut out).arg(&cols).arg(&with_sum);
+                self.launch(b, cfg);
+            }
+            ActType::Q8K => {
+                let cfg = LaunchConfig { grid_dim: (x.width as u32 / 256, rows, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+                let mut b = self.stream.launch_builder(&self.k.quantize_q8_k);
+                b.arg(&x.buf).arg(&mut out).arg(&cols);
+                self.launch(b, cfg);
+            }
+            ActType::F32 => unreachable!("float weights are not uploaded to this backend"),
+        }
+        out
+    }
+
+    fn launch(&self, mut b: cudarc::driver::LaunchArgs<'_>, cfg: LaunchConfig) {
+        // SAFETY: each kernel's arguments match its signature in astra.cu, and the grid
+        // covers exactly the elements it writes.
+        unsafe { b.launch(cfg) }.expect("CUDA launch");
+    }
+}
+
+/// The ggml type id the kernels switch on.
+fn type_code(ty: GgmlType) -> i32 {
+    ty as i32
+}
+
+/// Weight types the matvec kernel reads.
+fn supported(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K)
+}
+
+impl Backend for CudaBackend {
+    type Tensor = GpuTensor;
+    type Matrix = GpuMatrix;
+    type Vector = CudaSlice<f32>;
+    type KvCache = GpuKv;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn describe(&self) -> String {
+        format!("cuda ({})", self.device)
+    }
+
+    fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<GpuMatrix, EngineError> {
+        if !supported(m.ty) {
+            return Err(EngineError::Unsupported(format!("{} weights on the CUDA backend", m.ty)));
+        }
+        let data = self.stream.clone_htod(m.view(file).bytes()).map_err(gpu_err("uploading weights"))?;
+        Ok(GpuMatrix { data, ty: m.ty, rows: m.rows, cols: m.cols, act: m.kernels.act })
+    }
+
+    fn vector(&self, v: &[f32]) -> Result<CudaSlice<f32>, EngineError> {
+        self.stream.clone_htod(v).map_err(gpu_err("uploading a vector"))
+    }
+
+    fn tensor(&self, rows: usize, width: usize) -> GpuTensor {
+        let buf = self.stream.alloc_zeros::<f32>((rows * width).max(1)).expect("CUDA alloc");
+        GpuTensor { buf, rows, width }
+    }
+
+    fn kv_cache(&self, cfg: &Config, ctx: usize, max_batch: usize) -> Result<GpuKv, EngineError> {
+        let layers = (0..cfg.n_layer)
+            .map(|l| {
+                let window = if cfg.layer_local[l] { cfg.sliding_window } else { None };
+                let slots = window.map_or(ctx, |w| ctx.min((w + max_batch).next_multiple_of(CHUNK)));
+                let n = cfg.n_head_kv * slots * cfg.head_dim;
+                let k = self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating the KV cache"))?;
+                let v = self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating the KV cache"))?;
+                Ok(LayerKv { k, v, slots, window })
+            })
+            .collect::<Result<_, EngineError>>()?;
+        Ok(GpuKv { layers, n_head: cfg.n_head, n_head_kv: cfg.n_head_kv, head_dim: cfg.head_dim })
+    }
+
+    fn kv_bytes(&self, kv: &GpuKv) -> usize {
+        kv.layers.iter().map(|l| 2 * l.k.len() * 2).sum()
+    }
+
+    fn kv_rewind_limit(&self, kv: &GpuKv) -> usize {
+        kv.layers.iter().filter_map(|l| l.window.map(|w| l.slots.saturating_sub(w))).min().unwrap_or(usize::MAX)
+    }
+
+    fn read(&self, t: &GpuTensor) -> Vec<f32> {
+        let mut v = self.stream.clone_dtoh(&t.buf).expect("CUDA download");
+        self.stream.synchronize().expect("CUDA synchronize");
+        v.truncate(t.rows * t.width);
+        v
+    }
+
+    fn embed(&self, table: &GpuMatrix, tokens: &[u32], scale: Option<f32>, out: &mut GpuTensor) {
+        let ids = self.upload(tokens);
+        let row_bytes = astra_quant::row_bytes(table.ty, table.cols).expect("checked at load") as i64;
+        let (ty, cols, s, scaled) = (type_code(table.ty), table.cols as i32, scale.unwrap_or(1.0), i32::from(scale.is_some()));
+        let cfg = LaunchConfig { grid_dim: ((table.cols as u32).div_ceil(THREADS), tokens.len() as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.k.embed);
+        b.arg(&ty).arg(&table.data).arg(&ids).arg(&mut out.buf).arg(&cols).arg(&row_bytes).arg(&s).arg(&scaled);
+        self.launch(b, cfg);
+    }
+
+    fn gather(&self, x: &GpuTensor, rows: &[usize]) -> GpuTensor {
+        let mut out = self.tensor(rows.len(), x.width);
+        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let idx = self.upload(&idx);
+        let width = x.width as i32;
+        let cfg = LaunchConfig { grid_dim: ((x.width as u32).div_ceil(THREADS), rows.len() as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.k.gather);
+        b.arg(&x.buf).arg(&idx).arg(&mut out.buf).arg(&width);
+        self.launch(b, cfg);
+        out
+    }
+
+    fn rms_norm(&self, x: &GpuTensor, w: &CudaSlice<f32>, eps: f32, out: &mut GpuTensor) {
+        let n = w.len() as i32;
+        let cfg = LaunchConfig { grid_dim: ((x.rows * x.width / w.len()) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.k.rms_norm);
+        b.arg(&x.buf).arg(w).arg(&mut out.buf).arg(&n).arg(&eps);
+        self.launch(b, cfg);
+    }
+
+    fn rms_norm_groups(&self, x: &mut GpuTensor, w: &CudaSlice<f32>, eps: f32) {
+        let n = w.len() as i32;
+        let cfg = LaunchConfig { grid_dim: ((x.rows * x.width / w.len()) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.k.rms_norm_inplace);
+        b.arg(&mut x.buf).arg(w).arg(&n).arg(&eps);
+        self.launch(b, cfg);
+    }
+
+    fn matmul(&self, x: &GpuTensor, outs: &mut [(&GpuMatrix, &mut GpuTensor)]) {
+        let mut shared: Option<(ActType, CudaSlice<u8>)> = None;
+        for (w, out) in outs.iter_mut() {
+            if shared.as_ref().is_none_or(|(a, _)| *a != w.act) {
+                shared = Some((w.act, self.quantize(x, w.act)));
+            }
+            let (_, acts) = shared.as_ref().expect("just set");
+            let (blk_elems, wbytes) = (w.ty.block_elems() as usize, w.ty.block_bytes());
+            let abytes = w.act.ggml_type().block_bytes() as i32;
+            let nb = (w.cols / blk_elems) as i32;
+            let (ty, rows, wbytes) = (type_code(w.ty), w.rows as i32, wbytes as i32);
+            let cfg = LaunchConfig { grid_dim: ((w.rows as u32).div_ceil(4), x.rows as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            let mut b = self.stream.launch_builder(&self.k.matvec);
+            b.arg(&ty).arg(&w.data).arg(acts).arg(&mut out.buf).arg(&rows).arg(&nb).arg(&wbytes).arg(&abytes);
+            self.launch(b, cfg);
+        }
+    }
+
+    fn rope(&self, x: &mut GpuTensor, head_dim: usize, positions: &[u32], r: Rope) {
+        let pos = self.upload(positions);
+        // The angle step exactly as the CPU engine computes it.
+        let theta_scale = r.base.powf(-2.0 / r.dims as f32);
+        let (width, hd, dims, neox) = (x.width as i32, head_dim as i32, r.dims as i32, i32::from(r.neox));
+        let cfg = LaunchConfig { grid_dim: ((x.width / head_dim) as u32, x.rows as u32, 1), block_dim: ((r.dims / 2) as u32, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.k.rope);
+        b.arg(&mut x.buf).arg(&pos).arg(&width).arg(&hd).arg(&dims).arg(&theta_scale).arg(&neox);
+        self.launch(b, cfg);
+    }
+
+    fn scale(&self, x: &mut GpuTensor, s: f32) {
+        let n = (x.rows * x.width) as i64;
+        let mut b = self.stream.launch_builder(&self.k.scale);
+        b.arg(&mut x.buf).arg(&n).arg(&s);
+        self.launch(b, grid_for(n as usize));
+    }
+
+    fn add(&self, x: &mut GpuTensor, y: &GpuTensor) {
+        let n = (x.rows * x.width) as i64;
+        let mut b = self.stream.launch_builder(&self.k.add);
+        b.arg(&mut x.buf).arg(&y.buf).arg(&n);
+        self.launch(b, grid_for(n as usize));
+    }
+
+    fn glu(&self, gate: &mut GpuTensor, up: &GpuTensor, act: Activation) {
+        let n = (gate.rows * gate.width) as i64;
+        let a = match act {
+            Activation::Silu => 0i32,
+            Activation::GeluTanh => 1,
+        };
+        let mut b = self.stream.launch_builder(&self.k.glu);
+        b.arg(&mut gate.buf).arg(&up.buf).arg(&n).arg(&a);
+        self.launch(b, grid_for(n as usize));
+    }
+
+    fn attention(
+        &self,
+        layer: usize,
+        seqs: &mut [SeqRows<'_, GpuKv>],
+        q: &GpuTensor,
+        k: &GpuTensor,
+        v: &GpuTensor,
+        scale: f32,
+        out: &mut GpuTensor,
+    ) {
+        for s in seqs.iter_mut() {
+            let kv = &mut *s.kv;
+            let (n_head, group, hd, kv_dim) = (kv.n_head, kv.n_head / kv.n_head_kv, kv.head_dim, kv.n_head_kv * kv.head_dim);
+            let l = &mut kv.layers[layer];
+            let (row0, pos, slots) = (s.rows.start as i32, s.pos as i32, l.slots as i32);
+            let n = s.rows.len() as u32;
+            let cfg = LaunchConfig { grid_dim: (kv.n_head_kv as u32, n, 1), block_dim: (hd as u32, 1, 1), shared_mem_bytes: 0 };
+            let (kd, hdi) = (kv_dim as i32, hd as i32);
+            let mut b = self.stream.launch_builder(&self.k.kv_store);
+            b.arg(&k.buf).arg(&v.buf).arg(&mut l.k).arg(&mut l.v).arg(&row0).arg(&pos).arg(&slots).arg(&kd).arg(&hdi);
+            self.launch(b, cfg);
+            let window = l.window.map_or(0, |w| w as i32);
+            let (nh, grp) = (n_head as i32, group as i32);
+            let cfg = LaunchConfig { grid_dim: (n_head as u32, n, 1), block_dim: (CHUNK as u32, 1, 1), shared_mem_bytes: 0 };
+            let mut b = self.stream.launch_builder(&self.k.attention);
+            b.arg(&q.buf).arg(&l.k).arg(&l.v).arg(&mut out.buf).arg(&row0).arg(&pos).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi).arg(&scale);
+            self.launch(b, cfg);
+        }
+    }
+}
