@@ -20,10 +20,13 @@ __device__ __forceinline__ float h2f(u16 h) {
     return f;
 }
 
-__device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
+// f32 → f16 bits (round to nearest even) in the low half of a 32-bit register: the
+// packed conversion keeps byte extraction of the result well defined (bytes taken from
+// a 16-bit asm output came out wrong under NVRTC 13).
+__device__ __forceinline__ unsigned int f2h(float f) {
+    unsigned int r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(0.0f), "f"(f));
+    return r & 0xffffu;
 }
 
 // An f16 stored little-endian at an arbitrary byte address.
@@ -77,13 +80,13 @@ extern "C" __global__ void quantize_q8_32(const float* x, u8* out, int cols, int
     blk[head + lane] = (u8)(i8)q;
     int sum = warp_sum_int(q);
     if (lane == 0) {
-        u16 hd = f2h(d);
-        blk[0] = hd & 0xff;
-        blk[1] = hd >> 8;
+        unsigned int hd = f2h(d);
+        blk[0] = (u8)(hd & 0xff);
+        blk[1] = (u8)(hd >> 8);
         if (with_sum) {
-            u16 hs = f2h(__fmul_rn(d, (float)sum));
-            blk[2] = hs & 0xff;
-            blk[3] = hs >> 8;
+            unsigned int hs = f2h(__fmul_rn(d, (float)sum));
+            blk[2] = (u8)(hs & 0xff);
+            blk[3] = (u8)(hs >> 8);
         }
     }
 }
@@ -436,8 +439,8 @@ extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16
     int d = threadIdx.x, g = blockIdx.x, i = blockIdx.y;
     long src = (long)(row0 + i) * kv_dim + g * head_dim + d;
     long dst = ((long)g * slots + (pos + i) % slots) * head_dim + d;
-    kc[dst] = f2h(k[src]);
-    vc[dst] = f2h(v[src]);
+    kc[dst] = (u16)f2h(k[src]);
+    vc[dst] = (u16)f2h(v[src]);
 }
 
 #define CHUNK 64

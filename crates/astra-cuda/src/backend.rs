@@ -216,6 +216,10 @@ impl Backend for CudaBackend {
         GpuTensor { buf, rows, width }
     }
 
+    fn tensor_from(&self, data: &[f32], width: usize) -> GpuTensor {
+        GpuTensor { buf: self.upload(data), rows: data.len() / width.max(1), width }
+    }
+
     fn kv_cache(&self, cfg: &Config, ctx: usize, max_batch: usize) -> Result<GpuKv, EngineError> {
         let layers = (0..cfg.n_layer)
             .map(|l| {
@@ -364,6 +368,39 @@ impl Backend for CudaBackend {
             let mut b = self.stream.launch_builder(&self.k.attention);
             b.arg(&q.buf).arg(&l.k).arg(&l.v).arg(&mut out.buf).arg(&row0).arg(&pos).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi).arg(&scale);
             self.launch(b, cfg);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Activation quantization on the GPU gives the CPU engine's bytes. Needs a GPU;
+    /// without one it says so (scripts/gpu-check runs it on a GPU machine).
+    #[test]
+    fn quantization_matches_the_cpu_bytes() {
+        if let Some(why) = unavailable_reason() {
+            eprintln!("SKIPPED: {why}");
+            return;
+        }
+        let gpu = CudaBackend::new(0).unwrap();
+        let cols = 512;
+        let x: Vec<f32> = (0..3 * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32)).collect();
+        let t = gpu.tensor_from(&x, cols);
+        for act in [ActType::Q8_0, ActType::Q8_1, ActType::Q8K] {
+            let got = gpu.stream.clone_dtoh(&gpu.quantize(&t, act)).unwrap();
+            let rb = act.row_bytes(cols).unwrap();
+            let mut want = vec![0u8; 3 * rb];
+            for (row, out) in x.chunks_exact(cols).zip(want.chunks_exact_mut(rb)) {
+                act.quantize(row, out);
+            }
+            let first = got.iter().zip(&want).position(|(a, b)| a != b);
+            let block = act.ggml_type().block_bytes() as usize;
+            let diffs: Vec<(usize, u8, u8)> = got.iter().zip(&want).enumerate().filter(|(_, (a, b))| a != b).map(|(i, (a, b))| (i % block, *a, *b)).take(24).collect();
+            eprintln!("{act:?}: {} differing bytes; (offset in block, gpu, cpu): {diffs:?}", got.iter().zip(&want).filter(|(a, b)| a != b).count());
+            assert_eq!(first, None, "{act:?}: first differing byte (of {}); gpu {:?} cpu {:?}", want.len(),
+                first.map(|i| &got[i.saturating_sub(4)..(i + 8).min(got.len())]), first.map(|i| &want[i.saturating_sub(4)..(i + 8).min(want.len())]));
         }
     }
 }

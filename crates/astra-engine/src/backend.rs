@@ -64,6 +64,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn vector(&self, v: &[f32]) -> Result<Self::Vector, EngineError>;
     /// A zeroed `rows × width` tensor.
     fn tensor(&self, rows: usize, width: usize) -> Self::Tensor;
+    /// A tensor of `data.len() / width` rows holding `data`.
+    fn tensor_from(&self, data: &[f32], width: usize) -> Self::Tensor;
     /// A KV cache for `ctx` positions, written by batches of at most `max_batch` tokens
     /// of the sequence.
     fn kv_cache(&self, cfg: &Config, ctx: usize, max_batch: usize) -> Result<Self::KvCache, EngineError>;

@@ -78,6 +78,10 @@ impl Backend for CpuBackend {
         CpuTensor { data: vec![0.0; rows * width], width }
     }
 
+    fn tensor_from(&self, data: &[f32], width: usize) -> CpuTensor {
+        CpuTensor { data: data.to_vec(), width }
+    }
+
     fn kv_cache(&self, cfg: &Config, ctx: usize, max_batch: usize) -> Result<KvCache, EngineError> {
         Ok(KvCache::new(cfg, ctx, max_batch))
     }

@@ -9,6 +9,7 @@
 
 pub mod attention;
 pub mod backend;
+pub mod backend_parity;
 pub mod config;
 pub mod cpu;
 pub mod model;

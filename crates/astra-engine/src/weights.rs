@@ -23,6 +23,15 @@ pub struct MatRef {
 }
 
 impl MatRef {
+    /// The 2-D tensor `name` of `file` as a matrix (rows = its second dimension).
+    pub fn locate(file: &GgufFile, name: &str) -> Result<MatRef, EngineError> {
+        let t = file.tensor(name).ok_or_else(|| EngineError::MissingTensor(name.to_owned()))?;
+        let [cols, rows] = t.dims[..] else {
+            return Err(EngineError::Invalid(format!("tensor {name}: dims {:?}, expected two", t.dims)));
+        };
+        Loader { file }.matrix(name, rows as usize, cols as usize)
+    }
+
     /// The matrix in `file` (the file it was located in).
     pub fn view<'a>(&self, file: &'a GgufFile) -> QuantMatrix<'a> {
         let bytes = &file.raw()[self.start..self.start + self.len];

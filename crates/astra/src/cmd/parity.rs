@@ -7,6 +7,8 @@ use anyhow::{bail, Context, Result};
 use astra_quant::parity::{case_seed, default_cases, run_case, CaseReport, SIMD_VS_SCALAR_BOUND};
 use astra_quant::{GgmlType, Isa};
 
+use super::backend::BackendKind;
+
 #[derive(clap::Args)]
 pub struct Args {
     #[command(subcommand)]
@@ -36,6 +38,37 @@ struct KernelArgs {
     /// Compare every case's outputs bit for bit with those saved in DIR.
     #[arg(long, value_name = "DIR")]
     bitwise: Option<PathBuf>,
+    /// cpu: the kernels against f64; cuda: every backend op on the GPU against the CPU
+    /// backend's.
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendKind,
+}
+
+/// Largest relative L2 distance between the CUDA and CPU backends' results for an op:
+/// both compute the same integer block sums and differ only in how floats are
+/// associated (and in the last bits of sin, cos, exp and tanh).
+const BACKEND_BOUND: f64 = 1e-4;
+
+fn backend_ops() -> Result<()> {
+    let cuda = astra_cuda::CudaBackend::new(0).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let cpu = astra_engine::CpuBackend::new(super::run::default_threads());
+    let dir = std::env::temp_dir().join(format!("astra-parity-{}", std::process::id()));
+    let reports = astra_engine::backend_parity::compare(&cpu, &cuda, &dir)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("{} against {}; bound: relative L2 ≤ {BACKEND_BOUND:e}", astra_engine::Backend::describe(&cuda), astra_engine::Backend::describe(&cpu));
+    println!("| op | rel L2 | max abs | result |");
+    println!("|----|-------:|--------:|--------|");
+    let mut failed = 0;
+    for r in &reports {
+        let ok = r.rel_l2 <= BACKEND_BOUND;
+        failed += usize::from(!ok);
+        println!("| {} | {:.3e} | {:.3e} | {} |", r.op, r.rel_l2, r.max_abs, if ok { "ok" } else { "FAIL" });
+    }
+    println!("{} ops, {failed} failed", reports.len());
+    if failed > 0 {
+        bail!("{failed} of {} backend ops are out of bound", reports.len());
+    }
+    Ok(())
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -85,6 +118,9 @@ fn bitwise_difference(dir: &std::path::Path, r: &CaseReport) -> Option<String> {
 }
 
 fn kernels(args: KernelArgs) -> Result<()> {
+    if args.backend == BackendKind::Cuda {
+        return backend_ops();
+    }
     let isas = selected_isas(args.isa.as_deref())?;
     let types = selected_types(&args.types)?;
     if args.tokens == 0 || args.tokens > 64 {

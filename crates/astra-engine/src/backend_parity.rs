@@ -1,0 +1,190 @@
+//! Backend against backend, op by op: every operation of [`Backend`] run on random
+//! inputs by a reference backend (the CPU) and a candidate (a GPU), with the relative
+//! L2 distance and largest absolute difference of the results. `astra parity kernels
+//! --backend cuda` reports it.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use astra_gguf::{GgmlType, GgufFile, GgufWriter, TensorSource};
+
+use crate::backend::{Activation, Backend, Rope, SeqRows};
+use crate::config::{Arch, Config};
+use crate::weights::MatRef;
+use crate::EngineError;
+
+/// One op's comparison.
+#[derive(Clone, Debug)]
+pub struct OpReport {
+    pub op: String,
+    pub rel_l2: f64,
+    pub max_abs: f64,
+}
+
+/// Weight types compared, with the shapes used.
+pub const TYPES: [GgmlType; 6] = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K];
+const ROWS: usize = 96;
+const COLS: usize = 512;
+
+fn report(op: impl Into<String>, want: &[f32], got: &[f32]) -> OpReport {
+    let (mut num, mut den, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
+    for (&a, &b) in want.iter().zip(got) {
+        let d = a as f64 - b as f64;
+        num += d * d;
+        den += (a as f64) * (a as f64);
+        max_abs = max_abs.max(d.abs());
+    }
+    let rel_l2 = if want.len() != got.len() { f64::INFINITY } else if den > 0.0 { (num / den).sqrt() } else { num.sqrt() };
+    OpReport { op: op.into(), rel_l2, max_abs }
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.next()).collect()
+    }
+}
+
+fn attention_config() -> Config {
+    Config {
+        arch: Arch::Gemma3,
+        n_layer: 2,
+        n_embd: 256,
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim: 64,
+        n_ff: 512,
+        n_vocab: 16,
+        ctx_train: 4096,
+        rms_eps: 1e-6,
+        rope_base: 1e6,
+        rope_base_local: 1e4,
+        rope_dim: 64,
+        rope_neox: true,
+        sliding_window: Some(40),
+        layer_local: vec![true, false],
+        embed_scale: None,
+        attn_scale: 1.0,
+    }
+}
+
+/// Runs every op on both backends; `dir` receives the random-weight GGUF the matrices
+/// come from.
+pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<OpReport>, EngineError> {
+    let io = |e: std::io::Error| EngineError::Load(format!("writing the parity weights: {e}"));
+    let mut w = GgufWriter::new();
+    for (i, ty) in TYPES.iter().enumerate() {
+        let bytes = astra_quant::parity::random_weights(*ty, ROWS, COLS, 100 + i as u64)
+            .map_err(|e| EngineError::Invalid(e.to_string()))?;
+        w.add_tensor(format!("w.{}", ty.name()), &[COLS as u64, ROWS as u64], *ty, TensorSource::Owned(bytes))
+            .map_err(|e| EngineError::Invalid(e.to_string()))?;
+    }
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let path = dir.join("backend-parity.gguf");
+    w.write_file(&path).map_err(io)?;
+    let file = Arc::new(GgufFile::open(&path).map_err(|e| EngineError::Load(e.to_string()))?);
+    let mut rng = Rng(42);
+    let mut out = Vec::new();
+    let tokens = 3;
+    let x = rng.vec(tokens * COLS);
+    let (xa, xb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+    for ty in TYPES {
+        let m = MatRef::locate(&file, &format!("w.{}", ty.name()))?;
+        let (ma, mb) = (a.matrix(&file, &m)?, b.matrix(&file, &m)?);
+        let (mut oa, mut ob) = (a.tensor(tokens, ROWS), b.tensor(tokens, ROWS));
+        a.matmul(&xa, &mut [(&ma, &mut oa)]);
+        b.matmul(&xb, &mut [(&mb, &mut ob)]);
+        out.push(report(format!("matmul {}", ty.name()), &a.read(&oa), &b.read(&ob)));
+        let ids = [0u32, 5, ROWS as u32 - 1];
+        let (mut ea, mut eb) = (a.tensor(3, COLS), b.tensor(3, COLS));
+        a.embed(&ma, &ids, Some(1.5), &mut ea);
+        b.embed(&mb, &ids, Some(1.5), &mut eb);
+        out.push(report(format!("embed {}", ty.name()), &a.read(&ea), &b.read(&eb)));
+    }
+    let wv = rng.vec(COLS);
+    let (wa, wb) = (a.vector(&wv)?, b.vector(&wv)?);
+    let (mut na, mut nb) = (a.tensor(tokens, COLS), b.tensor(tokens, COLS));
+    a.rms_norm(&xa, &wa, 1e-6, &mut na);
+    b.rms_norm(&xb, &wb, 1e-6, &mut nb);
+    out.push(report("rms_norm", &a.read(&na), &b.read(&nb)));
+    let hv = rng.vec(64);
+    let (ha, hb) = (a.vector(&hv)?, b.vector(&hv)?);
+    let (mut ga, mut gb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+    a.rms_norm_groups(&mut ga, &ha, 1e-6);
+    b.rms_norm_groups(&mut gb, &hb, 1e-6);
+    out.push(report("rms_norm per head", &a.read(&ga), &b.read(&gb)));
+    for neox in [false, true] {
+        let (mut ra, mut rb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+        let rope = Rope { dims: 64, base: 10000.0, neox };
+        a.rope(&mut ra, 64, &[0, 7, 1000], rope);
+        b.rope(&mut rb, 64, &[0, 7, 1000], rope);
+        out.push(report(if neox { "rope neox" } else { "rope" }, &a.read(&ra), &b.read(&rb)));
+    }
+    let y = rng.vec(tokens * COLS);
+    let (ya, yb) = (a.tensor_from(&y, COLS), b.tensor_from(&y, COLS));
+    for act in [Activation::Silu, Activation::GeluTanh] {
+        let (mut pa, mut pb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+        a.glu(&mut pa, &ya, act);
+        b.glu(&mut pb, &yb, act);
+        out.push(report(format!("glu {act:?}"), &a.read(&pa), &b.read(&pb)));
+    }
+    let (mut sa, mut sb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+    a.add(&mut sa, &ya);
+    b.add(&mut sb, &yb);
+    a.scale(&mut sa, 0.37);
+    b.scale(&mut sb, 0.37);
+    out.push(report("add, scale", &a.read(&sa), &b.read(&sb)));
+    let (ta, tb) = (a.gather(&xa, &[2, 0]), b.gather(&xb, &[2, 0]));
+    out.push(report("gather", &a.read(&ta), &b.read(&tb)));
+    out.extend(compare_attention(a, b, &mut rng)?);
+    let _ = std::fs::remove_file(&path);
+    Ok(out)
+}
+
+/// Attention over a sliding-window layer (window 40, its ring wrapped) and a global
+/// layer, fed in batches of 70, 1 and 29 positions.
+fn compare_attention<A: Backend, B: Backend>(a: &A, b: &B, rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
+    let cfg = attention_config();
+    let (qd, kd) = (cfg.q_dim(), cfg.kv_dim());
+    let (mut ka, mut kb) = (a.kv_cache(&cfg, 256, 80)?, b.kv_cache(&cfg, 256, 80)?);
+    let mut out = Vec::new();
+    let mut pos = 0;
+    for n in [70usize, 1, 29, 64, 64] {
+        let (q, k, v) = (rng.vec(n * qd), rng.vec(n * kd), rng.vec(n * kd));
+        for layer in 0..2 {
+            let (qa, kta, va) = (a.tensor_from(&q, qd), a.tensor_from(&k, kd), a.tensor_from(&v, kd));
+            let (qb, ktb, vb) = (b.tensor_from(&q, qd), b.tensor_from(&k, kd), b.tensor_from(&v, kd));
+            let (mut oa, mut ob) = (a.tensor(n, qd), b.tensor(n, qd));
+            a.attention(layer, &mut [SeqRows { kv: &mut ka, rows: 0..n, pos }], &qa, &kta, &va, 0.125, &mut oa);
+            b.attention(layer, &mut [SeqRows { kv: &mut kb, rows: 0..n, pos }], &qb, &ktb, &vb, 0.125, &mut ob);
+            let kind = if layer == 0 { "window 40" } else { "global" };
+            out.push(report(format!("attention {kind}, {n} at {pos}"), &a.read(&oa), &b.read(&ob)));
+        }
+        pos += n;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::CpuBackend;
+
+    /// The harness itself: the CPU backend against itself on 1 and 3 threads agrees to
+    /// the bit (its ops do not depend on the thread count), so every distance is zero.
+    #[test]
+    fn cpu_against_cpu_is_exact() {
+        let dir = std::env::temp_dir().join(format!("astra-backend-parity-{}", std::process::id()));
+        let reports = compare(&CpuBackend::new(1), &CpuBackend::new(3), &dir).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(reports.len() > 20);
+        for r in reports {
+            assert_eq!((r.rel_l2, r.max_abs), (0.0, 0.0), "{}", r.op);
+        }
+    }
+}
