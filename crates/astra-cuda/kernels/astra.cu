@@ -287,6 +287,80 @@ extern "C" __global__ void matvec(int type, const u8* w, const u8* a, float* out
     if (lane == 0) out[(long)t * rows + r] = total;
 }
 
+// Σ of four signed byte products, added to c.
+__device__ __forceinline__ int dp4a(int a, int b, int c) {
+    int r;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// Four bytes at any address, as one int (little-endian).
+__device__ __forceinline__ int ld4(const u8* p) {
+    return (int)((unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16) | ((unsigned int)p[3] << 24));
+}
+
+// Q4_K × Q8_K with the whole warp on each 256-block (coalesced reads of the 128 bytes
+// of quants): lane l takes quant bytes 4l..4l+3, i.e. weights 64c + 4(l%8) + i (low
+// nibbles, group 2c) and the same + 32 (high nibbles, group 2c + 1), c = l / 8; lanes
+// 0..7 also take group l's minimum. Blocks (144 and 292 bytes) are 4-byte aligned.
+// One warp per row; grid (ceil(rows / 4), tokens), 128 threads.
+extern "C" __global__ void matvec_q4_k(const u8* w, const u8* a, float* out, int rows, int nb) {
+    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    int r = blockIdx.x * 4 + warp;
+    int t = blockIdx.y;
+    if (r >= rows) return;
+    const u8* wr = w + (long)r * nb * 144;
+    const u8* at = a + (long)t * nb * 292;
+    int c = lane / 8, o = 4 * (lane % 8);
+    float sum = 0.0f;
+#pragma unroll 4
+    for (int b = 0; b < nb; b++) {
+        const u8* wb = wr + (long)b * 144;
+        const u8* ab = at + (long)b * 292;
+        int q = *(const int*)(wb + 16 + 4 * lane);
+        int lo = q & 0x0f0f0f0f, hi = (q >> 4) & 0x0f0f0f0f;
+        int ylo = *(const int*)(ab + 4 + 64 * c + o);
+        int yhi = *(const int*)(ab + 4 + 64 * c + 32 + o);
+        int sc_lo, m_lo, sc_hi, m_hi;
+        scale_min_k4(2 * c, wb + 4, &sc_lo, &m_lo);
+        scale_min_k4(2 * c + 1, wb + 4, &sc_hi, &m_hi);
+        int isum = sc_lo * dp4a(lo, ylo, 0) + sc_hi * dp4a(hi, yhi, 0);
+        float da = ldf(ab);
+        float part = (float)isum * (ldh(wb) * da);
+        if (lane < 8) {
+            int sc, m;
+            scale_min_k4(lane, wb + 4, &sc, &m);
+            int msum = m * (ldi16(ab + 260 + 4 * lane) + ldi16(ab + 262 + 4 * lane));
+            part -= (float)msum * (ldh(wb + 2) * da);
+        }
+        sum += part;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) out[(long)t * rows + r] = sum;
+}
+
+// Q8_0 × Q8_0 with the warp on four 34-byte blocks at a time: lane l takes bytes
+// 4(l%8)..+3 of block 4i + l/8. One warp per row; grid (ceil(rows / 4), tokens).
+extern "C" __global__ void matvec_q8_0(const u8* w, const u8* a, float* out, int rows, int nb) {
+    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    int r = blockIdx.x * 4 + warp;
+    int t = blockIdx.y;
+    if (r >= rows) return;
+    const u8* wr = w + (long)r * nb * 34;
+    const u8* at = a + (long)t * nb * 34;
+    int sub = lane / 8, o = 4 * (lane % 8);
+    float sum = 0.0f;
+#pragma unroll 4
+    for (int b = sub; b < nb; b += 4) {
+        const u8* wb = wr + (long)b * 34;
+        const u8* ab = at + (long)b * 34;
+        int isum = dp4a(ld4(wb + 2 + o), ld4(ab + 2 + o), 0);
+        sum += (float)isum * (ldh(wb) * ldh(ab));
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) out[(long)t * rows + r] = sum;
+}
+
 // ---------------------------------------------------------------------------------
 // Dequantization of single weights (embedding rows).
 

@@ -25,6 +25,8 @@ struct Kernels {
     quantize_q8_32: CudaFunction,
     quantize_q8_k: CudaFunction,
     matvec: CudaFunction,
+    matvec_q4_k: CudaFunction,
+    matvec_q8_0: CudaFunction,
     embed: CudaFunction,
     rms_norm: CudaFunction,
     rms_norm_inplace: CudaFunction,
@@ -123,6 +125,8 @@ impl CudaBackend {
             quantize_q8_32: f("quantize_q8_32")?,
             quantize_q8_k: f("quantize_q8_k")?,
             matvec: f("matvec")?,
+            matvec_q4_k: f("matvec_q4_k")?,
+            matvec_q8_0: f("matvec_q8_0")?,
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
             rms_norm_inplace: f("rms_norm_inplace")?,
@@ -299,6 +303,18 @@ impl Backend for CudaBackend {
             let nb = (w.cols / blk_elems) as i32;
             let (ty, rows, wbytes) = (type_code(w.ty), w.rows as i32, wbytes as i32);
             let cfg = LaunchConfig { grid_dim: ((w.rows as u32).div_ceil(4), x.rows as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            // Warp-cooperative kernels where there is one; a lane per block otherwise.
+            let special = match w.ty {
+                GgmlType::Q4_K => Some(&self.k.matvec_q4_k),
+                GgmlType::Q8_0 => Some(&self.k.matvec_q8_0),
+                _ => None,
+            };
+            if let Some(f) = special {
+                let mut b = self.stream.launch_builder(f);
+                b.arg(&w.data).arg(acts).arg(&mut out.buf).arg(&rows).arg(&nb);
+                self.launch(b, cfg);
+                continue;
+            }
             let mut b = self.stream.launch_builder(&self.k.matvec);
             b.arg(&ty).arg(&w.data).arg(acts).arg(&mut out.buf).arg(&rows).arg(&nb).arg(&wbytes).arg(&abytes);
             self.launch(b, cfg);

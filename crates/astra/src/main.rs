@@ -29,6 +29,8 @@ enum Command {
     Perplexity(cmd::perplexity::Args),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(cmd::serve::Args),
+    /// Write a random-weight GGUF of a known model's shape.
+    Synth(cmd::synth::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -42,6 +44,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(args) => cmd::bench::run(args),
         Command::Perplexity(args) => cmd::perplexity::run(args),
         Command::Serve(args) => cmd::serve::run(args),
+        Command::Synth(args) => cmd::synth::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -84,3 +84,27 @@ fn perplexity_command_reports_llama_cpp_format() {
     // A sentence repeated sixty times is nearly certain after the first copies.
     assert!(ppl > 1.0 && ppl < 1.5, "{stdout}");
 }
+
+/// `astra synth` writes models of the real ones' shapes that load and generate, with the
+/// real files' tensor counts; a quant type whose blocks do not divide a row falls back
+/// to q5_0 for that matrix (as llama.cpp's quantizer does).
+#[test]
+fn synth_writes_loadable_models_of_known_shapes() {
+    let dir = tempfile::tempdir().unwrap();
+    for (like, ty, tensors) in [("smollm2-135m", "q4_1", 272), ("gemma3-270m", "q4_k", 236)] {
+        let path = dir.path().join(format!("{like}.gguf"));
+        let p = path.to_str().unwrap();
+        let out = astra(&["synth", "--like", like, "--type", ty, "-o", p]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v = json(&astra(&["inspect", p, "--json"]));
+        assert_eq!(v["tensor_count"], tensors, "{like}");
+        if like == "gemma3-270m" {
+            let types = &v["tensor_types"];
+            assert!(types["Q5_0"]["tensors"].as_u64() > Some(0) && types["Q4_K"]["tensors"].as_u64() > Some(0), "{types}");
+        }
+        let run = json(&astra(&["run", "-m", p, "-p", "hello", "-n", "3", "--temp", "0", "--json"]));
+        assert_eq!(run["tokens"].as_array().unwrap().len(), 3);
+    }
+    let out = astra(&["synth", "--like", "gpt-5", "-o", dir.path().join("x.gguf").to_str().unwrap()]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("unknown shape"));
+}

@@ -8,4 +8,5 @@ pub mod perplexity;
 pub mod pull;
 pub mod run;
 pub mod serve;
+pub mod synth;
 pub mod tokenize;
