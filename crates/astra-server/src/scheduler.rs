@@ -21,7 +21,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use astra_engine::{Model, Session, Step, MAX_BATCH};
+use astra_engine::{Backend, Model, Session, Step, MAX_BATCH};
 use astra_tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -111,15 +111,15 @@ pub enum Event {
     Failed { index: usize, message: String },
 }
 
-struct Idle {
-    session: Session,
+struct Idle<B: Backend> {
+    session: Session<B>,
     key: PromptKey,
     used: u64,
 }
 
-struct Active {
+struct Active<B: Backend> {
     job: Job,
-    session: Session,
+    session: Session<B>,
     /// The tokens in the session's cache, in order.
     tokens: Vec<u32>,
     /// Prompt tokens already in the cache.
@@ -133,7 +133,7 @@ struct Active {
 }
 
 /// Loads the model (again, after an idle unload).
-pub type Loader = Box<dyn Fn() -> Result<Arc<Model>, String> + Send>;
+pub type Loader<B> = Box<dyn Fn() -> Result<Arc<Model<B>>, String> + Send>;
 
 /// The scheduler's limits.
 #[derive(Clone, Debug)]
@@ -148,9 +148,9 @@ pub struct Limits {
     pub keep_alive: Option<Duration>,
 }
 
-pub struct Scheduler {
-    model: Option<Arc<Model>>,
-    loader: Loader,
+pub struct Scheduler<B: Backend> {
+    model: Option<Arc<Model<B>>>,
+    loader: Loader<B>,
     status: Arc<ModelStatus>,
     tok: Arc<Tokenizer>,
     jobs: Receiver<Job>,
@@ -158,8 +158,8 @@ pub struct Scheduler {
     limits: Limits,
     /// Idle time before unloading, as the last finished request set it.
     hold: Option<Duration>,
-    idle: Vec<Idle>,
-    active: Vec<Active>,
+    idle: Vec<Idle<B>>,
+    active: Vec<Active<B>>,
     clock: u64,
 }
 
@@ -167,18 +167,18 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-impl Scheduler {
+impl<B: Backend> Scheduler<B> {
     /// A scheduler for `model` (loaded by `loader`, which reloads it after an idle
     /// unload), reporting its state in `status`.
     pub fn new(
-        model: Arc<Model>,
-        loader: Loader,
+        model: Arc<Model<B>>,
+        loader: Loader<B>,
         status: Arc<ModelStatus>,
         tok: Arc<Tokenizer>,
         jobs: Receiver<Job>,
         metrics: Arc<Metrics>,
         limits: Limits,
-    ) -> Scheduler {
+    ) -> Scheduler<B> {
         metrics.slots_total.store(limits.parallel as u64, Ordering::Relaxed);
         status.set(Status::Ready);
         Scheduler {
@@ -215,7 +215,7 @@ impl Scheduler {
     }
 
     /// The model, loading it first if it was unloaded.
-    fn ensure_loaded(&mut self) -> Result<Arc<Model>, String> {
+    fn ensure_loaded(&mut self) -> Result<Arc<Model<B>>, String> {
         if let Some(m) = &self.model {
             return Ok(Arc::clone(m));
         }
@@ -346,7 +346,7 @@ impl Scheduler {
     }
 
     /// Returns a finished sequence to the idle set (the prompt cache).
-    fn retire(&mut self, a: Active) {
+    fn retire(&mut self, a: Active<B>) {
         self.clock += 1;
         self.hold = a.job.keep_alive.unwrap_or(self.limits.keep_alive);
         let key = PromptKey { tokens: a.tokens, media: a.job.key.media };

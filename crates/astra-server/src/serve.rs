@@ -61,10 +61,18 @@ fn think_markers(opts: &ServeOptions, template_source: Option<&str>) -> (String,
     (a.to_owned(), b.to_owned())
 }
 
+/// Makes the backend a model is loaded onto (again after an idle unload).
+pub type BackendFactory<B> = Arc<dyn Fn() -> Result<B, String> + Send + Sync>;
+
 /// Loads the model and starts the scheduler; returns what the HTTP side needs.
-fn load(opts: &ServeOptions, metrics: Arc<Metrics>, status: Arc<ModelStatus>) -> Result<(Ready, Scheduler), String> {
-    let (path, threads) = (opts.model.clone(), opts.threads);
-    let loader: Loader = Box::new(move || Model::load(&path, threads).map_err(|e| e.to_string()));
+fn load<B: Backend>(
+    opts: &ServeOptions,
+    backend: BackendFactory<B>,
+    metrics: Arc<Metrics>,
+    status: Arc<ModelStatus>,
+) -> Result<(Ready, Scheduler<B>), String> {
+    let path = opts.model.clone();
+    let loader: Loader<B> = Box::new(move || Model::load_on(backend()?, &path).map_err(|e| e.to_string()));
     let model = loader()?;
     let tok = Arc::new(Tokenizer::from_metadata(model.file.metadata()).map_err(|e| e.to_string())?);
     let template = ChatTemplate::for_model(model.file.metadata(), &tok).map_err(|e| e.0)?;
@@ -132,9 +140,16 @@ async fn shutdown_signal() {
     }
 }
 
-/// Runs the server until a shutdown signal (SIGTERM, Ctrl-C) and the end of in-flight
-/// requests. Prints `astra: listening on http://ADDR` once the port is open.
+/// Runs the server on the CPU backend with `opts.threads` threads.
 pub fn serve(opts: ServeOptions) -> Result<(), String> {
+    let threads = opts.threads;
+    serve_on(opts, Arc::new(move || Ok(astra_engine::CpuBackend::new(threads))))
+}
+
+/// Runs the server until a shutdown signal (SIGTERM, Ctrl-C) and the end of in-flight
+/// requests, the model on backends made by `backend`. Prints `astra: listening on
+/// http://ADDR` once the port is open.
+pub fn serve_on<B: Backend>(opts: ServeOptions, backend: BackendFactory<B>) -> Result<(), String> {
     if opts.parallel == 0 || opts.queue == 0 {
         return Err("--parallel and --queue must be at least 1".into());
     }
@@ -158,7 +173,7 @@ pub fn serve(opts: ServeOptions) -> Result<(), String> {
         let load_opts = opts.clone();
         std::thread::Builder::new()
             .name("astra-scheduler".into())
-            .spawn(move || match load(&load_opts, metrics, status) {
+            .spawn(move || match load(&load_opts, backend, metrics, status) {
                 Ok((ready, scheduler)) => {
                     let _ = loading.ready.set(ready);
                     println!("astra: model loaded; serving {}", load_opts.model_name);

@@ -3,8 +3,13 @@
 use std::time::Duration;
 
 use anyhow::{anyhow, Result};
+use std::sync::Arc;
+
+use astra_cuda::CudaBackend;
 use astra_server::http::ImagePolicy;
 use astra_server::ServeOptions;
+
+use super::backend::BackendKind;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -61,6 +66,8 @@ pub struct Args {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health.
     #[arg(long, env = "ASTRA_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendKind,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -90,7 +97,8 @@ pub fn run(args: Args) -> Result<()> {
     } else {
         args.model.clone()
     };
-    astra_server::serve(ServeOptions {
+    let backend = args.backend;
+    let opts = ServeOptions {
         model: path,
         model_name,
         host: args.host,
@@ -111,6 +119,16 @@ pub fn run(args: Args) -> Result<()> {
         min_free_mem_mib: args.min_free_mem_mib,
         keep_alive: args.keep_alive,
         api_key: args.api_key.filter(|k| !k.is_empty()),
-    })
+    };
+    match backend {
+        BackendKind::Cpu => astra_server::serve(opts),
+        BackendKind::Cuda => {
+            // Fail before opening the port when there is no GPU.
+            if let Some(why) = astra_cuda::unavailable_reason() {
+                return Err(anyhow!(why));
+            }
+            astra_server::serve_on(opts, Arc::new(|| CudaBackend::new(0).map_err(|e| e.to_string())))
+        }
+    }
     .map_err(|e| anyhow!(e))
 }

@@ -1,0 +1,78 @@
+//! The CUDA backend on a GPU (each test says SKIPPED and passes where there is none):
+//! determinism of its logits across batching and caching, on random-weight models of
+//! the real models' shapes.
+
+use std::sync::Arc;
+
+use astra_cuda::{unavailable_reason, CudaBackend};
+use astra_engine::{Model, Step};
+
+fn gpu_model(like: &str, ty: astra_gguf::GgmlType) -> Option<(tempfile::TempDir, Arc<Model<CudaBackend>>)> {
+    if let Some(why) = unavailable_reason() {
+        eprintln!("SKIPPED: {why}");
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(format!("{like}.gguf"));
+    astra_synth::write(astra_synth::shape(like).unwrap(), ty, 7, &path).unwrap();
+    let model = Model::load_on(CudaBackend::new(0).unwrap(), &path).unwrap();
+    Some((dir, model))
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Logits of a prompt fed as one batch, token by token, and in chunks over the cached
+/// prefix; and of 1, 4 and 16 sequences sharing batches: all bitwise the same.
+fn deterministic(like: &str, ty: astra_gguf::GgmlType) {
+    let Some((_dir, model)) = gpu_model(like, ty) else { return };
+    let prompt: Vec<u32> = (0..150u32).map(|i| (i * 7919) % 20000 + 300).collect();
+    let whole = {
+        let mut s = model.session(1024).unwrap();
+        bits(&model.forward(&mut s, &prompt, 0).unwrap())
+    };
+    let one_by_one = {
+        let mut s = model.session(1024).unwrap();
+        bits(&prompt.iter().flat_map(|&t| model.forward(&mut s, &[t], 0).unwrap()).collect::<Vec<_>>())
+    };
+    let chunked = {
+        let mut s = model.session(1024).unwrap();
+        let mut out = Vec::new();
+        for part in [&prompt[..7], &prompt[7..70], &prompt[70..71], &prompt[71..]] {
+            out.extend(model.forward(&mut s, part, 0).unwrap());
+        }
+        bits(&out)
+    };
+    assert!(whole == one_by_one, "{like}: batch vs token by token");
+    assert!(whole == chunked, "{like}: batch vs chunks over the cached prefix");
+    // The last 20 tokens decoded with 0, 3 and 15 other sequences in the same batches.
+    let alone = &whole[whole.len() - 20 * model.cfg.n_vocab..];
+    for others in [0usize, 3, 15] {
+        let mut sessions: Vec<_> = (0..=others).map(|_| model.session(1024).unwrap()).collect();
+        let prompts: Vec<Vec<u32>> = (0..=others).map(|i| if i == 0 { prompt.clone() } else { prompt.iter().map(|t| t + i as u32).collect() }).collect();
+        for (s, p) in sessions.iter_mut().zip(&prompts) {
+            model.forward(s, &p[..130], 0).unwrap();
+        }
+        let mut got = Vec::new();
+        for i in 130..150 {
+            let mut steps: Vec<Step<CudaBackend>> = sessions
+                .iter_mut()
+                .zip(&prompts)
+                .map(|(session, p)| Step { session, tokens: &p[i..i + 1], logits_from: 0 })
+                .collect();
+            got.extend(model.forward_many(&mut steps).unwrap().swap_remove(0));
+        }
+        assert!(bits(&got) == alone, "{like}: decoding beside {others} other sequences");
+    }
+}
+
+#[test]
+fn smollm2_shape_is_deterministic_on_the_gpu() {
+    deterministic("smollm2-135m", astra_gguf::GgmlType::Q4_1);
+}
+
+#[test]
+fn gemma3_shape_is_deterministic_on_the_gpu() {
+    deterministic("gemma3-270m", astra_gguf::GgmlType::Q4_K);
+}
