@@ -299,10 +299,11 @@ __device__ __forceinline__ int ld4(const u8* p) {
     return (int)((unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16) | ((unsigned int)p[3] << 24));
 }
 
-// Q4_K × Q8_K with the whole warp on each 256-block (coalesced reads of the 128 bytes
-// of quants): lane l takes quant bytes 4l..4l+3, i.e. weights 64c + 4(l%8) + i (low
-// nibbles, group 2c) and the same + 32 (high nibbles, group 2c + 1), c = l / 8; lanes
-// 0..7 also take group l's minimum. Blocks (144 and 292 bytes) are 4-byte aligned.
+// Q4_K × Q8_K, eight lanes per 256-block and four blocks per warp step: lane p of a
+// block loads its 16 quant bytes at once (bytes 16p..16p+15: weights 64c + 16(p%2) + i
+// in the low nibbles, group 2c, and the same + 32 in the high nibbles, group 2c + 1,
+// c = p / 2) and also takes group p's minimum. Rows are 16-byte aligned (144-byte
+// blocks); activation blocks (292 bytes) are read as 4-byte words.
 // One warp per row; grid (ceil(rows / 4), tokens), 128 threads.
 extern "C" __global__ void matvec_q4_k(const u8* w, const u8* a, float* out, int rows, int nb) {
     int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
@@ -311,29 +312,29 @@ extern "C" __global__ void matvec_q4_k(const u8* w, const u8* a, float* out, int
     if (r >= rows) return;
     const u8* wr = w + (long)r * nb * 144;
     const u8* at = a + (long)t * nb * 292;
-    int c = lane / 8, o = 4 * (lane % 8);
+    int p = lane % 8, c = p / 2, half = 16 * (p % 2);
     float sum = 0.0f;
-#pragma unroll 4
-    for (int b = 0; b < nb; b++) {
+#pragma unroll 2
+    for (int b = lane / 8; b < nb; b += 4) {
         const u8* wb = wr + (long)b * 144;
         const u8* ab = at + (long)b * 292;
-        int q = *(const int*)(wb + 16 + 4 * lane);
-        int lo = q & 0x0f0f0f0f, hi = (q >> 4) & 0x0f0f0f0f;
-        int ylo = *(const int*)(ab + 4 + 64 * c + o);
-        int yhi = *(const int*)(ab + 4 + 64 * c + 32 + o);
-        int sc_lo, m_lo, sc_hi, m_hi;
+        int4 q = *(const int4*)(wb + 16 + 16 * p);
+        const int* ylo = (const int*)(ab + 4 + 64 * c + half);
+        const int* yhi = (const int*)(ab + 4 + 64 * c + 32 + half);
+        int qw[4] = {q.x, q.y, q.z, q.w};
+        int dlo = 0, dhi = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            dlo = dp4a(qw[i] & 0x0f0f0f0f, ylo[i], dlo);
+            dhi = dp4a((qw[i] >> 4) & 0x0f0f0f0f, yhi[i], dhi);
+        }
+        int sc_lo, m_lo, sc_hi, m_hi, sc_p, m_p;
         scale_min_k4(2 * c, wb + 4, &sc_lo, &m_lo);
         scale_min_k4(2 * c + 1, wb + 4, &sc_hi, &m_hi);
-        int isum = sc_lo * dp4a(lo, ylo, 0) + sc_hi * dp4a(hi, yhi, 0);
+        scale_min_k4(p, wb + 4, &sc_p, &m_p);
         float da = ldf(ab);
-        float part = (float)isum * (ldh(wb) * da);
-        if (lane < 8) {
-            int sc, m;
-            scale_min_k4(lane, wb + 4, &sc, &m);
-            int msum = m * (ldi16(ab + 260 + 4 * lane) + ldi16(ab + 262 + 4 * lane));
-            part -= (float)msum * (ldh(wb + 2) * da);
-        }
-        sum += part;
+        int msum = m_p * (ldi16(ab + 260 + 4 * p) + ldi16(ab + 262 + 4 * p));
+        sum += (float)(sc_lo * dlo + sc_hi * dhi) * (ldh(wb) * da) - (float)msum * (ldh(wb + 2) * da);
     }
     sum = warp_sum(sum);
     if (lane == 0) out[(long)t * rows + r] = sum;

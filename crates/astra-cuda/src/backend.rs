@@ -194,6 +194,7 @@ impl Backend for CudaBackend {
     type Matrix = GpuMatrix;
     type Vector = CudaSlice<f32>;
     type KvCache = GpuKv;
+    type Positions = CudaSlice<u32>;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -321,14 +322,17 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn rope(&self, x: &mut GpuTensor, head_dim: usize, positions: &[u32], r: Rope) {
-        let pos = self.upload(positions);
+    fn positions(&self, positions: &[u32]) -> CudaSlice<u32> {
+        self.upload(positions)
+    }
+
+    fn rope(&self, x: &mut GpuTensor, head_dim: usize, pos: &CudaSlice<u32>, r: Rope) {
         // The angle step exactly as the CPU engine computes it.
         let theta_scale = r.base.powf(-2.0 / r.dims as f32);
         let (width, hd, dims, neox) = (x.width as i32, head_dim as i32, r.dims as i32, i32::from(r.neox));
         let cfg = LaunchConfig { grid_dim: ((x.width / head_dim) as u32, x.rows as u32, 1), block_dim: ((r.dims / 2) as u32, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.k.rope);
-        b.arg(&mut x.buf).arg(&pos).arg(&width).arg(&hd).arg(&dims).arg(&theta_scale).arg(&neox);
+        b.arg(&mut x.buf).arg(pos).arg(&width).arg(&hd).arg(&dims).arg(&theta_scale).arg(&neox);
         self.launch(b, cfg);
     }
 

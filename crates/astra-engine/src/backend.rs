@@ -53,6 +53,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
     type Vector: Send + Sync;
     /// One sequence's keys and values, every layer.
     type KvCache: Send;
+    /// The positions of a batch's rows, made once per batch for every RoPE of it.
+    type Positions;
 
     /// The backend's short name (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
@@ -87,8 +89,10 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// `out = x · wᵀ` for every `(w, out)`; the weights share one conversion of `x`
     /// where their kernels take the same activation format.
     fn matmul(&self, x: &Self::Tensor, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]);
+    /// The positions of a batch's rows, on the device.
+    fn positions(&self, positions: &[u32]) -> Self::Positions;
     /// RoPE of each `head_dim` head of row `i` at position `positions[i]`.
-    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &[u32], rope: Rope);
+    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &Self::Positions, rope: Rope);
     fn scale(&self, x: &mut Self::Tensor, s: f32);
     /// `x += y`.
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor);

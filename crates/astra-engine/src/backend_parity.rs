@@ -121,8 +121,8 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
     for neox in [false, true] {
         let (mut ra, mut rb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
         let rope = Rope { dims: 64, base: 10000.0, neox };
-        a.rope(&mut ra, 64, &[0, 7, 1000], rope);
-        b.rope(&mut rb, 64, &[0, 7, 1000], rope);
+        a.rope(&mut ra, 64, &a.positions(&[0, 7, 1000]), rope);
+        b.rope(&mut rb, 64, &b.positions(&[0, 7, 1000]), rope);
         out.push(report(if neox { "rope neox" } else { "rope" }, &a.read(&ra), &b.read(&rb)));
     }
     let y = rng.vec(tokens * COLS);

@@ -57,6 +57,7 @@ impl Backend for CpuBackend {
     type Matrix = CpuMatrix;
     type Vector = Vec<f32>;
     type KvCache = KvCache;
+    type Positions = Vec<u32>;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -139,7 +140,11 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &[u32], r: Rope) {
+    fn positions(&self, positions: &[u32]) -> Vec<u32> {
+        positions.to_vec()
+    }
+
+    fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &Vec<u32>, r: Rope) {
         for (row, &pos) in x.rows_mut().zip(positions) {
             for head in row.chunks_exact_mut(head_dim) {
                 rope(head, pos as usize, r.dims, r.base, r.neox);

@@ -200,6 +200,7 @@ impl<B: Backend> Model<B> {
         }
         let t = tokens.len();
         let e = cfg.n_embd;
+        let positions = be.positions(&positions);
         let mut x = be.tensor(t, e);
         let mut xb = be.tensor(t, e);
         let mut o = be.tensor(t, e);
