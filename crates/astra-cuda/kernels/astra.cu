@@ -340,8 +340,16 @@ extern "C" __global__ void matvec_q4_k(const u8* w, const u8* a, float* out, int
     if (lane == 0) out[(long)t * rows + r] = sum;
 }
 
-// Q8_0 × Q8_0 with the warp on four 34-byte blocks at a time: lane l takes bytes
-// 4(l%8)..+3 of block 4i + l/8. One warp per row; grid (ceil(rows / 4), tokens).
+// The 32 quants of a Q8_0 block (34 bytes, 2-byte aligned) as eight words, read with
+// 16-bit loads.
+__device__ __forceinline__ void q8_words(const u8* blk, int* out) {
+    const u16* h = (const u16*)(blk + 2);
+#pragma unroll
+    for (int i = 0; i < 8; i++) out[i] = (int)((unsigned int)h[2 * i] | ((unsigned int)h[2 * i + 1] << 16));
+}
+
+// Q8_0 × Q8_0, a lane per block: the warp reads 32 consecutive blocks (1088 bytes)
+// with 16-bit loads. One warp per row; grid (ceil(rows / 4), tokens), 128 threads.
 extern "C" __global__ void matvec_q8_0(const u8* w, const u8* a, float* out, int rows, int nb) {
     int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     int r = blockIdx.x * 4 + warp;
@@ -349,14 +357,18 @@ extern "C" __global__ void matvec_q8_0(const u8* w, const u8* a, float* out, int
     if (r >= rows) return;
     const u8* wr = w + (long)r * nb * 34;
     const u8* at = a + (long)t * nb * 34;
-    int sub = lane / 8, o = 4 * (lane % 8);
     float sum = 0.0f;
-#pragma unroll 4
-    for (int b = sub; b < nb; b += 4) {
+    for (int b = lane; b < nb; b += WARP) {
         const u8* wb = wr + (long)b * 34;
         const u8* ab = at + (long)b * 34;
-        int isum = dp4a(ld4(wb + 2 + o), ld4(ab + 2 + o), 0);
-        sum += (float)isum * (ldh(wb) * ldh(ab));
+        int x[8], y[8];
+        q8_words(wb, x);
+        q8_words(ab, y);
+        int isum = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) isum = dp4a(x[i], y[i], isum);
+        float dw = h2f(*(const u16*)wb), dy = h2f(*(const u16*)ab);
+        sum += (float)isum * (dw * dy);
     }
     sum = warp_sum(sum);
     if (lane == 0) out[(long)t * rows + r] = sum;
