@@ -340,6 +340,74 @@ extern "C" __global__ void matvec_q4_k(const u8* w, const u8* a, float* out, int
     if (lane == 0) out[(long)t * rows + r] = sum;
 }
 
+// A word of four bytes at a 2-byte aligned address.
+__device__ __forceinline__ int ld4_2(const u8* p) {
+    const u16* h = (const u16*)p;
+    return (int)((unsigned int)h[0] | ((unsigned int)h[1] << 16));
+}
+
+// Q4_1 × Q8_1, four lanes per 32-block and eight blocks per warp step: lane p takes
+// quant bytes 4p..4p+3 (weights 4p + i in the low nibbles, 16 + 4p + i in the high);
+// lane 0 of each block adds the minimum's term. Blocks (20 and 36 bytes) are 4-byte
+// aligned. One warp per row; grid (ceil(rows / 4), tokens), 128 threads.
+extern "C" __global__ void matvec_q4_1(const u8* w, const u8* a, float* out, int rows, int nb) {
+    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    int r = blockIdx.x * 4 + warp;
+    int t = blockIdx.y;
+    if (r >= rows) return;
+    const u8* wr = w + (long)r * nb * 20;
+    const u8* at = a + (long)t * nb * 36;
+    int p = lane % 4;
+    float sum = 0.0f, mins = 0.0f;
+#pragma unroll 2
+    for (int b = lane / 4; b < nb; b += 8) {
+        const u8* wb = wr + (long)b * 20;
+        const u8* ab = at + (long)b * 36;
+        int q = *(const int*)(wb + 4 + 4 * p);
+        int isum = dp4a(q & 0x0f0f0f0f, *(const int*)(ab + 4 + 4 * p), 0);
+        isum = dp4a((q >> 4) & 0x0f0f0f0f, *(const int*)(ab + 20 + 4 * p), isum);
+        sum += (float)isum * (ldh(wb) * ldh(ab));
+        if (p == 0) mins += ldh(wb + 2) * ldh(ab + 2);
+    }
+    float total = warp_sum(sum) + warp_sum(mins);
+    if (lane == 0) out[(long)t * rows + r] = total;
+}
+
+// Q5_0 × Q8_0, four lanes per 32-block and eight blocks per warp step: lane p takes
+// weights 4p + i and 16 + 4p + i, their fifth bits from qh; codes are offset by -16 into
+// signed bytes. Blocks (22 and 34 bytes) are 2-byte aligned.
+extern "C" __global__ void matvec_q5_0(const u8* w, const u8* a, float* out, int rows, int nb) {
+    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    int r = blockIdx.x * 4 + warp;
+    int t = blockIdx.y;
+    if (r >= rows) return;
+    const u8* wr = w + (long)r * nb * 22;
+    const u8* at = a + (long)t * nb * 34;
+    int p = lane % 4;
+    float sum = 0.0f;
+#pragma unroll 2
+    for (int b = lane / 4; b < nb; b += 8) {
+        const u8* wb = wr + (long)b * 22;
+        const u8* ab = at + (long)b * 34;
+        unsigned int qh = (unsigned int)ld4_2(wb + 2);
+        unsigned int q = (unsigned int)ld4_2(wb + 6 + 4 * p);
+        unsigned int lo = 0, hi = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            unsigned int byte = (q >> (8 * i)) & 0xff;
+            unsigned int cl = (byte & 15) | (((qh >> (4 * p + i)) & 1) << 4);
+            unsigned int ch = (byte >> 4) | (((qh >> (16 + 4 * p + i)) & 1) << 4);
+            lo |= ((cl - 16) & 0xff) << (8 * i);
+            hi |= ((ch - 16) & 0xff) << (8 * i);
+        }
+        int isum = dp4a((int)lo, ld4_2(ab + 2 + 4 * p), 0);
+        isum = dp4a((int)hi, ld4_2(ab + 18 + 4 * p), isum);
+        sum += (float)isum * (ldh(wb) * ldh(ab));
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) out[(long)t * rows + r] = sum;
+}
+
 // The 32 quants of a Q8_0 block (34 bytes, 2-byte aligned) as eight words, read with
 // 16-bit loads.
 __device__ __forceinline__ void q8_words(const u8* blk, int* out) {

@@ -26,6 +26,8 @@ struct Kernels {
     quantize_q8_k: CudaFunction,
     matvec: CudaFunction,
     matvec_q4_k: CudaFunction,
+    matvec_q4_1: CudaFunction,
+    matvec_q5_0: CudaFunction,
     matvec_q8_0: CudaFunction,
     embed: CudaFunction,
     rms_norm: CudaFunction,
@@ -126,6 +128,8 @@ impl CudaBackend {
             quantize_q8_k: f("quantize_q8_k")?,
             matvec: f("matvec")?,
             matvec_q4_k: f("matvec_q4_k")?,
+            matvec_q4_1: f("matvec_q4_1")?,
+            matvec_q5_0: f("matvec_q5_0")?,
             matvec_q8_0: f("matvec_q8_0")?,
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
@@ -307,6 +311,8 @@ impl Backend for CudaBackend {
             // Warp-cooperative kernels where there is one; a lane per block otherwise.
             let special = match w.ty {
                 GgmlType::Q4_K => Some(&self.k.matvec_q4_k),
+                GgmlType::Q4_1 => Some(&self.k.matvec_q4_1),
+                GgmlType::Q5_0 => Some(&self.k.matvec_q5_0),
                 GgmlType::Q8_0 => Some(&self.k.matvec_q8_0),
                 _ => None,
             };
