@@ -62,7 +62,7 @@ impl Config {
             None if n_head > 0 => n_embd / n_head,
             None => 0,
         };
-        if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 || head_dim == 0 || head_dim % 2 != 0 {
+        if n_head == 0 || n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) || head_dim == 0 || head_dim % 2 != 0 {
             return Err(EngineError::Invalid(format!(
                 "attention shape: {n_head} heads, {n_head_kv} KV heads, head dim {head_dim}"
             )));

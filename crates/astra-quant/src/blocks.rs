@@ -37,7 +37,7 @@ pub unsafe trait Block: Copy + 'static {
 #[inline]
 pub fn as_blocks<B: Block>(bytes: &[u8]) -> &[B] {
     let size = std::mem::size_of::<B>();
-    assert!(bytes.len() % size == 0, "{} bytes is not a whole number of {size}-byte blocks", bytes.len());
+    assert!(bytes.len().is_multiple_of(size), "{} bytes is not a whole number of {size}-byte blocks", bytes.len());
     // SAFETY: B has alignment 1 and no invalid bit patterns (the Block contract), and
     // the length is a whole number of blocks.
     unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<B>(), bytes.len() / size) }
@@ -47,7 +47,7 @@ pub fn as_blocks<B: Block>(bytes: &[u8]) -> &[B] {
 #[inline]
 pub fn as_blocks_mut<B: Block>(bytes: &mut [u8]) -> &mut [B] {
     let size = std::mem::size_of::<B>();
-    assert!(bytes.len() % size == 0, "{} bytes is not a whole number of {size}-byte blocks", bytes.len());
+    assert!(bytes.len().is_multiple_of(size), "{} bytes is not a whole number of {size}-byte blocks", bytes.len());
     // SAFETY: as in `as_blocks`; the borrow is exclusive.
     unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast::<B>(), bytes.len() / size) }
 }

@@ -93,7 +93,7 @@ impl SplitMix {
     /// as activations have.
     pub fn activation(&mut self) -> f32 {
         let v = (0..4).map(|_| self.uniform()).sum::<f32>() - 2.0;
-        if self.next_u64() % 64 == 0 {
+        if self.next_u64().is_multiple_of(64) {
             6.0 * v
         } else {
             v

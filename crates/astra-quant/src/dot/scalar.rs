@@ -177,7 +177,7 @@ pub fn dot_q4_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
         // Weight k: byte 32 * (k / 64) + k % 32, low nibble when (k / 32) is even.
         let code = |k: usize| {
             let byte = w.qs[32 * (k / 64) + k % 32];
-            (if (k / 32) % 2 == 0 { byte & 0xF } else { byte >> 4 }) as i32
+            (if (k / 32).is_multiple_of(2) { byte & 0xF } else { byte >> 4 }) as i32
         };
         let (isum, msum) = k4_block_sums(&w.scales, a, code);
         let da = a.d();
@@ -192,7 +192,7 @@ pub fn dot_q5_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
         // As Q4_K, with the fifth bit of weight k at bit k / 32 of qh[k % 32].
         let code = |k: usize| {
             let byte = w.qs[32 * (k / 64) + k % 32];
-            let low = if (k / 32) % 2 == 0 { byte & 0xF } else { byte >> 4 };
+            let low = if (k / 32).is_multiple_of(2) { byte & 0xF } else { byte >> 4 };
             (low | (((w.qh[k % 32] >> (k / 32)) & 1) << 4)) as i32
         };
         let (isum, msum) = k4_block_sums(&w.scales, a, code);
