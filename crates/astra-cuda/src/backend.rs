@@ -208,6 +208,11 @@ impl Backend for CudaBackend {
         format!("cuda ({})", self.device)
     }
 
+    fn device_memory_in_use(&self) -> Option<u64> {
+        let (free, total) = self.stream.context().mem_get_info().ok()?;
+        Some(total.saturating_sub(free) as u64)
+    }
+
     fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<GpuMatrix, EngineError> {
         if !supported(m.ty) {
             return Err(EngineError::Unsupported(format!("{} weights on the CUDA backend", m.ty)));

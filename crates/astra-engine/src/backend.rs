@@ -60,6 +60,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn name(&self) -> &'static str;
     /// What it runs on, for logs and reports.
     fn describe(&self) -> String;
+    /// Bytes of device memory in use (by every process), where the backend has a device
+    /// of its own; `None` for host memory.
+    fn device_memory_in_use(&self) -> Option<u64> {
+        None
+    }
 
     /// Makes the matrix `m` of `file` available to the kernels.
     fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<Self::Matrix, EngineError>;

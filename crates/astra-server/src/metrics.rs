@@ -85,6 +85,8 @@ pub struct Metrics {
     pub telemetry_samples: AtomicU64,
     /// Requests holding the keep-awake inhibitor.
     pub keep_awake_holders: AtomicU64,
+    /// Device memory in use, sampled by the scheduler (`u64::MAX`: no device).
+    pub device_memory_in_use: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -105,6 +107,7 @@ impl Default for Metrics {
             telemetry_nanos: AtomicU64::new(0),
             telemetry_samples: AtomicU64::new(0),
             keep_awake_holders: AtomicU64::new(0),
+            device_memory_in_use: AtomicU64::new(u64::MAX),
         }
     }
 }
@@ -145,6 +148,14 @@ impl Metrics {
                 out,
                 "# HELP astra_system_available_memory_bytes Memory the system can give without swapping (1 Hz sample).\n\
                  # TYPE astra_system_available_memory_bytes gauge\nastra_system_available_memory_bytes {avail}"
+            );
+        }
+        let dev = get(&self.device_memory_in_use);
+        if dev != u64::MAX {
+            let _ = writeln!(
+                out,
+                "# HELP astra_device_memory_in_use_bytes GPU memory in use, by every process (1 Hz sample).\n\
+                 # TYPE astra_device_memory_in_use_bytes gauge\nastra_device_memory_in_use_bytes {dev}"
             );
         }
         let _ = writeln!(

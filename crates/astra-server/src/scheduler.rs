@@ -161,6 +161,8 @@ pub struct Scheduler<B: Backend> {
     idle: Vec<Idle<B>>,
     active: Vec<Active<B>>,
     clock: u64,
+    /// When device memory was last sampled.
+    sampled: Option<Instant>,
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -193,6 +195,19 @@ impl<B: Backend> Scheduler<B> {
             idle: Vec::new(),
             active: Vec::new(),
             clock: 0,
+            sampled: None,
+        }
+    }
+
+    /// Samples the device's memory in use, at most once a second (the model's backend
+    /// lives on this thread).
+    fn sample_device(&mut self) {
+        if self.sampled.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            return;
+        }
+        self.sampled = Some(Instant::now());
+        if let Some(bytes) = self.model.as_ref().and_then(|m| m.backend.device_memory_in_use()) {
+            self.metrics.device_memory_in_use.store(bytes, Ordering::Relaxed);
         }
     }
 
@@ -239,6 +254,7 @@ impl<B: Backend> Scheduler<B> {
                 return;
             }
             self.drop_abandoned();
+            self.sample_device();
             self.metrics.slots_busy.store(self.active.len() as u64, Ordering::Relaxed);
             if !self.active.is_empty() {
                 self.step();
