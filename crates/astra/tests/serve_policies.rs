@@ -48,7 +48,7 @@ fn thinking_budget_wraps_up_and_leaves_room_to_answer() {
     assert!(thinking_tokens <= 48, "{thinking_tokens} thinking tokens");
     assert!(!content.trim().is_empty(), "no answer after the wrap-up");
     assert!(!content.contains(WRAP_UP) && !content.contains("</think>"), "content: {content:?}");
-    let logged = s.log_lines("reasoning budget: cap=64 answer_room=16 thinking_budget=48");
+    let logged = s.wait_for_log("reasoning budget: cap=64 answer_room=16 thinking_budget=48");
     assert_eq!(logged.len(), 1, "{logged:?}");
     assert!(logged[0].contains("wrap_up_injected=yes"), "{}", logged[0]);
     // Streamed: the same reasoning and answer.
@@ -68,7 +68,7 @@ fn answer_room_zero_turns_the_reservation_off() {
     let r = s.chat(&thinking_request(0));
     let reasoning = r["choices"][0]["message"]["reasoning_content"].as_str().unwrap_or("");
     assert!(!reasoning.contains(WRAP_UP));
-    let logged = s.log_lines("reasoning budget: cap=64 answer_room=0 thinking_budget=unlimited");
+    let logged = s.wait_for_log("reasoning budget: cap=64 answer_room=0 thinking_budget=unlimited");
     assert!(logged.len() == 1 && logged[0].contains("wrap_up_injected=no"), "{logged:?}");
     // An explicit thinking_budget replaces the reservation.
     let mut body = thinking_request(16);
@@ -81,7 +81,7 @@ fn answer_room_zero_turns_the_reservation_off() {
 #[test]
 fn capabilities_are_stated_and_enforced() {
     let Some(s) = Server::start(&[]) else { return };
-    let line = s.log_lines("capabilities: ");
+    let line = s.wait_for_log("capabilities: ");
     assert_eq!(line.len(), 1);
     assert!(line[0].contains("capabilities: logit_bias=1 images=0 thinking=1 tools=0"), "{}", line[0]);
     assert!(line[0].contains("backend=cpu"), "{}", line[0]);
@@ -159,7 +159,7 @@ fn keep_alive_unloads_when_idle_and_the_next_request_reloads() {
     let after = s.chat(&user("Say hello.", 6));
     assert_eq!(common::content(&after), common::content(&before));
     assert_eq!(health(&s)["status"], "ready");
-    assert_eq!(s.log_lines("model unloaded").len(), 1);
+    assert_eq!(s.wait_for_log("model unloaded").len(), 1);
     // Per request (ollama's keep_alive): 0 unloads right after it, "-1" keeps it.
     let mut body = user("Say hello.", 2);
     body["keep_alive"] = json!("-1");

@@ -90,6 +90,19 @@ impl Server {
         self.log.lock().unwrap().iter().filter(|l| l.contains(text)).cloned().collect()
     }
 
+    /// Lines of the server's log containing `text`, waiting up to 10 s for a first one
+    /// (the log arrives through a pipe, possibly after the response that followed it).
+    pub fn wait_for_log(&self, text: &str) -> Vec<String> {
+        let t0 = Instant::now();
+        loop {
+            let lines = self.log_lines(text);
+            if !lines.is_empty() || t0.elapsed() > Duration::from_secs(10) {
+                return lines;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn metric(&self, name: &str) -> f64 {
         let (_, text) = self.get("/metrics");
         text.lines()
