@@ -294,11 +294,6 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
     return r;
 }
 
-// Four bytes at any address, as one int (little-endian).
-__device__ __forceinline__ int ld4(const u8* p) {
-    return (int)((unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16) | ((unsigned int)p[3] << 24));
-}
-
 // Q4_K × Q8_K, eight lanes per 256-block and four blocks per warp step: lane p of a
 // block loads its 16 quant bytes at once (bytes 16p..16p+15: weights 64c + 16(p%2) + i
 // in the low nibbles, group 2c, and the same + 32 in the high nibbles, group 2c + 1,

@@ -6,9 +6,8 @@
 use std::sync::Arc;
 
 use astra_engine::backend::{Activation, Backend, Rope, SeqRows};
-use astra_engine::config::Config;
 use astra_engine::weights::MatRef;
-use astra_engine::attention::CHUNK;
+use astra_engine::attention::{KvLayout, LayerSlots, CHUNK};
 use astra_engine::EngineError;
 use astra_gguf::{GgmlType, GgufFile};
 use astra_quant::ActType;
@@ -71,8 +70,7 @@ struct LayerKv {
     window: Option<usize>,
 }
 
-/// One sequence's KV cache: per layer `(kv_head, slot, head_dim)` in f16, sliding-window
-/// layers as rings of `window + max_batch` slots (whole chunks), as on the CPU.
+/// One sequence's KV cache, laid out as the engine's [`KvLayout`] says.
 pub struct GpuKv {
     layers: Vec<LayerKv>,
     n_head: usize,
@@ -234,26 +232,19 @@ impl Backend for CudaBackend {
         GpuTensor { buf: self.upload(data), rows: data.len() / width.max(1), width }
     }
 
-    fn kv_cache(&self, cfg: &Config, ctx: usize, max_batch: usize) -> Result<GpuKv, EngineError> {
-        let layers = (0..cfg.n_layer)
-            .map(|l| {
-                let window = if cfg.layer_local[l] { cfg.sliding_window } else { None };
-                let slots = window.map_or(ctx, |w| ctx.min((w + max_batch).next_multiple_of(CHUNK)));
-                let n = cfg.n_head_kv * slots * cfg.head_dim;
+    fn kv_cache(&self, layout: &KvLayout) -> Result<GpuKv, EngineError> {
+        let layers = layout
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(l, &LayerSlots { slots, window })| {
+                let n = layout.layer_elems(l);
                 let k = self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating the KV cache"))?;
                 let v = self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating the KV cache"))?;
                 Ok(LayerKv { k, v, slots, window })
             })
             .collect::<Result<_, EngineError>>()?;
-        Ok(GpuKv { layers, n_head: cfg.n_head, n_head_kv: cfg.n_head_kv, head_dim: cfg.head_dim })
-    }
-
-    fn kv_bytes(&self, kv: &GpuKv) -> usize {
-        kv.layers.iter().map(|l| 2 * l.k.len() * 2).sum()
-    }
-
-    fn kv_rewind_limit(&self, kv: &GpuKv) -> usize {
-        kv.layers.iter().filter_map(|l| l.window.map(|w| l.slots.saturating_sub(w))).min().unwrap_or(usize::MAX)
+        Ok(GpuKv { layers, n_head: layout.n_head, n_head_kv: layout.n_head_kv, head_dim: layout.head_dim })
     }
 
     fn read(&self, t: &GpuTensor) -> Vec<f32> {

@@ -39,26 +39,49 @@ struct LayerCache {
     window: Option<usize>,
 }
 
-pub struct KvCache {
-    layers: Vec<LayerCache>,
-    n_head: usize,
-    n_head_kv: usize,
-    head_dim: usize,
-    pub ctx: usize,
+/// One layer's place in a KV cache: its slots, and the window it attends back (none
+/// for a global layer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerSlots {
+    pub slots: usize,
+    pub window: Option<usize>,
 }
 
-impl KvCache {
-    pub fn new(cfg: &Config, ctx: usize, max_batch: usize) -> KvCache {
+/// The shape of one sequence's KV cache, the same on every backend: per layer
+/// `(kv_head, slot, head_dim)` keys and values in f16; a global layer has a slot per
+/// context position, a sliding-window layer a ring of `window + max_batch` slots
+/// rounded up to whole chunks (the window, plus room for a batch written before it is
+/// attended to; a ring of whole chunks never splits a chunk across its end).
+#[derive(Clone, Debug)]
+pub struct KvLayout {
+    pub layers: Vec<LayerSlots>,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+}
+
+impl KvLayout {
+    /// The layout for `ctx` positions written by batches of at most `max_batch`
+    /// tokens of the sequence.
+    pub fn new(cfg: &Config, ctx: usize, max_batch: usize) -> KvLayout {
         let layers = (0..cfg.n_layer)
             .map(|l| {
                 let window = if cfg.layer_local[l] { cfg.sliding_window } else { None };
-                // A ring of whole chunks never splits a chunk across its end.
                 let slots = window.map_or(ctx, |w| ctx.min((w + max_batch).next_multiple_of(CHUNK)));
-                let n = cfg.n_head_kv * slots * cfg.head_dim;
-                LayerCache { k: vec![f16::ZERO; n], v: vec![f16::ZERO; n], slots, window }
+                LayerSlots { slots, window }
             })
             .collect();
-        KvCache { layers, n_head: cfg.n_head, n_head_kv: cfg.n_head_kv, head_dim: cfg.head_dim, ctx }
+        KvLayout { layers, n_head: cfg.n_head, n_head_kv: cfg.n_head_kv, head_dim: cfg.head_dim }
+    }
+
+    /// Elements of one layer's keys (or values).
+    pub fn layer_elems(&self, layer: usize) -> usize {
+        self.n_head_kv * self.layers[layer].slots * self.head_dim
+    }
+
+    /// Bytes of the whole cache (f16 keys and values).
+    pub fn bytes(&self) -> usize {
+        (0..self.layers.len()).map(|l| 2 * self.layer_elems(l) * 2).sum()
     }
 
     /// How far below the highest position written a sequence may be cut back and
@@ -67,9 +90,27 @@ impl KvCache {
     pub fn rewind_limit(&self) -> usize {
         self.layers.iter().filter_map(|l| l.window.map(|w| l.slots.saturating_sub(w))).min().unwrap_or(usize::MAX)
     }
+}
 
-    pub fn bytes(&self) -> usize {
-        self.layers.iter().map(|l| 2 * l.k.len() * 2).sum()
+pub struct KvCache {
+    layers: Vec<LayerCache>,
+    n_head: usize,
+    n_head_kv: usize,
+    head_dim: usize,
+}
+
+impl KvCache {
+    pub fn new(layout: &KvLayout) -> KvCache {
+        let layers = layout
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(l, &LayerSlots { slots, window })| {
+                let n = layout.layer_elems(l);
+                LayerCache { k: vec![f16::ZERO; n], v: vec![f16::ZERO; n], slots, window }
+            })
+            .collect();
+        KvCache { layers, n_head: layout.n_head, n_head_kv: layout.n_head_kv, head_dim: layout.head_dim }
     }
 
     /// Stores the key and value rows (all KV heads) of position `pos` in `layer`.
@@ -260,6 +301,7 @@ impl AttnLayer<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend_parity::Rng;
     use crate::config::Arch;
     use crate::pool::Pool;
 
@@ -283,17 +325,6 @@ mod tests {
             layer_local: vec![true, false],
             embed_scale: None,
             attn_scale: 1.0,
-        }
-    }
-
-    struct Lcg(u64);
-    impl Lcg {
-        fn next(&mut self) -> f32 {
-            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        }
-        fn vec(&mut self, n: usize) -> Vec<f32> {
-            (0..n).map(|_| self.next()).collect()
         }
     }
 
@@ -329,11 +360,11 @@ mod tests {
         let window = 100;
         let cfg = config(window);
         let (ctx, max_batch) = (700, 64);
-        let mut kv = KvCache::new(&cfg, ctx, max_batch);
+        let mut kv = KvCache::new(&KvLayout::new(&cfg, ctx, max_batch));
         assert!(kv.layers[0].slots < ctx, "the local layer keeps a ring, not the context");
         assert_eq!(kv.layers[1].slots, ctx);
         let pool = Pool::new(2);
-        let mut rng = Lcg(7);
+        let mut rng = Rng(7);
         let scale = 0.3;
         let (qd, kd) = (cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim);
         let (mut keys, mut values) = (Vec::new(), Vec::new());

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use astra_gguf::GgufFile;
 
-use crate::config::Config;
+use crate::attention::KvLayout;
 use crate::weights::MatRef;
 use crate::EngineError;
 
@@ -73,13 +73,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn tensor(&self, rows: usize, width: usize) -> Self::Tensor;
     /// A tensor of `data.len() / width` rows holding `data`.
     fn tensor_from(&self, data: &[f32], width: usize) -> Self::Tensor;
-    /// A KV cache for `ctx` positions, written by batches of at most `max_batch` tokens
-    /// of the sequence.
-    fn kv_cache(&self, cfg: &Config, ctx: usize, max_batch: usize) -> Result<Self::KvCache, EngineError>;
-    fn kv_bytes(&self, kv: &Self::KvCache) -> usize;
-    /// How many positions below the highest one written a sequence may be cut back to
-    /// and continued from (unlimited without sliding-window rings).
-    fn kv_rewind_limit(&self, kv: &Self::KvCache) -> usize;
+    /// A zeroed KV cache of `layout`.
+    fn kv_cache(&self, layout: &KvLayout) -> Result<Self::KvCache, EngineError>;
     /// The whole tensor, on the host.
     fn read(&self, t: &Self::Tensor) -> Vec<f32>;
 

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use astra_gguf::{GgmlType, GgufFile, GgufWriter, TensorSource};
 
+use crate::attention::KvLayout;
 use crate::backend::{Activation, Backend, Rope, SeqRows};
 use crate::config::{Arch, Config};
 use crate::weights::MatRef;
@@ -38,14 +39,16 @@ fn report(op: impl Into<String>, want: &[f32], got: &[f32]) -> OpReport {
     OpReport { op: op.into(), rel_l2, max_abs }
 }
 
-struct Rng(u64);
+/// Uniform values in [-1, 1) from a 64-bit LCG: reproducible inputs for comparisons
+/// (here and in the attention tests).
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> f32 {
+    pub(crate) fn next(&mut self) -> f32 {
         self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
+    pub(crate) fn vec(&mut self, n: usize) -> Vec<f32> {
         (0..n).map(|_| self.next()).collect()
     }
 }
@@ -151,7 +154,8 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
 fn compare_attention<A: Backend, B: Backend>(a: &A, b: &B, rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
     let cfg = attention_config();
     let (qd, kd) = (cfg.q_dim(), cfg.kv_dim());
-    let (mut ka, mut kb) = (a.kv_cache(&cfg, 256, 80)?, b.kv_cache(&cfg, 256, 80)?);
+    let layout = KvLayout::new(&cfg, 256, 80);
+    let (mut ka, mut kb) = (a.kv_cache(&layout)?, b.kv_cache(&layout)?);
     let mut out = Vec::new();
     let mut pos = 0;
     for n in [70usize, 1, 29, 64, 64] {

@@ -7,9 +7,8 @@ use astra_gguf::GgufFile;
 use astra_quant::matmul::{matmul_quantized_on, Parallel, QuantizedActivations};
 use astra_quant::ActType;
 
-use crate::attention::KvCache;
+use crate::attention::{KvCache, KvLayout};
 use crate::backend::{Activation, Backend, Rope, SeqRows};
-use crate::config::Config;
 use crate::ops::{add_inplace, gelu, rms_norm, rms_norm_inplace, rope, silu};
 use crate::pool::Pool;
 use crate::weights::MatRef;
@@ -83,16 +82,8 @@ impl Backend for CpuBackend {
         CpuTensor { data: data.to_vec(), width }
     }
 
-    fn kv_cache(&self, cfg: &Config, ctx: usize, max_batch: usize) -> Result<KvCache, EngineError> {
-        Ok(KvCache::new(cfg, ctx, max_batch))
-    }
-
-    fn kv_bytes(&self, kv: &KvCache) -> usize {
-        kv.bytes()
-    }
-
-    fn kv_rewind_limit(&self, kv: &KvCache) -> usize {
-        kv.rewind_limit()
+    fn kv_cache(&self, layout: &KvLayout) -> Result<KvCache, EngineError> {
+        Ok(KvCache::new(layout))
     }
 
     fn read(&self, t: &CpuTensor) -> Vec<f32> {

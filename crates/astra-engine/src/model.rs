@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use astra_gguf::GgufFile;
 
+use crate::attention::KvLayout;
 use crate::backend::{Activation, Backend, Rope, SeqRows};
 use crate::config::{Arch, Config};
 use crate::cpu::CpuBackend;
@@ -114,11 +115,11 @@ impl<B: Backend> Model<B> {
                 self.cfg.ctx_train
             )));
         }
-        let kv = self.backend.kv_cache(&self.cfg, ctx, MAX_BATCH)?;
+        let layout = KvLayout::new(&self.cfg, ctx, MAX_BATCH);
         Ok(Session {
-            kv_bytes: self.backend.kv_bytes(&kv),
-            rewind_limit: self.backend.kv_rewind_limit(&kv),
-            kv,
+            kv: self.backend.kv_cache(&layout)?,
+            kv_bytes: layout.bytes(),
+            rewind_limit: layout.rewind_limit(),
             ctx,
             n_past: 0,
             high: 0,

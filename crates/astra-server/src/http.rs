@@ -34,6 +34,14 @@ pub enum ImagePolicy {
     Omit,
 }
 
+/// The wrap-up injected when a thinking budget runs out, ending the thinking with `end`:
+/// its text and tokens.
+pub fn wrap_up(tok: &Tokenizer, end: &str) -> (String, Vec<u32>) {
+    let text = format!("\n{WRAP_UP}\n{end}\n\n");
+    let tokens = tok.encode(&text, EncodeOptions { add_special: false, parse_special: true });
+    (text, tokens)
+}
+
 /// What the server knows once the model has loaded.
 pub struct Ready {
     pub tok: Arc<Tokenizer>,
@@ -47,6 +55,8 @@ pub struct Ready {
     pub slots: usize,
     pub capabilities: Capabilities,
     pub think_markers: (String, String),
+    /// The thinking wrap-up (sentence and end marker), as text and tokens.
+    pub wrap_up: (String, Vec<u32>),
     pub answer_room: usize,
     pub images: ImagePolicy,
     /// New requests get 503 while available memory is below this (bytes).
@@ -402,8 +412,7 @@ fn thinking_params(r: &Ready, req: &CompletionRequest) -> ThinkingParams {
         }
         (None, None) => (None, None),
     };
-    let wrap_up_text = format!("\n{WRAP_UP}\n{end}\n\n");
-    let wrap_up_tokens = r.tok.encode(&wrap_up_text, EncodeOptions { add_special: false, parse_special: true });
+    let (wrap_up_text, wrap_up_tokens) = r.wrap_up.clone();
     ThinkingParams { end, budget, wrap_up_text, wrap_up_tokens, log }
 }
 

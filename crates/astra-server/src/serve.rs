@@ -109,6 +109,7 @@ fn load<B: Backend>(
         ctx_train: model.cfg.ctx_train,
         slots: opts.parallel,
         capabilities,
+        wrap_up: crate::http::wrap_up(&tok, &think_markers.1),
         think_markers,
         answer_room: opts.answer_room,
         images: opts.images,
