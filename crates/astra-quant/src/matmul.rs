@@ -13,7 +13,7 @@
 
 use rayon::prelude::*;
 
-use crate::dot::{ActType, Kernels};
+use crate::dot::{ActRow, ActType, Kernels};
 use crate::{row_bytes, GgmlType, QuantError};
 
 /// A row-major matrix of quantized weights, borrowed (usually from a memory map).
@@ -47,12 +47,15 @@ impl<'a> QuantMatrix<'a> {
     }
 }
 
-/// A batch of activation rows quantized for one activation type.
+/// A batch of activation rows quantized for one activation type, with each row's block
+/// scales in f32 where the type keeps them in f16 ([`ActRow`]).
 pub struct QuantizedActivations {
     pub act: ActType,
     pub tokens: usize,
     row_bytes: usize,
     data: Vec<u8>,
+    row_scales: usize,
+    scales: Vec<f32>,
 }
 
 impl QuantizedActivations {
@@ -61,15 +64,23 @@ impl QuantizedActivations {
         let row_bytes = act.row_bytes(cols)?;
         let tokens = if cols == 0 { 0 } else { x.len() / cols };
         let mut data = vec![0u8; row_bytes * tokens];
+        let mut scales = Vec::new();
         for (xr, out) in x.chunks_exact(cols.max(1)).zip(data.chunks_exact_mut(row_bytes.max(1))) {
             act.quantize(xr, out);
+            act.row_scales(out, &mut scales);
         }
-        Ok(QuantizedActivations { act, tokens, row_bytes, data })
+        let row_scales = scales.len().checked_div(tokens).unwrap_or(0);
+        Ok(QuantizedActivations { act, tokens, row_bytes, data, row_scales, scales })
     }
 
     #[inline]
     pub fn row(&self, t: usize) -> &[u8] {
         &self.data[t * self.row_bytes..(t + 1) * self.row_bytes]
+    }
+
+    #[inline]
+    pub fn act_row(&self, t: usize) -> ActRow<'_> {
+        ActRow { bytes: self.row(t), scales: &self.scales[t * self.row_scales..(t + 1) * self.row_scales] }
     }
 }
 
@@ -128,7 +139,7 @@ pub fn matmul_quantized(w: &QuantMatrix, acts: &QuantizedActivations, out: &mut 
 pub fn matmul_quantized_on(par: &dyn Parallel, w: &QuantMatrix, acts: &QuantizedActivations, out: &mut [f32], kernels: &Kernels) {
     assert_eq!(acts.act, kernels.act);
     assert_eq!(out.len(), acts.tokens * w.rows);
-    let (rows, tokens, dot, dot4) = (w.rows, acts.tokens, kernels.dot, kernels.dot4);
+    let (rows, tokens, dot, dot1, dot4) = (w.rows, acts.tokens, kernels.dot, kernels.dot1, kernels.dot4);
     let shared = SharedOut(out.as_mut_ptr());
     let chunk = chunk_rows(rows, par.threads());
     par.run(rows.div_ceil(chunk), &|c| {
@@ -143,20 +154,27 @@ pub fn matmul_quantized_on(par: &dyn Parallel, w: &QuantMatrix, acts: &Quantized
         // stay in L1 rather than the whole batch of activations streaming past each row.
         for tile in task_rows.clone().step_by(ROW_TILE) {
             let tile = tile..(tile + ROW_TILE).min(task_rows.end);
+            let tile_w = &w.bytes()[tile.start * w.row_bytes..tile.end * w.row_bytes];
+            let n = tile.len();
             let mut t = 0;
             if let Some(dot4) = dot4 {
+                let mut out4 = [[0.0f32; 4]; ROW_TILE];
                 while t + 4 <= tokens {
-                    let a = std::array::from_fn(|i| acts.row(t + i));
-                    for r in tile.clone() {
-                        let v = dot4(w.row(r), a);
+                    dot4(tile_w, w.row_bytes, std::array::from_fn(|i| acts.act_row(t + i)), &mut out4[..n]);
+                    for (r, v) in tile.clone().zip(&out4) {
                         (0..4).for_each(|i| put(t + i, r, v[i]));
                     }
                     t += 4;
                 }
             }
             for t in t..tokens {
-                for r in tile.clone() {
-                    put(t, r, dot(w.row(r), acts.row(t)));
+                match dot1 {
+                    Some(dot1) => {
+                        let mut out1 = [0.0f32; ROW_TILE];
+                        dot1(tile_w, w.row_bytes, acts.act_row(t), &mut out1[..n]);
+                        tile.clone().zip(out1).for_each(|(r, v)| put(t, r, v));
+                    }
+                    None => tile.clone().for_each(|r| put(t, r, dot(w.row(r), acts.row(t)))),
                 }
             }
         }

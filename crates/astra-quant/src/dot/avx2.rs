@@ -11,13 +11,15 @@
 
 use std::arch::x86_64::*;
 
-use super::VecDotFn;
+use super::{ActRow, ActType, Isa, VecDot1Fn, VecDot4Fn, VecDotFn};
 use crate::blocks::*;
 use crate::dequant::{iq2s_grid_point, iq2s_signs};
 use crate::GgmlType;
 
-/// The AVX2 kernel for a weight type, if there is one.
-pub(crate) fn dot_fn(weights: GgmlType) -> Option<VecDotFn> {
+/// The kernels for a weight type: the set they run on, the dot product on bytes, and
+/// the variants on [`ActRow`]s. With `vnni` (AVX-512 VNNI present), the 32-element
+/// types that multiply bytes get VNNI kernels.
+pub(crate) fn kernels(weights: GgmlType, vnni: bool) -> Option<(Isa, VecDotFn, Option<VecDot1Fn>, Option<VecDot4Fn>)> {
     use GgmlType::*;
     macro_rules! safe {
         ($f:ident) => {{
@@ -28,48 +30,70 @@ pub(crate) fn dot_fn(weights: GgmlType) -> Option<VecDotFn> {
             wrapper as VecDotFn
         }};
     }
-    Some(match weights {
-        F32 => safe!(dot_f32_f32),
-        F16 => safe!(dot_f16_f32),
-        BF16 => safe!(dot_bf16_f32),
-        Q4_0 => safe!(dot_q4_0_q8_0),
-        Q4_1 => safe!(dot_q4_1_q8_1),
-        Q5_0 => safe!(dot_q5_0_q8_0),
-        Q5_1 => safe!(dot_q5_1_q8_1),
-        Q8_0 => safe!(dot_q8_0_q8_0),
-        IQ4_NL => safe!(dot_iq4_nl_q8_0),
-        Q2_0 => safe!(dot_q2_0_q8_0),
-        Q2_K => safe!(dot_q2_k_q8_k),
-        Q3_K => safe!(dot_q3_k_q8_k),
-        Q4_K => safe!(dot_q4_k_q8_k),
-        Q5_K => safe!(dot_q5_k_q8_k),
-        Q6_K => safe!(dot_q6_k_q8_k),
-        Q8_K => safe!(dot_q8_k_q8_k),
-        IQ2_S => safe!(dot_iq2_s_q8_k),
-        _ => return None,
-    })
-}
-
-/// The four-row AVX2 kernel for a weight type, if there is one.
-pub(crate) fn dot4_fn(weights: GgmlType) -> Option<super::VecDot4Fn> {
-    use GgmlType::*;
-    macro_rules! safe {
+    // A K-quant kernel over N activation rows of bytes, run along consecutive rows.
+    macro_rules! four {
         ($f:ident) => {{
-            fn wrapper(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
-                // SAFETY: only handed out when AVX2/FMA/F16C are present (module doc).
-                unsafe { $f(w, a) }
+            fn wrapper(w: &[u8], row_bytes: usize, a: [ActRow; 4], out: &mut [[f32; 4]]) {
+                assert_eq!(w.len(), row_bytes * out.len(), "weights are not out.len() rows");
+                let a = a.map(|r| r.bytes);
+                for (row, o) in w.chunks_exact(row_bytes.max(1)).zip(out) {
+                    // SAFETY: only handed out when AVX2/FMA/F16C are present (module doc).
+                    *o = unsafe { $f(row, a) };
+                }
             }
-            wrapper as super::VecDot4Fn
+            Some(wrapper as VecDot4Fn)
         }};
     }
-    Some(match weights {
-        Q4_1 => safe!(dotn_q4_1_q8_1),
-        Q8_0 => safe!(dotn_q8_0_q8_0),
-        Q5_0 => safe!(dotn_q5_0_q8_0),
-        Q4_K => safe!(dotn_q4_k_q8_k),
-        Q6_K => safe!(dotn_q6_k_q8_k),
+    // A `RowKernel` on one instruction set: every entry point.
+    macro_rules! rows {
+        ($k:ty, $act:expr, $entry:ident) => {{
+            fn dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
+                // SAFETY: `kernels` hands these out only where `$entry`'s features are
+                // present (module doc; `Isa::available` for VNNI). `out` is viewed as
+                // N = 1 outputs per row, the same memory.
+                let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<[f32; 1]>(), out.len()) };
+                unsafe { $entry::<$k, 1>(w, row_bytes, [a], out) }
+            }
+            fn dot4(w: &[u8], row_bytes: usize, a: [ActRow; 4], out: &mut [[f32; 4]]) {
+                // SAFETY: as for `dot1`.
+                unsafe { $entry::<$k, 4>(w, row_bytes, a, out) }
+            }
+            fn dot(w: &[u8], a: &[u8]) -> f32 {
+                let mut scales = Vec::new();
+                $act.row_scales(a, &mut scales);
+                let mut out = [0.0];
+                dot1(w, w.len(), ActRow { bytes: a, scales: &scales }, &mut out);
+                out[0]
+            }
+            (dot as VecDotFn, Some(dot1 as VecDot1Fn), Some(dot4 as VecDot4Fn))
+        }};
+    }
+    type Set = (VecDotFn, Option<VecDot1Fn>, Option<VecDot4Fn>);
+    let pick = |avx2: Set, with_vnni: Set| match vnni {
+        true => (Isa::Avx512Vnni, with_vnni),
+        false => (Isa::Avx2, avx2),
+    };
+    let (isa, (dot, dot1, dot4)) = match weights {
+        Q4_1 => pick(rows!(Q4_1Rows, ActType::Q8_1, rows_avx2), rows!(Q4_1Rows, ActType::Q8_1, rows_vnni)),
+        Q5_0 => pick(rows!(Q5_0Rows, ActType::Q8_0, rows_avx2), rows!(Q5_0Rows, ActType::Q8_0, rows_vnni)),
+        Q8_0 => pick(rows!(Q8_0Rows, ActType::Q8_0, rows_avx2), rows!(Q8_0Rows, ActType::Q8_0, rows_vnni)),
+        F32 => (Isa::Avx2, (safe!(dot_f32_f32), None, None)),
+        F16 => (Isa::Avx2, (safe!(dot_f16_f32), None, None)),
+        BF16 => (Isa::Avx2, (safe!(dot_bf16_f32), None, None)),
+        Q4_0 => (Isa::Avx2, (safe!(dot_q4_0_q8_0), None, None)),
+        Q5_1 => (Isa::Avx2, (safe!(dot_q5_1_q8_1), None, None)),
+        IQ4_NL => (Isa::Avx2, (safe!(dot_iq4_nl_q8_0), None, None)),
+        Q2_0 => (Isa::Avx2, (safe!(dot_q2_0_q8_0), None, None)),
+        Q2_K => (Isa::Avx2, (safe!(dot_q2_k_q8_k), None, None)),
+        Q3_K => (Isa::Avx2, (safe!(dot_q3_k_q8_k), None, None)),
+        Q4_K => (Isa::Avx2, (safe!(dot_q4_k_q8_k), None, four!(dotn_q4_k_q8_k))),
+        Q5_K => (Isa::Avx2, (safe!(dot_q5_k_q8_k), None, None)),
+        Q6_K => (Isa::Avx2, (safe!(dot_q6_k_q8_k), None, four!(dotn_q6_k_q8_k))),
+        Q8_K => (Isa::Avx2, (safe!(dot_q8_k_q8_k), None, None)),
+        IQ2_S => (Isa::Avx2, (safe!(dot_iq2_s_q8_k), None, None)),
         _ => return None,
-    })
+    };
+    Some((isa, dot, dot1, dot4))
 }
 
 // ------------------------------------------------------------------ helpers
@@ -189,16 +213,6 @@ unsafe fn scale_products(wd: F16Le, wm: F16Le, ad: F16Le, as_: F16Le) -> __m128 
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
-    dotn_q4_1_q8_1(w, [a])[0]
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
-    dotn_q5_0_q8_0(w, [a])[0]
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q5_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut mins = _mm_setzero_ps();
@@ -213,83 +227,175 @@ unsafe fn dot_q5_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
     hsum_f32(acc) + _mm_cvtss_f32(_mm_movehdup_ps(mins))
 }
 
-/// N activation rows at once, the weight blocks decoded once for all: each row gets
-/// the arithmetic it gets alone (the single-row kernel is the case N = 1).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dotn_q4_1_q8_1<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
-    let w = as_blocks::<BlockQ4_1>(w);
-    let a = a.map(as_blocks::<BlockQ8_1>);
-    let mut acc = [_mm256_setzero_ps(); N];
-    let mut mins = [_mm_setzero_ps(); N];
-    for (i, wb) in w.iter().enumerate() {
-        let qx = nibbles(&wb.qs);
-        for r in 0..N {
-            let ab = &a[r][i];
-            let p = _mm256_cvtepi32_ps(dot_u8_i8(qx, load(&ab.qs)));
-            let prods = scale_products(wb.d, wb.m, ab.d, ab.s);
-            acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(prods), p, acc[r]);
-            mins[r] = _mm_add_ps(mins[r], prods);
-        }
-    }
-    std::array::from_fn(|r| hsum_f32(acc[r]) + _mm_cvtss_f32(_mm_movehdup_ps(mins[r])))
+// ------------------------------------------------------------------ 32-blocks on ActRows
+
+/// How a block's bytes meet: Σ of products of unsigned bytes `x` with signed bytes `y`
+/// in 8 i32 lanes, lane k covering bytes 4k..4k+4. Both implementations give the same
+/// lanes for the inputs the kernels pass (no i16 pair sum saturates: |x| ≤ 128 with
+/// |y| ≤ 127, or x ≤ 31).
+trait IntDot {
+    unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256i;
 }
 
-/// N activation rows at once (see `dotn_q4_1_q8_1`).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dotn_q8_0_q8_0<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
-    let w = as_blocks::<BlockQ8_0>(w);
-    let a = a.map(as_blocks::<BlockQ8_0>);
-    let mut acc = [_mm256_setzero_ps(); N];
-    // Blocks go in pairs so that one F16C conversion serves four scales; each block's
-    // multiply-add is the same as one block at a time, in the same order.
-    let pairs = w.len() / 2;
-    for i in (0..2 * pairs).step_by(2) {
-        let (w0, w1) = (&w[i], &w[i + 1]);
-        let (qx0, qx1) = (load(&w0.qs), load(&w1.qs));
-        let (ax0, ax1) = (_mm256_sign_epi8(qx0, qx0), _mm256_sign_epi8(qx1, qx1));
-        for r in 0..N {
-            let (a0, a1) = (&a[r][i], &a[r][i + 1]);
-            let bits = |x: F16Le| u16::from_le_bytes(x.0) as u64;
-            let packed = bits(w0.d) | bits(w1.d) << 16 | bits(a0.d) << 32 | bits(a1.d) << 48;
-            let v = _mm_cvtph_ps(_mm_cvtsi64_si128(packed as i64));
-            let scales = _mm_mul_ps(v, _mm_movehl_ps(v, v)); // [w0·a0, w1·a1, ..]
-            let p0 = dot_u8_i8(ax0, _mm256_sign_epi8(load(&a0.qs), qx0));
-            acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), _mm256_cvtepi32_ps(p0), acc[r]);
-            let p1 = dot_u8_i8(ax1, _mm256_sign_epi8(load(&a1.qs), qx1));
-            acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(scales)), _mm256_cvtepi32_ps(p1), acc[r]);
-        }
+/// AVX2: `vpmaddubsw` into i16 pairs, then `vpmaddwd` with ones.
+struct Madd;
+/// AVX-512 VNNI: one `vpdpbusd`.
+struct Vnni;
+
+impl IntDot for Madd {
+    #[inline(always)]
+    unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256i {
+        dot_u8_i8(x, y)
     }
-    if w.len() % 2 == 1 {
-        let i = w.len() - 1;
-        let qx = load(&w[i].qs);
-        let ax = _mm256_sign_epi8(qx, qx);
-        for r in 0..N {
-            let ab = &a[r][i];
-            let p = dot_u8_i8(ax, _mm256_sign_epi8(load(&ab.qs), qx));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w[i].d, ab.d)), _mm256_cvtepi32_ps(p), acc[r]);
-        }
-    }
-    std::array::from_fn(|r| hsum_f32(acc[r]))
 }
 
-/// N activation rows at once (see `dotn_q4_1_q8_1`).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dotn_q5_0_q8_0<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
-    let w = as_blocks::<BlockQ5_0>(w);
-    let a = a.map(as_blocks::<BlockQ8_0>);
-    let mut acc = [_mm256_setzero_ps(); N];
-    for (i, wb) in w.iter().enumerate() {
-        let missing = _mm256_andnot_si256(bits_to_bytes(u32::from_le_bytes(wb.qh)), _mm256_set1_epi8(0xF0u8 as i8));
-        let qx = _mm256_or_si256(nibbles(&wb.qs), missing);
-        let ax = _mm256_sign_epi8(qx, qx);
-        for r in 0..N {
-            let ab = &a[r][i];
-            let p = _mm256_cvtepi32_ps(dot_u8_i8(ax, _mm256_sign_epi8(load(&ab.qs), qx)));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(wb.d, ab.d)), p, acc[r]);
-        }
+impl IntDot for Vnni {
+    #[inline(always)]
+    unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), x, y)
     }
-    std::array::from_fn(|r| hsum_f32(acc[r]))
 }
+
+/// A weight type's dot product against N activation rows at once, the weight blocks
+/// decoded once for all: each row gets the arithmetic it gets alone (N = 1), so every
+/// output is one fixed sequence of operations whatever N is.
+trait RowKernel {
+    /// The weight block.
+    type W: Block;
+    /// The activation block.
+    type A: Block;
+    /// f32 scales per activation block in an [`ActRow`].
+    const SCALES: usize;
+
+    /// # Safety
+    /// The instruction set `D` needs is present, and every `q[r]` has `w.len()` blocks
+    /// and every `s[r]` `SCALES * w.len()` scales ([`rows`] checks it once per call).
+    unsafe fn dotn<D: IntDot, const N: usize>(w: &[Self::W], q: [&[Self::A]; N], s: [&[f32]; N]) -> [f32; N];
+}
+
+/// `out[i] = K·(row i of w, a)` for consecutive rows of `row_bytes`, the activation rows
+/// checked against the row length once.
+#[inline(always)]
+unsafe fn rows<K: RowKernel, D: IntDot, const N: usize>(w: &[u8], row_bytes: usize, a: [ActRow<'_>; N], out: &mut [[f32; N]]) {
+    assert!(row_bytes > 0 && w.len() == row_bytes * out.len(), "weights are not out.len() rows");
+    let blocks = row_bytes / std::mem::size_of::<K::W>();
+    let q = a.map(|r| as_blocks::<K::A>(r.bytes));
+    let s = a.map(|r| r.scales);
+    for r in 0..N {
+        assert!(q[r].len() == blocks && s[r].len() == K::SCALES * blocks, "activation row does not match the weights");
+    }
+    for (row, o) in w.chunks_exact(row_bytes).zip(out) {
+        *o = K::dotn::<D, N>(as_blocks::<K::W>(row), q, s);
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_avx2<K: RowKernel, const N: usize>(w: &[u8], row_bytes: usize, a: [ActRow<'_>; N], out: &mut [[f32; N]]) {
+    rows::<K, Madd, N>(w, row_bytes, a, out)
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512vl,avx512vnni")]
+unsafe fn rows_vnni<K: RowKernel, const N: usize>(w: &[u8], row_bytes: usize, a: [ActRow<'_>; N], out: &mut [[f32; N]]) {
+    rows::<K, Vnni, N>(w, row_bytes, a, out)
+}
+
+struct Q4_1Rows;
+struct Q5_0Rows;
+struct Q8_0Rows;
+
+impl RowKernel for Q4_1Rows {
+    type W = BlockQ4_1;
+    type A = BlockQ8_1;
+    const SCALES: usize = 2;
+
+    #[inline(always)]
+    unsafe fn dotn<D: IntDot, const N: usize>(w: &[BlockQ4_1], q: [&[BlockQ8_1]; N], s: [&[f32]; N]) -> [f32; N] {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut mins = [0.0f32; N];
+        for (i, wb) in w.iter().enumerate() {
+            let qx = nibbles(&wb.qs);
+            let (dw, mw) = f16_pair(wb.d, wb.m);
+            for r in 0..N {
+                // SAFETY (the unchecked indexing): the trait's contract.
+                let p = _mm256_cvtepi32_ps(D::dot_u8_i8(qx, load(&q[r].get_unchecked(i).qs)));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * s[r].get_unchecked(2 * i)), p, acc[r]);
+                mins[r] += mw * s[r].get_unchecked(2 * i + 1);
+            }
+        }
+        std::array::from_fn(|r| hsum_f32(acc[r]) + mins[r])
+    }
+}
+
+impl RowKernel for Q5_0Rows {
+    type W = BlockQ5_0;
+    type A = BlockQ8_0;
+    const SCALES: usize = 1;
+
+    #[inline(always)]
+    unsafe fn dotn<D: IntDot, const N: usize>(w: &[BlockQ5_0], q: [&[BlockQ8_0]; N], s: [&[f32]; N]) -> [f32; N] {
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (i, wb) in w.iter().enumerate() {
+            let missing = _mm256_andnot_si256(bits_to_bytes(u32::from_le_bytes(wb.qh)), _mm256_set1_epi8(0xF0u8 as i8));
+            let qx = _mm256_or_si256(nibbles(&wb.qs), missing);
+            let ax = _mm256_sign_epi8(qx, qx);
+            let dw = f16(wb.d);
+            for r in 0..N {
+                // SAFETY (the unchecked indexing): the trait's contract.
+                let p = _mm256_cvtepi32_ps(D::dot_u8_i8(ax, _mm256_sign_epi8(load(&q[r].get_unchecked(i).qs), qx)));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * s[r].get_unchecked(i)), p, acc[r]);
+            }
+        }
+        std::array::from_fn(|r| hsum_f32(acc[r]))
+    }
+}
+
+impl RowKernel for Q8_0Rows {
+    type W = BlockQ8_0;
+    type A = BlockQ8_0;
+    const SCALES: usize = 1;
+
+    #[inline(always)]
+    unsafe fn dotn<D: IntDot, const N: usize>(w: &[BlockQ8_0], q: [&[BlockQ8_0]; N], s: [&[f32]; N]) -> [f32; N] {
+        /// One block into the accumulators (a function, not a closure: closures do
+        /// not inherit the caller's target features, so their intrinsics would not
+        /// inline).
+        #[inline(always)]
+        unsafe fn step<D: IntDot, const N: usize>(
+            acc: &mut [__m256; N],
+            wb: &BlockQ8_0,
+            dw: f32,
+            q: [&BlockQ8_0; N],
+            s: [f32; N],
+        ) {
+            let qx = load(&wb.qs);
+            let ax = _mm256_sign_epi8(qx, qx);
+            for r in 0..N {
+                let p = D::dot_u8_i8(ax, _mm256_sign_epi8(load(&q[r].qs), qx));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * s[r]), _mm256_cvtepi32_ps(p), acc[r]);
+            }
+        }
+        let mut acc = [_mm256_setzero_ps(); N];
+        // SAFETY (the unchecked indexing): the trait's contract.
+        let at = |i: usize| (std::array::from_fn(|r| q[r].get_unchecked(i)), std::array::from_fn(|r| *s[r].get_unchecked(i)));
+        // Blocks go in pairs so that one F16C conversion serves both weight scales.
+        let pairs = w.len() / 2;
+        for i in (0..2 * pairs).step_by(2) {
+            let (dw0, dw1) = f16_pair(w.get_unchecked(i).d, w.get_unchecked(i + 1).d);
+            let (q0, s0) = at(i);
+            step::<D, N>(&mut acc, w.get_unchecked(i), dw0, q0, s0);
+            let (q1, s1) = at(i + 1);
+            step::<D, N>(&mut acc, w.get_unchecked(i + 1), dw1, q1, s1);
+        }
+        if w.len() % 2 == 1 {
+            let i = w.len() - 1;
+            let (q0, s0) = at(i);
+            step::<D, N>(&mut acc, w.get_unchecked(i), f16(w.get_unchecked(i).d), q0, s0);
+        }
+        std::array::from_fn(|r| hsum_f32(acc[r]))
+    }
+}
+
+// ------------------------------------------------------------------ 256-blocks, N rows
 
 /// N activation rows at once (see `dotn_q4_1_q8_1`).
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -361,11 +467,6 @@ unsafe fn dotn_q6_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
         }
     }
     std::array::from_fn(|r| hsum_f32(acc[r]))
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
-    dotn_q8_0_q8_0(w, [a])[0]
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

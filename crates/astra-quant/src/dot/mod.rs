@@ -19,9 +19,24 @@ use crate::{row_bytes, GgmlType, QuantError};
 /// of the paired activation type); both cover the same number of elements.
 pub type VecDotFn = fn(w: &[u8], a: &[u8]) -> f32;
 
-/// One weight row against four activation rows at once (the weight blocks decoded once
-/// for all four). Each output is bitwise what [`VecDotFn`] gives for that row alone.
-pub type VecDot4Fn = fn(w: &[u8], a: [&[u8]; 4]) -> [f32; 4];
+/// An activation row as the matmul kernels take it: the quantized bytes and, for the
+/// 32-element formats, every block's f16 scale (Q8_1: scale and sum, interleaved)
+/// already in f32, converted once per row instead of once per weight row it meets.
+#[derive(Clone, Copy, Debug)]
+pub struct ActRow<'a> {
+    pub bytes: &'a [u8],
+    pub scales: &'a [f32],
+}
+
+/// Consecutive weight rows (`w`: `out.len()` rows of `row_bytes`) against one
+/// activation row with its converted scales: `out[i]` is bitwise what [`VecDotFn`]
+/// gives for row i. Whole runs of rows per call keep the per-row cost to the dot itself.
+pub type VecDot1Fn = fn(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]);
+
+/// As [`VecDot1Fn`], against four activation rows at once (each weight block decoded
+/// once for all four): `out[i][t]` is bitwise what [`VecDotFn`] gives for row i and
+/// token t alone.
+pub type VecDot4Fn = fn(w: &[u8], row_bytes: usize, a: [ActRow; 4], out: &mut [[f32; 4]]);
 
 /// The activation format a weight type's dot product consumes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,6 +74,17 @@ impl ActType {
         row_bytes(self.ggml_type(), n)
     }
 
+    /// The f32 scales an [`ActRow`] carries for a quantized row: one per block for
+    /// Q8_0, (scale, sum) per block for Q8_1, none for the others (Q8_K keeps f32).
+    pub fn row_scales(self, row: &[u8], out: &mut Vec<f32>) {
+        use crate::blocks::{as_blocks, BlockQ8_1};
+        match self {
+            ActType::Q8_0 => out.extend(as_blocks::<BlockQ8_0>(row).iter().map(|b| b.d.get())),
+            ActType::Q8_1 => as_blocks::<BlockQ8_1>(row).iter().for_each(|b| out.extend([b.d.get(), b.s.get()])),
+            ActType::Q8K | ActType::F32 => {}
+        }
+    }
+
     /// Quantizes a row of activations into `out` (`row_bytes(x.len())` bytes). One
     /// scalar implementation everywhere: the same input gives the same bytes.
     pub fn quantize(self, x: &[f32], out: &mut [u8]) {
@@ -78,15 +104,20 @@ pub enum Isa {
     Scalar,
     /// AVX2 with FMA and F16C (x86-64 since Haswell / Zen).
     Avx2,
+    /// AVX2 plus AVX-512 VNNI on 256-bit vectors (Ice Lake, Sapphire Rapids, Zen 4):
+    /// one `vpdpbusd` where AVX2 needs `vpmaddubsw` + `vpmaddwd`. Same integer lanes,
+    /// so the same outputs bit for bit; types without a VNNI kernel run AVX2's.
+    Avx512Vnni,
 }
 
 impl Isa {
-    pub const ALL: [Isa; 2] = [Isa::Scalar, Isa::Avx2];
+    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni];
 
     pub fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::Avx512Vnni => "avx512vnni",
         }
     }
 
@@ -104,8 +135,12 @@ impl Isa {
                     && is_x86_feature_detected!("fma")
                     && is_x86_feature_detected!("f16c")
             }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => {
+                Isa::Avx2.available() && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni")
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => false,
+            Isa::Avx2 | Isa::Avx512Vnni => false,
         }
     }
 
@@ -142,6 +177,8 @@ pub struct Kernels {
     /// The set the dot product actually runs on (scalar where `requested` has none).
     pub isa: Isa,
     pub dot: VecDotFn,
+    /// The variant taking converted scales, where the instruction set has one.
+    pub dot1: Option<VecDot1Fn>,
     /// The four-row variant, where the instruction set has one for the type.
     pub dot4: Option<VecDot4Fn>,
 }
@@ -151,16 +188,16 @@ impl Kernels {
     pub fn new(weights: GgmlType, isa: Isa) -> Result<Kernels, QuantError> {
         let act = ActType::for_weights(weights)?;
         assert!(isa.available(), "{} kernels requested on a machine without {}", isa.name(), isa.name());
-        let simd = match isa {
-            Isa::Scalar => None,
+        let scalar = Kernels { weights, act, isa: Isa::Scalar, dot: scalar_dot_fn(weights)?, dot1: None, dot4: None };
+        Ok(match isa {
+            Isa::Scalar => scalar,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => avx2::dot_fn(weights).map(|d| (d, avx2::dot4_fn(weights))),
+            Isa::Avx2 | Isa::Avx512Vnni => match avx2::kernels(weights, isa == Isa::Avx512Vnni) {
+                Some((isa, dot, dot1, dot4)) => Kernels { weights, act, isa, dot, dot1, dot4 },
+                None => scalar,
+            },
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => None,
-        };
-        Ok(match simd {
-            Some((dot, dot4)) => Kernels { weights, act, isa, dot, dot4 },
-            None => Kernels { weights, act, isa: Isa::Scalar, dot: scalar_dot_fn(weights)?, dot4: None },
+            Isa::Avx2 | Isa::Avx512Vnni => scalar,
         })
     }
 

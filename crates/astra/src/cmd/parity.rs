@@ -26,7 +26,7 @@ struct KernelArgs {
     /// Only these weight types (e.g. q4_k); repeatable. Default: every supported type.
     #[arg(long = "type", value_name = "TYPE")]
     types: Vec<String>,
-    /// Only this instruction set (scalar, avx2). Default: every one this CPU has.
+    /// Only this instruction set (scalar, avx2, avx512vnni). Default: every one this CPU has.
     #[arg(long)]
     isa: Option<String>,
     /// Activation rows per case.
@@ -79,7 +79,7 @@ pub fn run(args: Args) -> Result<()> {
 
 fn selected_isas(name: Option<&str>) -> Result<Vec<Isa>> {
     let Some(name) = name else { return Ok(Isa::available_sets()) };
-    let isa = Isa::from_name(name).with_context(|| format!("unknown instruction set {name:?} (scalar, avx2)"))?;
+    let isa = Isa::from_name(name).with_context(|| format!("unknown instruction set {name:?} (scalar, avx2, avx512vnni)"))?;
     if !isa.available() {
         bail!("this CPU cannot run {} kernels", isa.name());
     }
