@@ -557,17 +557,35 @@ extern "C" __global__ void add(float* x, const float* y, long n) {
     if (i < n) x[i] = __fadd_rn(x[i], y[i]);
 }
 
-// gate = act(gate) · up; act 0: SiLU, 1: GELU (tanh approximation).
+// e^x as the CPU engine's exp_approx computes it (Cephes' method, every step one
+// IEEE-rounded multiply or add), so the activations below give the CPU's bits.
+__device__ __forceinline__ float exp_approx(float x) {
+    if (x > 88.37626f) return __int_as_float(0x7f800000);
+    x = fmaxf(fminf(x, 88.37626f), -87.33654f);
+    float n = rintf(__fmul_rn(x, 1.44269504088896341f));
+    float r = __fsub_rn(__fsub_rn(x, __fmul_rn(n, 0.6933594f)), __fmul_rn(n, -2.1219444e-4f));
+    float p = 1.9875691e-4f;
+    p = __fadd_rn(__fmul_rn(p, r), 1.3981999e-3f);
+    p = __fadd_rn(__fmul_rn(p, r), 8.333452e-3f);
+    p = __fadd_rn(__fmul_rn(p, r), 4.1665796e-2f);
+    p = __fadd_rn(__fmul_rn(p, r), 0.16666665f);
+    p = __fadd_rn(__fmul_rn(p, r), 0.5f);
+    float e = __fadd_rn(__fadd_rn(__fmul_rn(p, __fmul_rn(r, r)), r), 1.0f);
+    return __fmul_rn(e, __int_as_float(((int)n + 127) << 23));
+}
+
+// gate = act(gate) · up; act 0: SiLU x / (1 + e^-x), 1: GELU (tanh approximation) as
+// x / (1 + e^(-2u)), u = sqrt(2/pi)·x·(1 + 0.044715·x²).
 extern "C" __global__ void glu(float* gate, const float* up, long n, int act) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float g = gate[i];
     float a;
     if (act == 0) {
-        a = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
+        a = __fdiv_rn(g, __fadd_rn(1.0f, exp_approx(-g)));
     } else {
         float inner = __fmul_rn(__fmul_rn(0.7978846f, g), __fadd_rn(1.0f, __fmul_rn(__fmul_rn(0.044715f, g), g)));
-        a = __fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.0f, tanhf(inner)));
+        a = __fdiv_rn(g, __fadd_rn(1.0f, exp_approx(__fmul_rn(-2.0f, inner))));
     }
     gate[i] = __fmul_rn(a, up[i]);
 }

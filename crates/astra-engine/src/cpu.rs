@@ -9,7 +9,7 @@ use astra_quant::ActType;
 
 use crate::attention::{KvCache, KvLayout};
 use crate::backend::{Activation, Backend, Rope, SeqRows};
-use crate::ops::{add_inplace, gelu, rms_norm, rms_norm_inplace, rope, silu};
+use crate::ops::{add_inplace, rms_norm, rms_norm_inplace, rope};
 use crate::pool::Pool;
 use crate::weights::MatRef;
 use crate::EngineError;
@@ -152,13 +152,7 @@ impl Backend for CpuBackend {
     }
 
     fn glu(&self, gate: &mut CpuTensor, up: &CpuTensor, act: Activation) {
-        let f: fn(f32) -> f32 = match act {
-            Activation::Silu => silu,
-            Activation::GeluTanh => gelu,
-        };
-        for (g, &u) in gate.data.iter_mut().zip(&up.data) {
-            *g = f(*g) * u;
-        }
+        crate::ops::glu(&mut gate.data, &up.data, act == Activation::GeluTanh);
     }
 
     fn attention(
