@@ -16,6 +16,10 @@ use crate::blocks::*;
 use crate::dequant::{iq2s_grid_point, iq2s_signs};
 use crate::GgmlType;
 
+/// Weight rows walked together against one token: enough independent chains to cover
+/// the multiply-add latency and to keep several weight streams loading.
+const DECODE_ROWS: usize = 4;
+
 /// The kernels for a weight type: the set they run on, the dot product on bytes, and
 /// the variants on [`ActRow`]s. With `vnni` (AVX-512 VNNI present), the 32-element
 /// types that multiply bytes get VNNI kernels.
@@ -52,11 +56,11 @@ pub(crate) fn kernels(weights: GgmlType, vnni: bool) -> Option<(Isa, VecDotFn, O
                 // present (module doc; `Isa::available` for VNNI). `out` is viewed as
                 // N = 1 outputs per row, the same memory.
                 let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<[f32; 1]>(), out.len()) };
-                unsafe { $entry::<$k, 1>(w, row_bytes, [a], out) }
+                unsafe { $entry::<$k, DECODE_ROWS, 1>(w, row_bytes, [a], out) }
             }
             fn dot4(w: &[u8], row_bytes: usize, a: [ActRow; 4], out: &mut [[f32; 4]]) {
                 // SAFETY: as for `dot1`.
-                unsafe { $entry::<$k, 4>(w, row_bytes, a, out) }
+                unsafe { $entry::<$k, 1, 4>(w, row_bytes, a, out) }
             }
             fn dot(w: &[u8], a: &[u8]) -> f32 {
                 let mut scales = Vec::new();
@@ -256,9 +260,11 @@ impl IntDot for Vnni {
     }
 }
 
-/// A weight type's dot product against N activation rows at once, the weight blocks
-/// decoded once for all: each row gets the arithmetic it gets alone (N = 1), so every
-/// output is one fixed sequence of operations whatever N is.
+/// A weight type's dot products of M weight rows with N activation rows at once: each
+/// weight block decoded once for all N, and M independent chains of multiply-adds in
+/// flight (one row's chain alone waits on the FMA latency every block). Every (row,
+/// token) pair gets the arithmetic it gets alone (M = N = 1), so an output is one
+/// fixed sequence of operations whatever M and N are.
 trait RowKernel {
     /// The weight block.
     type W: Block;
@@ -268,15 +274,25 @@ trait RowKernel {
     const SCALES: usize;
 
     /// # Safety
-    /// The instruction set `D` needs is present, and every `q[r]` has `w.len()` blocks
-    /// and every `s[r]` `SCALES * w.len()` scales ([`rows`] checks it once per call).
-    unsafe fn dotn<D: IntDot, const N: usize>(w: &[Self::W], q: [&[Self::A]; N], s: [&[f32]; N]) -> [f32; N];
+    /// The instruction set `D` needs is present; every `w[m]` has as many blocks as
+    /// `w[0]`, every `q[r]` as many, and every `s[r]` `SCALES` times as many ([`rows`]
+    /// checks it once per call).
+    unsafe fn dot<D: IntDot, const M: usize, const N: usize>(
+        w: [&[Self::W]; M],
+        q: [&[Self::A]; N],
+        s: [&[f32]; N],
+    ) -> [[f32; N]; M];
 }
 
-/// `out[i] = K·(row i of w, a)` for consecutive rows of `row_bytes`, the activation rows
-/// checked against the row length once.
+/// `out[i] = K·(row i of w, a)` for consecutive rows of `row_bytes`, M rows at a time,
+/// the activation rows checked against the row length once.
 #[inline(always)]
-unsafe fn rows<K: RowKernel, D: IntDot, const N: usize>(w: &[u8], row_bytes: usize, a: [ActRow<'_>; N], out: &mut [[f32; N]]) {
+unsafe fn rows<K: RowKernel, D: IntDot, const M: usize, const N: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    a: [ActRow<'_>; N],
+    out: &mut [[f32; N]],
+) {
     assert!(row_bytes > 0 && w.len() == row_bytes * out.len(), "weights are not out.len() rows");
     let blocks = row_bytes / std::mem::size_of::<K::W>();
     let q = a.map(|r| as_blocks::<K::A>(r.bytes));
@@ -284,19 +300,35 @@ unsafe fn rows<K: RowKernel, D: IntDot, const N: usize>(w: &[u8], row_bytes: usi
     for r in 0..N {
         assert!(q[r].len() == blocks && s[r].len() == K::SCALES * blocks, "activation row does not match the weights");
     }
-    for (row, o) in w.chunks_exact(row_bytes).zip(out) {
-        *o = K::dotn::<D, N>(as_blocks::<K::W>(row), q, s);
+    let row = |i: usize| as_blocks::<K::W>(&w[i * row_bytes..(i + 1) * row_bytes]);
+    let whole = out.len() / M * M;
+    for first in (0..whole).step_by(M) {
+        let v = K::dot::<D, M, N>(std::array::from_fn(|m| row(first + m)), q, s);
+        out[first..first + M].copy_from_slice(&v);
+    }
+    for i in whole..out.len() {
+        out[i] = K::dot::<D, 1, N>([row(i)], q, s)[0];
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_avx2<K: RowKernel, const N: usize>(w: &[u8], row_bytes: usize, a: [ActRow<'_>; N], out: &mut [[f32; N]]) {
-    rows::<K, Madd, N>(w, row_bytes, a, out)
+unsafe fn rows_avx2<K: RowKernel, const M: usize, const N: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    a: [ActRow<'_>; N],
+    out: &mut [[f32; N]],
+) {
+    rows::<K, Madd, M, N>(w, row_bytes, a, out)
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avx512vl,avx512vnni")]
-unsafe fn rows_vnni<K: RowKernel, const N: usize>(w: &[u8], row_bytes: usize, a: [ActRow<'_>; N], out: &mut [[f32; N]]) {
-    rows::<K, Vnni, N>(w, row_bytes, a, out)
+unsafe fn rows_vnni<K: RowKernel, const M: usize, const N: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    a: [ActRow<'_>; N],
+    out: &mut [[f32; N]],
+) {
+    rows::<K, Vnni, M, N>(w, row_bytes, a, out)
 }
 
 struct Q4_1Rows;
@@ -309,20 +341,27 @@ impl RowKernel for Q4_1Rows {
     const SCALES: usize = 2;
 
     #[inline(always)]
-    unsafe fn dotn<D: IntDot, const N: usize>(w: &[BlockQ4_1], q: [&[BlockQ8_1]; N], s: [&[f32]; N]) -> [f32; N] {
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut mins = [0.0f32; N];
-        for (i, wb) in w.iter().enumerate() {
-            let qx = nibbles(&wb.qs);
-            let (dw, mw) = f16_pair(wb.d, wb.m);
-            for r in 0..N {
+    unsafe fn dot<D: IntDot, const M: usize, const N: usize>(
+        w: [&[BlockQ4_1]; M],
+        q: [&[BlockQ8_1]; N],
+        s: [&[f32]; N],
+    ) -> [[f32; N]; M] {
+        let mut acc = [[_mm256_setzero_ps(); N]; M];
+        let mut mins = [[0.0f32; N]; M];
+        for i in 0..w[0].len() {
+            for m in 0..M {
                 // SAFETY (the unchecked indexing): the trait's contract.
-                let p = _mm256_cvtepi32_ps(D::dot_u8_i8(qx, load(&q[r].get_unchecked(i).qs)));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * s[r].get_unchecked(2 * i)), p, acc[r]);
-                mins[r] += mw * s[r].get_unchecked(2 * i + 1);
+                let wb = w[m].get_unchecked(i);
+                let qx = nibbles(&wb.qs);
+                let (dw, mw) = f16_pair(wb.d, wb.m);
+                for r in 0..N {
+                    let p = _mm256_cvtepi32_ps(D::dot_u8_i8(qx, load(&q[r].get_unchecked(i).qs)));
+                    acc[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * s[r].get_unchecked(2 * i)), p, acc[m][r]);
+                    mins[m][r] += mw * s[r].get_unchecked(2 * i + 1);
+                }
             }
         }
-        std::array::from_fn(|r| hsum_f32(acc[r]) + mins[r])
+        std::array::from_fn(|m| std::array::from_fn(|r| hsum_f32(acc[m][r]) + mins[m][r]))
     }
 }
 
@@ -332,20 +371,27 @@ impl RowKernel for Q5_0Rows {
     const SCALES: usize = 1;
 
     #[inline(always)]
-    unsafe fn dotn<D: IntDot, const N: usize>(w: &[BlockQ5_0], q: [&[BlockQ8_0]; N], s: [&[f32]; N]) -> [f32; N] {
-        let mut acc = [_mm256_setzero_ps(); N];
-        for (i, wb) in w.iter().enumerate() {
-            let missing = _mm256_andnot_si256(bits_to_bytes(u32::from_le_bytes(wb.qh)), _mm256_set1_epi8(0xF0u8 as i8));
-            let qx = _mm256_or_si256(nibbles(&wb.qs), missing);
-            let ax = _mm256_sign_epi8(qx, qx);
-            let dw = f16(wb.d);
-            for r in 0..N {
+    unsafe fn dot<D: IntDot, const M: usize, const N: usize>(
+        w: [&[BlockQ5_0]; M],
+        q: [&[BlockQ8_0]; N],
+        s: [&[f32]; N],
+    ) -> [[f32; N]; M] {
+        let mut acc = [[_mm256_setzero_ps(); N]; M];
+        for i in 0..w[0].len() {
+            for m in 0..M {
                 // SAFETY (the unchecked indexing): the trait's contract.
-                let p = _mm256_cvtepi32_ps(D::dot_u8_i8(ax, _mm256_sign_epi8(load(&q[r].get_unchecked(i).qs), qx)));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * s[r].get_unchecked(i)), p, acc[r]);
+                let wb = w[m].get_unchecked(i);
+                let missing = _mm256_andnot_si256(bits_to_bytes(u32::from_le_bytes(wb.qh)), _mm256_set1_epi8(0xF0u8 as i8));
+                let qx = _mm256_or_si256(nibbles(&wb.qs), missing);
+                let ax = _mm256_sign_epi8(qx, qx);
+                let dw = f16(wb.d);
+                for r in 0..N {
+                    let p = _mm256_cvtepi32_ps(D::dot_u8_i8(ax, _mm256_sign_epi8(load(&q[r].get_unchecked(i).qs), qx)));
+                    acc[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * s[r].get_unchecked(i)), p, acc[m][r]);
+                }
             }
         }
-        std::array::from_fn(|r| hsum_f32(acc[r]))
+        std::array::from_fn(|m| std::array::from_fn(|r| hsum_f32(acc[m][r])))
     }
 }
 
@@ -355,43 +401,26 @@ impl RowKernel for Q8_0Rows {
     const SCALES: usize = 1;
 
     #[inline(always)]
-    unsafe fn dotn<D: IntDot, const N: usize>(w: &[BlockQ8_0], q: [&[BlockQ8_0]; N], s: [&[f32]; N]) -> [f32; N] {
-        /// One block into the accumulators (a function, not a closure: closures do
-        /// not inherit the caller's target features, so their intrinsics would not
-        /// inline).
-        #[inline(always)]
-        unsafe fn step<D: IntDot, const N: usize>(
-            acc: &mut [__m256; N],
-            wb: &BlockQ8_0,
-            dw: f32,
-            q: [&BlockQ8_0; N],
-            s: [f32; N],
-        ) {
-            let qx = load(&wb.qs);
-            let ax = _mm256_sign_epi8(qx, qx);
-            for r in 0..N {
-                let p = D::dot_u8_i8(ax, _mm256_sign_epi8(load(&q[r].qs), qx));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * s[r]), _mm256_cvtepi32_ps(p), acc[r]);
+    unsafe fn dot<D: IntDot, const M: usize, const N: usize>(
+        w: [&[BlockQ8_0]; M],
+        q: [&[BlockQ8_0]; N],
+        s: [&[f32]; N],
+    ) -> [[f32; N]; M] {
+        let mut acc = [[_mm256_setzero_ps(); N]; M];
+        for i in 0..w[0].len() {
+            for m in 0..M {
+                // SAFETY (the unchecked indexing): the trait's contract.
+                let wb = w[m].get_unchecked(i);
+                let qx = load(&wb.qs);
+                let ax = _mm256_sign_epi8(qx, qx);
+                let dw = f16(wb.d);
+                for r in 0..N {
+                    let p = D::dot_u8_i8(ax, _mm256_sign_epi8(load(&q[r].get_unchecked(i).qs), qx));
+                    acc[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * s[r].get_unchecked(i)), _mm256_cvtepi32_ps(p), acc[m][r]);
+                }
             }
         }
-        let mut acc = [_mm256_setzero_ps(); N];
-        // SAFETY (the unchecked indexing): the trait's contract.
-        let at = |i: usize| (std::array::from_fn(|r| q[r].get_unchecked(i)), std::array::from_fn(|r| *s[r].get_unchecked(i)));
-        // Blocks go in pairs so that one F16C conversion serves both weight scales.
-        let pairs = w.len() / 2;
-        for i in (0..2 * pairs).step_by(2) {
-            let (dw0, dw1) = f16_pair(w.get_unchecked(i).d, w.get_unchecked(i + 1).d);
-            let (q0, s0) = at(i);
-            step::<D, N>(&mut acc, w.get_unchecked(i), dw0, q0, s0);
-            let (q1, s1) = at(i + 1);
-            step::<D, N>(&mut acc, w.get_unchecked(i + 1), dw1, q1, s1);
-        }
-        if w.len() % 2 == 1 {
-            let i = w.len() - 1;
-            let (q0, s0) = at(i);
-            step::<D, N>(&mut acc, w.get_unchecked(i), f16(w.get_unchecked(i).d), q0, s0);
-        }
-        std::array::from_fn(|r| hsum_f32(acc[r]))
+        std::array::from_fn(|m| std::array::from_fn(|r| hsum_f32(acc[m][r])))
     }
 }
 
