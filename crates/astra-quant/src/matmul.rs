@@ -160,7 +160,8 @@ pub fn matmul_quantized_on(par: &dyn Parallel, w: &QuantMatrix, acts: &Quantized
             if let Some(dot4) = dot4 {
                 let mut out4 = [[0.0f32; 4]; ROW_TILE];
                 while t + 4 <= tokens {
-                    dot4(tile_w, w.row_bytes, std::array::from_fn(|i| acts.act_row(t + i)), &mut out4[..n]);
+                    let a = [acts.act_row(t), acts.act_row(t + 1), acts.act_row(t + 2), acts.act_row(t + 3)];
+                    dot4(tile_w, w.row_bytes, a, &mut out4[..n]);
                     for (r, v) in tile.clone().zip(&out4) {
                         (0..4).for_each(|i| put(t + i, r, v[i]));
                     }

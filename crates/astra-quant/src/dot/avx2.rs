@@ -134,6 +134,19 @@ unsafe fn hsum_f32(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// Every accumulator's horizontal sum, in loops rather than closures: a closure does
+/// not inherit its caller's target features, so its intrinsics would become calls.
+#[inline(always)]
+unsafe fn hsums<const M: usize, const N: usize>(acc: &[[__m256; N]; M]) -> [[f32; N]; M] {
+    let mut out = [[0.0; N]; M];
+    for m in 0..M {
+        for r in 0..N {
+            out[m][r] = hsum_f32(acc[m][r]);
+        }
+    }
+    out
+}
+
 #[inline(always)]
 unsafe fn load(p: &[i8]) -> __m256i {
     debug_assert!(p.len() >= 32);
@@ -295,15 +308,20 @@ unsafe fn rows<K: RowKernel, D: IntDot, const M: usize, const N: usize>(
 ) {
     assert!(row_bytes > 0 && w.len() == row_bytes * out.len(), "weights are not out.len() rows");
     let blocks = row_bytes / std::mem::size_of::<K::W>();
-    let q = a.map(|r| as_blocks::<K::A>(r.bytes));
-    let s = a.map(|r| r.scales);
+    // Plain loops rather than `map`/`from_fn`, whose closures cost calls per use here.
+    let (mut q, mut s): ([&[K::A]; N], [&[f32]; N]) = ([&[]; N], [&[]; N]);
     for r in 0..N {
+        (q[r], s[r]) = (as_blocks::<K::A>(a[r].bytes), a[r].scales);
         assert!(q[r].len() == blocks && s[r].len() == K::SCALES * blocks, "activation row does not match the weights");
     }
     let row = |i: usize| as_blocks::<K::W>(&w[i * row_bytes..(i + 1) * row_bytes]);
     let whole = out.len() / M * M;
     for first in (0..whole).step_by(M) {
-        let v = K::dot::<D, M, N>(std::array::from_fn(|m| row(first + m)), q, s);
+        let mut rows: [&[K::W]; M] = [&[]; M];
+        for (m, r) in rows.iter_mut().enumerate() {
+            *r = row(first + m);
+        }
+        let v = K::dot::<D, M, N>(rows, q, s);
         out[first..first + M].copy_from_slice(&v);
     }
     for i in whole..out.len() {
@@ -361,7 +379,13 @@ impl RowKernel for Q4_1Rows {
                 }
             }
         }
-        std::array::from_fn(|m| std::array::from_fn(|r| hsum_f32(acc[m][r]) + mins[m][r]))
+        let mut out = hsums(&acc);
+        for m in 0..M {
+            for r in 0..N {
+                out[m][r] += mins[m][r];
+            }
+        }
+        out
     }
 }
 
@@ -391,7 +415,7 @@ impl RowKernel for Q5_0Rows {
                 }
             }
         }
-        std::array::from_fn(|m| std::array::from_fn(|r| hsum_f32(acc[m][r])))
+        hsums(&acc)
     }
 }
 
@@ -420,7 +444,7 @@ impl RowKernel for Q8_0Rows {
                 }
             }
         }
-        std::array::from_fn(|m| std::array::from_fn(|r| hsum_f32(acc[m][r])))
+        hsums(&acc)
     }
 }
 
@@ -457,7 +481,11 @@ unsafe fn dotn_q4_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
             mins[r] += k4_min_sum(&wb.scales, ab) as f32 * (wdmin * da);
         }
     }
-    std::array::from_fn(|r| hsum_f32(acc[r]) - mins[r])
+    let mut out = hsums(&[acc])[0];
+    for r in 0..N {
+        out[r] -= mins[r];
+    }
+    out
 }
 
 /// N activation rows at once (see `dotn_q4_1_q8_1`).
@@ -473,12 +501,17 @@ unsafe fn dotn_q6_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
             let ql0 = load_u8(&wb.ql[64 * n..]);
             let ql1 = load_u8(&wb.ql[64 * n + 32..]);
             let qh = load_u8(&wb.qh[32 * n..]);
-            let high = |shift: i32| _mm256_slli_epi16(_mm256_and_si256(srl16(qh, shift), m3), 4);
+            // The two high bits at `shift`, moved above the four low ones (a function,
+            // not a closure, so that its intrinsics inline).
+            #[inline(always)]
+            unsafe fn high(qh: __m256i, shift: i32, m3: __m256i) -> __m256i {
+                _mm256_slli_epi16(_mm256_and_si256(srl16(qh, shift), m3), 4)
+            }
             let quarters = [
-                _mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)),
-                _mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)),
+                _mm256_or_si256(_mm256_and_si256(ql0, m4), high(qh, 0, m3)),
+                _mm256_or_si256(_mm256_and_si256(ql1, m4), high(qh, 2, m3)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(qh, 4, m3)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(qh, 6, m3)),
             ];
             for (q_r, q) in quarters.into_iter().enumerate() {
                 let g = 8 * n + 2 * q_r;
@@ -495,7 +528,7 @@ unsafe fn dotn_q6_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * a[r][i].d()), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
         }
     }
-    std::array::from_fn(|r| hsum_f32(acc[r]))
+    hsums(&[acc])[0]
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
