@@ -20,7 +20,7 @@ use std::sync::Mutex;
 use astra_quant::matmul::Parallel;
 
 use crate::config::Config;
-use crate::ops::{axpy, dot};
+use crate::ops::{attend_rows, axpy};
 
 /// KV positions per partial. A constant: changing it changes results (in the last
 /// bits), never how they depend on threads or batching. At 64 a chunk's f32 keys and
@@ -190,15 +190,10 @@ impl AttnLayer<'_> {
     fn partial(&self, q: &[f32], data: &ChunkData, lo: usize, hi: usize) -> Partial {
         let hd = self.head_dim;
         let rows = lo - data.first..=hi - data.first;
-        let scores: Vec<f32> = rows.clone().map(|r| dot(q, &data.k[r * hd..(r + 1) * hd]) * self.scale).collect();
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
+        let mut weights = [0.0f32; CHUNK];
         let mut acc = vec![0.0f32; hd];
-        for (r, s) in rows.zip(&scores) {
-            let w = (s - max).exp();
-            sum += w;
-            axpy(&mut acc, w, &data.v[r * hd..(r + 1) * hd]);
-        }
+        let (k, v) = (&data.k[rows.start() * hd..(rows.end() + 1) * hd], &data.v[rows.start() * hd..(rows.end() + 1) * hd]);
+        let (max, sum) = attend_rows(q, k, v, self.scale, &mut weights[..rows.end() + 1 - rows.start()], &mut acc);
         Partial { max, sum, acc }
     }
 

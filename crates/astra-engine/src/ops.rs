@@ -83,6 +83,42 @@ fn gelu_inner(x: f32) -> f32 {
 const GELU_SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_COEF_A: f32 = 0.044715;
 
+/// One query against a run of keys and values (rows of `q.len()` in `k` and `v`):
+/// the scores `dot(q, k_r)·scale` into `weights`, their max, the weights
+/// e^(score − max) (the correctly rounded exponential: attention weights move every
+/// later activation, so they keep the most exact form), and `acc = Σ_r weight_r · v_r`
+/// in row order. Returns (max, Σ weights). The arithmetic is [`dot`] and [`axpy`]'s,
+/// in one AVX2 function where the CPU has it (no call or feature check per row).
+pub fn attend_rows(q: &[f32], k: &[f32], v: &[f32], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present.
+        return unsafe { simd::attend_rows(q, k, v, scale, weights, acc) };
+    }
+    attend_rows_body!(q, k, v, scale, weights, acc, dot_scalar, axpy_scalar)
+}
+
+/// The body of [`attend_rows`], over the given dot and axpy.
+macro_rules! attend_rows_body {
+    ($q:expr, $k:expr, $v:expr, $scale:expr, $weights:expr, $acc:expr, $dot:path, $axpy:path) => {{
+        let (q, k, v, weights, acc) = ($q, $k, $v, $weights, $acc);
+        let hd = q.len();
+        let mut max = f32::NEG_INFINITY;
+        for (w, kr) in weights.iter_mut().zip(k.chunks_exact(hd)) {
+            *w = $dot(q, kr) * $scale;
+            max = max.max(*w);
+        }
+        let mut sum = 0.0f32;
+        for (w, vr) in weights.iter_mut().zip(v.chunks_exact(hd)) {
+            let w = (*w - max).exp();
+            sum += w;
+            $axpy(acc, w, vr);
+        }
+        (max, sum)
+    }};
+}
+use attend_rows_body;
+
 /// `gate[i] = act(gate[i]) · up[i]` (`gelu` selects GELU, else SiLU): eight lanes at a
 /// time with AVX2 where the CPU has it, giving the scalar functions' bits.
 pub fn glu(gate: &mut [f32], up: &[f32], gelu_act: bool) {
@@ -179,6 +215,12 @@ mod simd {
         _mm256_blendv_ps(_mm256_mul_ps(e, _mm256_castsi256_ps(scale)), _mm256_set1_ps(f32::INFINITY), big)
     }
 
+    /// [`super::attend_rows`] with AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn attend_rows(q: &[f32], k: &[f32], v: &[f32], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
+        super::attend_rows_body!(q, k, v, scale, weights, acc, dot, axpy)
+    }
+
     /// [`super::glu`] on whole groups of eight; returns how many elements it did.
     #[target_feature(enable = "avx2")]
     pub unsafe fn glu(gate: &mut [f32], up: &[f32], gelu: bool) -> usize {
@@ -200,6 +242,7 @@ mod simd {
         n
     }
 
+    #[inline]
     #[target_feature(enable = "avx")]
     pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
@@ -219,6 +262,7 @@ mod simd {
         super::reduce_lanes(lanes) + tail
     }
 
+    #[inline]
     #[target_feature(enable = "avx")]
     pub unsafe fn axpy(acc: &mut [f32], w: f32, v: &[f32]) {
         let n = acc.len().min(v.len());
@@ -312,6 +356,30 @@ mod tests {
             x += 0.000_77;
         }
         assert!(worst <= 2.0, "worst error {worst} ulp");
+    }
+
+    /// The fused attention rows give the bits of the scalar reference ops composed.
+    #[test]
+    fn attend_rows_equals_the_composed_reference() {
+        for hd in [64, 256, 20] {
+            for n in [1usize, 7, 64] {
+                let q: Vec<f32> = (0..hd).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7).collect();
+                let k: Vec<f32> = (0..n * hd).map(|i| ((i * 53 % 17) as f32 - 8.0) * 0.3).collect();
+                let v: Vec<f32> = (0..n * hd).map(|i| ((i * 29 % 13) as f32 - 6.0) * 0.5).collect();
+                let (mut weights, mut acc) = (vec![0.0; n], vec![0.0; hd]);
+                let (max, sum) = attend_rows(&q, &k, &v, 0.125, &mut weights, &mut acc);
+                let scores: Vec<f32> = (0..n).map(|r| dot_scalar(&q, &k[r * hd..(r + 1) * hd]) * 0.125).collect();
+                let want_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let (mut want_sum, mut want_acc) = (0.0f32, vec![0.0f32; hd]);
+                for r in 0..n {
+                    let w = (scores[r] - want_max).exp();
+                    want_sum += w;
+                    axpy_scalar(&mut want_acc, w, &v[r * hd..(r + 1) * hd]);
+                }
+                assert_eq!((max.to_bits(), sum.to_bits()), (want_max.to_bits(), want_sum.to_bits()), "hd {hd} n {n}");
+                assert_eq!(acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want_acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+            }
+        }
     }
 
     /// The AVX2 GLU gives the scalar functions' bits, tails included.
