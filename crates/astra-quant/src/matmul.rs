@@ -56,6 +56,10 @@ pub struct QuantizedActivations {
     data: Vec<u8>,
     row_scales: usize,
     scales: Vec<f32>,
+    row_quants: usize,
+    quants: Vec<i8>,
+    row_sums: usize,
+    neg_sums4: Vec<i32>,
 }
 
 impl QuantizedActivations {
@@ -64,13 +68,16 @@ impl QuantizedActivations {
         let row_bytes = act.row_bytes(cols)?;
         let tokens = if cols == 0 { 0 } else { x.len() / cols };
         let mut data = vec![0u8; row_bytes * tokens];
-        let mut scales = Vec::new();
+        let (mut scales, mut quants, mut neg_sums4) = (Vec::new(), Vec::new(), Vec::new());
         for (xr, out) in x.chunks_exact(cols.max(1)).zip(data.chunks_exact_mut(row_bytes.max(1))) {
             act.quantize(xr, out);
             act.row_scales(out, &mut scales);
+            act.row_quants(out, &mut quants);
+            act.row_neg_sums4(out, &mut neg_sums4);
         }
-        let row_scales = scales.len().checked_div(tokens).unwrap_or(0);
-        Ok(QuantizedActivations { act, tokens, row_bytes, data, row_scales, scales })
+        let per_token = |n: usize| n.checked_div(tokens).unwrap_or(0);
+        let (row_scales, row_quants, row_sums) = (per_token(scales.len()), per_token(quants.len()), per_token(neg_sums4.len()));
+        Ok(QuantizedActivations { act, tokens, row_bytes, data, row_scales, scales, row_quants, quants, row_sums, neg_sums4 })
     }
 
     #[inline]
@@ -80,7 +87,12 @@ impl QuantizedActivations {
 
     #[inline]
     pub fn act_row(&self, t: usize) -> ActRow<'_> {
-        ActRow { bytes: self.row(t), scales: &self.scales[t * self.row_scales..(t + 1) * self.row_scales] }
+        ActRow {
+            bytes: self.row(t),
+            scales: &self.scales[t * self.row_scales..(t + 1) * self.row_scales],
+            quants: &self.quants[t * self.row_quants..(t + 1) * self.row_quants],
+            neg_sums4: &self.neg_sums4[t * self.row_sums..(t + 1) * self.row_sums],
+        }
     }
 }
 

@@ -352,35 +352,6 @@ mod tests {
         }
     }
 
-    /// Instruction sets that differ only in how a block's integer dot product is formed
-    /// (AVX2's two multiply-adds, VNNI's one) give the same outputs to the bit, for
-    /// one token and for batches that take the four-token kernels. Where VNNI is
-    /// absent, the check is that it is reported absent rather than run.
-    #[test]
-    fn vnni_kernels_are_bitwise_identical_to_avx2() {
-        if !Isa::Avx512Vnni.available() {
-            eprintln!("SKIPPED: this CPU has no AVX-512 VNNI (the AVX2 kernels are tested everywhere)");
-            return;
-        }
-        for ty in SUPPORTED_TYPES {
-            let (rows, cols) = (37, 1024);
-            let weights = random_weights(ty, rows, cols, 11).unwrap();
-            let w = QuantMatrix::new(ty, rows, cols, &weights).unwrap();
-            let mut rng = SplitMix::new(12);
-            let x: Vec<f32> = (0..9 * cols).map(|_| rng.activation()).collect();
-            let run = |isa: Isa, tokens: usize| {
-                let k = Kernels::new(ty, isa).unwrap();
-                let acts = QuantizedActivations::new(k.act, &x[..tokens * cols], cols).unwrap();
-                let mut out = vec![0.0f32; tokens * rows];
-                matmul_quantized(&w, &acts, &mut out, &k);
-                out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-            };
-            for tokens in [1, 9] {
-                assert_eq!(run(Isa::Avx2, tokens), run(Isa::Avx512Vnni, tokens), "{ty} tokens {tokens}");
-            }
-        }
-    }
-
     /// The bound catches a kernel that is wrong in one weight of a row: the same
     /// weights with one code changed in one block give outputs the reference rejects.
     #[test]

@@ -11,7 +11,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{ActRow, ActType, Isa, VecDot1Fn, VecDot4Fn, VecDotFn};
+use super::{ActRow, ActType, VecDot1Fn, VecDot4Fn, VecDotFn};
 use crate::blocks::*;
 use crate::dequant::{iq2s_grid_point, iq2s_signs};
 use crate::GgmlType;
@@ -20,10 +20,9 @@ use crate::GgmlType;
 /// the multiply-add latency and to keep several weight streams loading.
 const DECODE_ROWS: usize = 4;
 
-/// The kernels for a weight type: the set they run on, the dot product on bytes, and
-/// the variants on [`ActRow`]s. With `vnni` (AVX-512 VNNI present), the 32-element
-/// types that multiply bytes get VNNI kernels.
-pub(crate) fn kernels(weights: GgmlType, vnni: bool) -> Option<(Isa, VecDotFn, Option<VecDot1Fn>, Option<VecDot4Fn>)> {
+/// The kernels for a weight type: the dot product on bytes, and the variants on
+/// [`ActRow`]s where there are some.
+pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, Option<VecDot1Fn>, Option<VecDot4Fn>)> {
     use GgmlType::*;
     macro_rules! safe {
         ($f:ident) => {{
@@ -50,54 +49,46 @@ pub(crate) fn kernels(weights: GgmlType, vnni: bool) -> Option<(Isa, VecDotFn, O
     }
     // A `RowKernel` on one instruction set: every entry point.
     macro_rules! rows {
-        ($k:ty, $act:expr, $entry:ident) => {{
+        ($k:ty, $act:expr) => {{
             fn dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
-                // SAFETY: `kernels` hands these out only where `$entry`'s features are
-                // present (module doc; `Isa::available` for VNNI). `out` is viewed as
-                // N = 1 outputs per row, the same memory.
+                // SAFETY: `kernels` hands these out only where AVX2/FMA/F16C are
+                // present (module doc). `out` is viewed as N = 1 outputs per row, the
+                // same memory.
                 let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<[f32; 1]>(), out.len()) };
-                unsafe { $entry::<$k, DECODE_ROWS, 1>(w, row_bytes, [a], out) }
+                unsafe { rows_avx2::<$k, DECODE_ROWS, 1>(w, row_bytes, [a], out) }
             }
             fn dot4(w: &[u8], row_bytes: usize, a: [ActRow; 4], out: &mut [[f32; 4]]) {
                 // SAFETY: as for `dot1`.
-                unsafe { $entry::<$k, 1, 4>(w, row_bytes, a, out) }
+                unsafe { rows_avx2::<$k, 1, 4>(w, row_bytes, a, out) }
             }
             fn dot(w: &[u8], a: &[u8]) -> f32 {
-                let mut scales = Vec::new();
-                $act.row_scales(a, &mut scales);
                 let mut out = [0.0];
-                dot1(w, w.len(), ActRow { bytes: a, scales: &scales }, &mut out);
+                super::with_act_row($act, a, |row| dot1(w, w.len(), row, &mut out));
                 out[0]
             }
             (dot as VecDotFn, Some(dot1 as VecDot1Fn), Some(dot4 as VecDot4Fn))
         }};
     }
-    type Set = (VecDotFn, Option<VecDot1Fn>, Option<VecDot4Fn>);
-    let pick = |avx2: Set, with_vnni: Set| match vnni {
-        true => (Isa::Avx512Vnni, with_vnni),
-        false => (Isa::Avx2, avx2),
-    };
-    let (isa, (dot, dot1, dot4)) = match weights {
-        Q4_1 => pick(rows!(Q4_1Rows, ActType::Q8_1, rows_avx2), rows!(Q4_1Rows, ActType::Q8_1, rows_vnni)),
-        Q5_0 => pick(rows!(Q5_0Rows, ActType::Q8_0, rows_avx2), rows!(Q5_0Rows, ActType::Q8_0, rows_vnni)),
-        Q8_0 => pick(rows!(Q8_0Rows, ActType::Q8_0, rows_avx2), rows!(Q8_0Rows, ActType::Q8_0, rows_vnni)),
-        F32 => (Isa::Avx2, (safe!(dot_f32_f32), None, None)),
-        F16 => (Isa::Avx2, (safe!(dot_f16_f32), None, None)),
-        BF16 => (Isa::Avx2, (safe!(dot_bf16_f32), None, None)),
-        Q4_0 => (Isa::Avx2, (safe!(dot_q4_0_q8_0), None, None)),
-        Q5_1 => (Isa::Avx2, (safe!(dot_q5_1_q8_1), None, None)),
-        IQ4_NL => (Isa::Avx2, (safe!(dot_iq4_nl_q8_0), None, None)),
-        Q2_0 => (Isa::Avx2, (safe!(dot_q2_0_q8_0), None, None)),
-        Q2_K => (Isa::Avx2, (safe!(dot_q2_k_q8_k), None, None)),
-        Q3_K => (Isa::Avx2, (safe!(dot_q3_k_q8_k), None, None)),
-        Q4_K => (Isa::Avx2, (safe!(dot_q4_k_q8_k), None, four!(dotn_q4_k_q8_k))),
-        Q5_K => (Isa::Avx2, (safe!(dot_q5_k_q8_k), None, None)),
-        Q6_K => (Isa::Avx2, (safe!(dot_q6_k_q8_k), None, four!(dotn_q6_k_q8_k))),
-        Q8_K => (Isa::Avx2, (safe!(dot_q8_k_q8_k), None, None)),
-        IQ2_S => (Isa::Avx2, (safe!(dot_iq2_s_q8_k), None, None)),
+    Some(match weights {
+        Q4_1 => rows!(Q4_1Rows, ActType::Q8_1),
+        Q5_0 => rows!(Q5_0Rows, ActType::Q8_0),
+        Q8_0 => rows!(Q8_0Rows, ActType::Q8_0),
+        F32 => (safe!(dot_f32_f32), None, None),
+        F16 => (safe!(dot_f16_f32), None, None),
+        BF16 => (safe!(dot_bf16_f32), None, None),
+        Q4_0 => (safe!(dot_q4_0_q8_0), None, None),
+        Q5_1 => (safe!(dot_q5_1_q8_1), None, None),
+        IQ4_NL => (safe!(dot_iq4_nl_q8_0), None, None),
+        Q2_0 => (safe!(dot_q2_0_q8_0), None, None),
+        Q2_K => (safe!(dot_q2_k_q8_k), None, None),
+        Q3_K => (safe!(dot_q3_k_q8_k), None, None),
+        Q4_K => (safe!(dot_q4_k_q8_k), None, four!(dotn_q4_k_q8_k)),
+        Q5_K => (safe!(dot_q5_k_q8_k), None, None),
+        Q6_K => (safe!(dot_q6_k_q8_k), None, four!(dotn_q6_k_q8_k)),
+        Q8_K => (safe!(dot_q8_k_q8_k), None, None),
+        IQ2_S => (safe!(dot_iq2_s_q8_k), None, None),
         _ => return None,
-    };
-    Some((isa, dot, dot1, dot4))
+    })
 }
 
 // ------------------------------------------------------------------ helpers
@@ -247,29 +238,20 @@ unsafe fn dot_q5_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
 // ------------------------------------------------------------------ 32-blocks on ActRows
 
 /// How a block's bytes meet: Σ of products of unsigned bytes `x` with signed bytes `y`
-/// in 8 i32 lanes, lane k covering bytes 4k..4k+4. Both implementations give the same
-/// lanes for the inputs the kernels pass (no i16 pair sum saturates: |x| ≤ 128 with
-/// |y| ≤ 127, or x ≤ 31).
+/// in 8 i32 lanes, lane k covering bytes 4k..4k+4 (no i16 pair sum saturates for the
+/// inputs the kernels pass: |x| ≤ 128 with |y| ≤ 127, or x ≤ 31). A parameter of the
+/// kernels so that another instruction for it slots in.
 trait IntDot {
     unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256i;
 }
 
 /// AVX2: `vpmaddubsw` into i16 pairs, then `vpmaddwd` with ones.
 struct Madd;
-/// AVX-512 VNNI: one `vpdpbusd`.
-struct Vnni;
 
 impl IntDot for Madd {
     #[inline(always)]
     unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256i {
         dot_u8_i8(x, y)
-    }
-}
-
-impl IntDot for Vnni {
-    #[inline(always)]
-    unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256i {
-        _mm256_dpbusd_epi32(_mm256_setzero_si256(), x, y)
     }
 }
 
@@ -337,16 +319,6 @@ unsafe fn rows_avx2<K: RowKernel, const M: usize, const N: usize>(
     out: &mut [[f32; N]],
 ) {
     rows::<K, Madd, M, N>(w, row_bytes, a, out)
-}
-
-#[target_feature(enable = "avx2,fma,f16c,avx512vl,avx512vnni")]
-unsafe fn rows_vnni<K: RowKernel, const M: usize, const N: usize>(
-    w: &[u8],
-    row_bytes: usize,
-    a: [ActRow<'_>; N],
-    out: &mut [[f32; N]],
-) {
-    rows::<K, Vnni, M, N>(w, row_bytes, a, out)
 }
 
 struct Q4_1Rows;

@@ -9,6 +9,8 @@
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
 
 use std::sync::OnceLock;
 
@@ -26,6 +28,12 @@ pub type VecDotFn = fn(w: &[u8], a: &[u8]) -> f32;
 pub struct ActRow<'a> {
     pub bytes: &'a [u8],
     pub scales: &'a [f32],
+    /// The 32-element formats' quants, contiguous (the blocks' `qs` without their
+    /// scales between), so that one 64-byte load covers two blocks; empty otherwise.
+    pub quants: &'a [i8],
+    /// For Q8_0: minus the sum of every four consecutive quants (`quants.len() / 4`
+    /// values), the offset term of unsigned-times-signed products; empty otherwise.
+    pub neg_sums4: &'a [i32],
 }
 
 /// Consecutive weight rows (`w`: `out.len()` rows of `row_bytes`) against one
@@ -85,6 +93,27 @@ impl ActType {
         }
     }
 
+    /// The contiguous quants an [`ActRow`] carries for a quantized row (Q8_0 and Q8_1;
+    /// none for the others).
+    pub fn row_quants(self, row: &[u8], out: &mut Vec<i8>) {
+        use crate::blocks::{as_blocks, BlockQ8_1};
+        match self {
+            ActType::Q8_0 => as_blocks::<BlockQ8_0>(row).iter().for_each(|b| out.extend_from_slice(&b.qs)),
+            ActType::Q8_1 => as_blocks::<BlockQ8_1>(row).iter().for_each(|b| out.extend_from_slice(&b.qs)),
+            ActType::Q8K | ActType::F32 => {}
+        }
+    }
+
+    /// The negated four-quant sums an [`ActRow`] carries (Q8_0 only).
+    pub fn row_neg_sums4(self, row: &[u8], out: &mut Vec<i32>) {
+        use crate::blocks::as_blocks;
+        if self == ActType::Q8_0 {
+            for b in as_blocks::<BlockQ8_0>(row) {
+                out.extend(b.qs.chunks_exact(4).map(|g| -g.iter().map(|&q| q as i32).sum::<i32>()));
+            }
+        }
+    }
+
     /// Quantizes a row of activations into `out` (`row_bytes(x.len())` bytes). One
     /// scalar implementation everywhere: the same input gives the same bytes.
     pub fn quantize(self, x: &[f32], out: &mut [u8]) {
@@ -98,15 +127,25 @@ impl ActType {
     }
 }
 
+/// Calls `f` with the [`ActRow`] of a quantized activation row (its scales and quants
+/// converted here): the byte-level [`VecDotFn`] entry of the kernels that take rows.
+pub(crate) fn with_act_row<R>(act: ActType, row: &[u8], f: impl FnOnce(ActRow) -> R) -> R {
+    let (mut scales, mut quants, mut sums) = (Vec::new(), Vec::new(), Vec::new());
+    act.row_scales(row, &mut scales);
+    act.row_quants(row, &mut quants);
+    act.row_neg_sums4(row, &mut sums);
+    f(ActRow { bytes: row, scales: &scales, quants: &quants, neg_sums4: &sums })
+}
+
 /// An instruction set with kernels here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
     Scalar,
     /// AVX2 with FMA and F16C (x86-64 since Haswell / Zen).
     Avx2,
-    /// AVX2 plus AVX-512 VNNI on 256-bit vectors (Ice Lake, Sapphire Rapids, Zen 4):
-    /// one `vpdpbusd` where AVX2 needs `vpmaddubsw` + `vpmaddwd`. Same integer lanes,
-    /// so the same outputs bit for bit; types without a VNNI kernel run AVX2's.
+    /// AVX-512 (F, BW, VL) with VNNI (Ice Lake, Sapphire Rapids, Zen 4): Q4_1, Q5_0
+    /// and Q8_0 take two blocks per 512-bit `vpdpbusd`; the other types run AVX2's
+    /// kernels.
     Avx512Vnni,
 }
 
@@ -137,7 +176,11 @@ impl Isa {
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni => {
-                Isa::Avx2.available() && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni")
+                Isa::Avx2.available()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
             }
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx2 | Isa::Avx512Vnni => false,
@@ -192,8 +235,13 @@ impl Kernels {
         Ok(match isa {
             Isa::Scalar => scalar,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512Vnni => match avx2::kernels(weights, isa == Isa::Avx512Vnni) {
-                Some((isa, dot, dot1, dot4)) => Kernels { weights, act, isa, dot, dot1, dot4 },
+            Isa::Avx512Vnni if avx512::kernels(weights).is_some() => {
+                let (dot, dot1, dot4) = avx512::kernels(weights).expect("just checked");
+                Kernels { weights, act, isa, dot, dot1: Some(dot1), dot4: Some(dot4) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512Vnni => match avx2::kernels(weights) {
+                Some((dot, dot1, dot4)) => Kernels { weights, act, isa: Isa::Avx2, dot, dot1, dot4 },
                 None => scalar,
             },
             #[cfg(not(target_arch = "x86_64"))]
