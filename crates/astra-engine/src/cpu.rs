@@ -4,8 +4,7 @@
 use std::sync::Arc;
 
 use astra_gguf::GgufFile;
-use astra_quant::matmul::{matmul_quantized_on, Parallel, QuantizedActivations};
-use astra_quant::ActType;
+use astra_quant::matmul::{matmul_many_on, MatmulJob, Parallel, QuantizedActivations};
 
 use crate::attention::{KvCache, KvLayout};
 use crate::backend::{Activation, Backend, Rope, SeqRows};
@@ -118,17 +117,27 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &CpuTensor, outs: &mut [(&CpuMatrix, &mut CpuTensor)]) {
-        // Consecutive weights taking the same activation type share its quantization.
-        let mut shared: Option<(ActType, QuantizedActivations)> = None;
-        for (w, out) in outs.iter_mut() {
-            let k = &w.m.kernels;
-            if shared.as_ref().is_none_or(|(a, _)| *a != k.act) {
-                let acts = QuantizedActivations::new(k.act, &x.data, x.width).expect("activation shape");
-                shared = Some((k.act, acts));
+        // Each activation type the weights take is quantized once; then every matrix
+        // goes in one parallel step.
+        let mut acts: Vec<QuantizedActivations> = Vec::new();
+        for (w, _) in outs.iter() {
+            let act = w.m.kernels.act;
+            if !acts.iter().any(|a| a.act == act) {
+                acts.push(QuantizedActivations::new(act, &x.data, x.width).expect("activation shape"));
             }
-            let (_, acts) = shared.as_ref().expect("just set");
-            matmul_quantized_on(&self.pool, &w.m.view(&w.file), acts, &mut out.data, k);
         }
+        let views: Vec<_> = outs.iter().map(|(w, _)| w.m.view(&w.file)).collect();
+        let mut jobs: Vec<MatmulJob> = outs
+            .iter_mut()
+            .zip(&views)
+            .map(|((w, out), view)| MatmulJob {
+                w: *view,
+                acts: acts.iter().find(|a| a.act == w.m.kernels.act).expect("quantized above"),
+                out: &mut out.data,
+                kernels: &w.m.kernels,
+            })
+            .collect();
+        matmul_many_on(&self.pool, &mut jobs);
     }
 
     fn positions(&self, positions: &[u32]) -> Vec<u32> {

@@ -122,9 +122,11 @@ struct SharedOut(*mut f32);
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
 
-/// Rows per task: enough tasks to balance the pool, whole cache lines of output.
+/// Rows per task: two tasks per thread (a thread that falls behind leaves the other
+/// one to take over half its share; more tasks cost more claims per step than they
+/// win back in decode), whole cache lines of output.
 fn chunk_rows(rows: usize, threads: usize) -> usize {
-    rows.div_ceil(4 * threads).next_multiple_of(16).max(16)
+    rows.div_ceil(2 * threads).next_multiple_of(16).max(16)
 }
 
 /// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `x` of `tokens × w.cols` and `out` of
@@ -149,49 +151,81 @@ pub fn matmul_quantized(w: &QuantMatrix, acts: &QuantizedActivations, out: &mut 
 
 /// As [`matmul_quantized`], on the given executor.
 pub fn matmul_quantized_on(par: &dyn Parallel, w: &QuantMatrix, acts: &QuantizedActivations, out: &mut [f32], kernels: &Kernels) {
-    assert_eq!(acts.act, kernels.act);
-    assert_eq!(out.len(), acts.tokens * w.rows);
+    matmul_many_on(par, &mut [MatmulJob { w: *w, acts, out, kernels }]);
+}
+
+/// One matrix of a [`matmul_many_on`] call: `out = w · acts` as in [`matmul`].
+pub struct MatmulJob<'a> {
+    pub w: QuantMatrix<'a>,
+    pub acts: &'a QuantizedActivations,
+    pub out: &'a mut [f32],
+    pub kernels: &'a Kernels,
+}
+
+/// Several matrices (such as Q, K and V of one input) in one parallel step: their row
+/// chunks are the tasks of one job, so the pool synchronises once for all of them.
+/// Each output is computed as [`matmul_quantized_on`] computes it alone.
+pub fn matmul_many_on(par: &dyn Parallel, jobs: &mut [MatmulJob]) {
+    struct Plan<'a> {
+        w: QuantMatrix<'a>,
+        acts: &'a QuantizedActivations,
+        out: SharedOut,
+        kernels: &'a Kernels,
+        chunk: usize,
+        first_task: usize,
+    }
+    let mut plans = Vec::with_capacity(jobs.len());
+    let mut tasks = 0;
+    for j in jobs.iter_mut() {
+        assert_eq!(j.acts.act, j.kernels.act);
+        assert_eq!(j.out.len(), j.acts.tokens * j.w.rows);
+        let chunk = chunk_rows(j.w.rows, par.threads());
+        plans.push(Plan { w: j.w, acts: j.acts, out: SharedOut(j.out.as_mut_ptr()), kernels: j.kernels, chunk, first_task: tasks });
+        tasks += j.w.rows.div_ceil(chunk);
+    }
+    par.run(tasks, &|task| {
+        let p = &plans[plans.partition_point(|p| p.first_task <= task) - 1];
+        let c = task - p.first_task;
+        let task_rows = c * p.chunk..((c + 1) * p.chunk).min(p.w.rows);
+        run_rows(&p.w, p.acts, p.out, p.kernels, task_rows);
+    });
+}
+
+/// Rows `task_rows` of `out = w · acts`, for every token.
+fn run_rows(w: &QuantMatrix, acts: &QuantizedActivations, out: SharedOut, kernels: &Kernels, task_rows: std::ops::Range<usize>) {
     let (rows, tokens, dot, dot1, dot4) = (w.rows, acts.tokens, kernels.dot, kernels.dot1, kernels.dot4);
-    let shared = SharedOut(out.as_mut_ptr());
-    let chunk = chunk_rows(rows, par.threads());
-    par.run(rows.div_ceil(chunk), &|c| {
-        // Capture the Sync wrapper whole, not its raw pointer field.
-        #[allow(clippy::redundant_locals)]
-        let shared = shared;
-        // SAFETY (both writes): t * rows + r < out.len(), and row r belongs to this
-        // task only.
-        let put = |t: usize, r: usize, v: f32| unsafe { *shared.0.add(t * rows + r) = v };
-        let task_rows = c * chunk..((c + 1) * chunk).min(rows);
-        // A tile of weight rows meets every block of four tokens in turn, so that both
-        // stay in L1 rather than the whole batch of activations streaming past each row.
-        for tile in task_rows.clone().step_by(ROW_TILE) {
-            let tile = tile..(tile + ROW_TILE).min(task_rows.end);
-            let tile_w = &w.bytes()[tile.start * w.row_bytes..tile.end * w.row_bytes];
-            let n = tile.len();
-            let mut t = 0;
-            if let Some(dot4) = dot4 {
-                let mut out4 = [[0.0f32; 4]; ROW_TILE];
-                while t + 4 <= tokens {
-                    let a = [acts.act_row(t), acts.act_row(t + 1), acts.act_row(t + 2), acts.act_row(t + 3)];
-                    dot4(tile_w, w.row_bytes, a, &mut out4[..n]);
-                    for (r, v) in tile.clone().zip(&out4) {
-                        (0..4).for_each(|i| put(t + i, r, v[i]));
-                    }
-                    t += 4;
+    // SAFETY (every write): t * rows + r < out.len() (checked by the caller), and row r
+    // belongs to this task only.
+    let put = |t: usize, r: usize, v: f32| unsafe { *out.0.add(t * rows + r) = v };
+    // A tile of weight rows meets every block of four tokens in turn, so that both
+    // stay in L1 rather than the whole batch of activations streaming past each row.
+    for tile in task_rows.clone().step_by(ROW_TILE) {
+        let tile = tile..(tile + ROW_TILE).min(task_rows.end);
+        let tile_w = &w.bytes()[tile.start * w.row_bytes..tile.end * w.row_bytes];
+        let n = tile.len();
+        let mut t = 0;
+        if let Some(dot4) = dot4 {
+            let mut out4 = [[0.0f32; 4]; ROW_TILE];
+            while t + 4 <= tokens {
+                let a = [acts.act_row(t), acts.act_row(t + 1), acts.act_row(t + 2), acts.act_row(t + 3)];
+                dot4(tile_w, w.row_bytes, a, &mut out4[..n]);
+                for (r, v) in tile.clone().zip(&out4) {
+                    (0..4).for_each(|i| put(t + i, r, v[i]));
                 }
-            }
-            for t in t..tokens {
-                match dot1 {
-                    Some(dot1) => {
-                        let mut out1 = [0.0f32; ROW_TILE];
-                        dot1(tile_w, w.row_bytes, acts.act_row(t), &mut out1[..n]);
-                        tile.clone().zip(out1).for_each(|(r, v)| put(t, r, v));
-                    }
-                    None => tile.clone().for_each(|r| put(t, r, dot(w.row(r), acts.row(t)))),
-                }
+                t += 4;
             }
         }
-    });
+        for t in t..tokens {
+            match dot1 {
+                Some(dot1) => {
+                    let mut out1 = [0.0f32; ROW_TILE];
+                    dot1(tile_w, w.row_bytes, acts.act_row(t), &mut out1[..n]);
+                    tile.clone().zip(out1).for_each(|(r, v)| put(t, r, v));
+                }
+                None => tile.clone().for_each(|r| put(t, r, dot(w.row(r), acts.row(t)))),
+            }
+        }
+    }
 }
 
 /// Weight rows walked together per block of tokens (16 rows of a 4096-column Q4_K
@@ -211,6 +245,36 @@ mod tests {
                 ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
             })
             .collect()
+    }
+
+    /// Matrices run together in one step give what each gives alone, bit for bit.
+    #[test]
+    fn many_matrices_in_one_step_equal_each_alone() {
+        let cols = 256;
+        let shapes = [(GgmlType::Q4_K, 48), (GgmlType::Q5_0, 100), (GgmlType::Q8_0, 17)];
+        let weights: Vec<Vec<u8>> = shapes.iter().map(|&(ty, rows)| crate::parity::random_weights(ty, rows, cols, 3).unwrap()).collect();
+        let x = pseudo_random(5 * cols, 4);
+        let kernels: Vec<Kernels> = shapes.iter().map(|&(ty, _)| Kernels::best(ty).unwrap()).collect();
+        let mats: Vec<QuantMatrix> = shapes.iter().zip(&weights).map(|(&(ty, rows), w)| QuantMatrix::new(ty, rows, cols, w).unwrap()).collect();
+        let acts: Vec<QuantizedActivations> = kernels.iter().map(|k| QuantizedActivations::new(k.act, &x, cols).unwrap()).collect();
+        let alone: Vec<Vec<f32>> = (0..3)
+            .map(|i| {
+                let mut o = vec![0.0; 5 * mats[i].rows];
+                matmul_quantized(&mats[i], &acts[i], &mut o, &kernels[i]);
+                o
+            })
+            .collect();
+        let mut outs: Vec<Vec<f32>> = alone.iter().map(|o| vec![0.0; o.len()]).collect();
+        let mut jobs: Vec<MatmulJob> = outs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, out)| MatmulJob { w: mats[i], acts: &acts[i], out, kernels: &kernels[i] })
+            .collect();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        pool.install(|| matmul_many_on(&Rayon, &mut jobs));
+        for (got, want) in outs.iter().zip(&alone) {
+            assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        }
     }
 
     /// Every output element is bitwise the same for thread counts 1, 2, 3, 7 and batch
