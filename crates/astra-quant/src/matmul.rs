@@ -199,31 +199,34 @@ fn run_rows(w: &QuantMatrix, acts: &QuantizedActivations, out: SharedOut, kernel
     let put = |t: usize, r: usize, v: f32| unsafe { *out.0.add(t * rows + r) = v };
     // A tile of weight rows meets every block of four tokens in turn, so that both
     // stay in L1 rather than the whole batch of activations streaming past each row.
-    for tile in task_rows.clone().step_by(ROW_TILE) {
-        let tile = tile..(tile + ROW_TILE).min(task_rows.end);
-        let tile_w = &w.bytes()[tile.start * w.row_bytes..tile.end * w.row_bytes];
-        let n = tile.len();
-        let mut t = 0;
-        if let Some(dot4) = dot4 {
+    let mut t = 0;
+    if let Some(dot4) = dot4 {
+        for tile in task_rows.clone().step_by(ROW_TILE) {
+            let tile = tile..(tile + ROW_TILE).min(task_rows.end);
+            let tile_w = &w.bytes()[tile.start * w.row_bytes..tile.end * w.row_bytes];
             let mut out4 = [[0.0f32; 4]; ROW_TILE];
-            while t + 4 <= tokens {
+            for t in (0..tokens / 4 * 4).step_by(4) {
                 let a = [acts.act_row(t), acts.act_row(t + 1), acts.act_row(t + 2), acts.act_row(t + 3)];
-                dot4(tile_w, w.row_bytes, a, &mut out4[..n]);
+                dot4(tile_w, w.row_bytes, a, &mut out4[..tile.len()]);
                 for (r, v) in tile.clone().zip(&out4) {
                     (0..4).for_each(|i| put(t + i, r, v[i]));
                 }
-                t += 4;
             }
         }
-        for t in t..tokens {
-            match dot1 {
-                Some(dot1) => {
-                    let mut out1 = [0.0f32; ROW_TILE];
-                    dot1(tile_w, w.row_bytes, acts.act_row(t), &mut out1[..n]);
-                    tile.clone().zip(out1).for_each(|(r, v)| put(t, r, v));
-                }
-                None => tile.clone().for_each(|r| put(t, r, dot(w.row(r), acts.row(t)))),
+        t = tokens / 4 * 4;
+    }
+    // The remaining tokens (all of them in decode) meet the task's rows in one call,
+    // which streams them once and writes the token's outputs in place.
+    for t in t..tokens {
+        match dot1 {
+            Some(dot1) => {
+                let task_w = &w.bytes()[task_rows.start * w.row_bytes..task_rows.end * w.row_bytes];
+                // SAFETY: token t's outputs for this task's rows: in bounds, contiguous,
+                // and written by this task only.
+                let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(t * rows + task_rows.start), task_rows.len()) };
+                dot1(task_w, w.row_bytes, acts.act_row(t), o);
             }
+            None => task_rows.clone().for_each(|r| put(t, r, dot(w.row(r), acts.row(t)))),
         }
     }
 }

@@ -125,6 +125,16 @@ unsafe fn hsum_f32(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// Decode streams the weights once: asks for `len` bytes of `w` from `at` (clipped to
+/// `w`) ahead of their use, a few row groups early, so that their loads overlap the
+/// arithmetic on the rows before them.
+#[inline(always)]
+pub(super) unsafe fn prefetch_ahead(w: &[u8], at: usize, len: usize) {
+    for p in (at..(at + len).min(w.len())).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().add(p).cast());
+    }
+}
+
 /// Every accumulator's horizontal sum, in loops rather than closures: a closure does
 /// not inherit its caller's target features, so its intrinsics would become calls.
 #[inline(always)]
@@ -302,6 +312,9 @@ unsafe fn rows<K: RowKernel, D: IntDot, const M: usize, const N: usize>(
         let mut rows: [&[K::W]; M] = [&[]; M];
         for (m, r) in rows.iter_mut().enumerate() {
             *r = row(first + m);
+        }
+        if N == 1 {
+            prefetch_ahead(w, (first + 4 * M) * row_bytes, M * row_bytes);
         }
         let v = K::dot::<D, M, N>(rows, q, s);
         out[first..first + M].copy_from_slice(&v);

@@ -115,6 +115,9 @@ unsafe fn rows<K: PairKernel, const M: usize, const N: usize>(w: &[u8], row_byte
         for (m, r) in rows.iter_mut().enumerate() {
             *r = row(first + m);
         }
+        if N == 1 {
+            super::avx2::prefetch_ahead(w, (first + 4 * M) * row_bytes, M * row_bytes);
+        }
         out[first..first + M].copy_from_slice(&K::dot::<M, N>(rows, &a));
     }
     for (i, o) in out.iter_mut().enumerate().skip(whole) {
