@@ -4,10 +4,10 @@
 //! Design: the scalar code is the reference and the definition. `dequant` gives each
 //! format's values exactly as ggml does; `dot::scalar` gives each weight row × quantized
 //! activation dot product as exact integer sums per block combined in f32; SIMD
-//! kernels (`dot::avx2`) must agree with it (parity tests and `astra parity kernels`).
-//! Kernels are chosen at run time from a table ([`Kernels`]) filled once from CPU
-//! feature detection; every entry resolves through the scalar fallback, so a new
-//! instruction set (AVX-512, NEON) slots in as one more column.
+//! kernels (`dot::avx2`, `dot::avx512`) must agree with it (parity tests and `astra
+//! parity kernels`). Kernels are chosen at run time from a table ([`Kernels`]) filled
+//! once from CPU feature detection; every entry resolves through AVX2 and then the
+//! scalar fallback, so a new instruction set (NEON) slots in as one more column.
 //!
 //! Determinism: [`matmul`] computes every output element with one call of one kernel on
 //! one thread, from activations quantized by one scalar routine. The value of an
