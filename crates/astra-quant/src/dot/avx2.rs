@@ -47,26 +47,11 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, Option<VecDot1Fn>,
             Some(wrapper as VecDot4Fn)
         }};
     }
-    // A `RowKernel` on one instruction set: every entry point.
+    // A `RowKernel`'s entry points.
     macro_rules! rows {
         ($k:ty, $act:expr) => {{
-            fn dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
-                // SAFETY: `kernels` hands these out only where AVX2/FMA/F16C are
-                // present (module doc). `out` is viewed as N = 1 outputs per row, the
-                // same memory.
-                let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<[f32; 1]>(), out.len()) };
-                unsafe { rows_avx2::<$k, DECODE_ROWS, 1>(w, row_bytes, [a], out) }
-            }
-            fn dot4(w: &[u8], row_bytes: usize, a: [ActRow; 4], out: &mut [[f32; 4]]) {
-                // SAFETY: as for `dot1`.
-                unsafe { rows_avx2::<$k, 1, 4>(w, row_bytes, a, out) }
-            }
-            fn dot(w: &[u8], a: &[u8]) -> f32 {
-                let mut out = [0.0];
-                super::with_act_row($act, a, |row| dot1(w, w.len(), row, &mut out));
-                out[0]
-            }
-            (dot as VecDotFn, Some(dot1 as VecDot1Fn), Some(dot4 as VecDot4Fn))
+            let (dot, dot1, dot4) = super::row_entries!(rows_avx2, $k, $act, DECODE_ROWS);
+            (dot, Some(dot1), Some(dot4))
         }};
     }
     Some(match weights {

@@ -17,7 +17,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{with_act_row, ActRow, ActType, VecDot1Fn, VecDot4Fn, VecDotFn};
+use super::{ActRow, ActType, VecDot1Fn, VecDot4Fn, VecDotFn};
 use crate::blocks::*;
 use crate::GgmlType;
 
@@ -26,31 +26,10 @@ const DECODE_ROWS: usize = 4;
 
 /// The kernels for a weight type, if this set has its own.
 pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, VecDot1Fn, VecDot4Fn)> {
-    // One kernel family's entry points: `$rows::<M, N>` over consecutive rows.
-    macro_rules! entries {
-        ($k:ty, $act:expr) => {{
-            fn dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
-                // SAFETY: handed out only where the features are present (module doc).
-                // `out` is viewed as one output per row, the same memory.
-                let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<[f32; 1]>(), out.len()) };
-                unsafe { rows::<$k, DECODE_ROWS, 1>(w, row_bytes, [a], out) }
-            }
-            fn dot4(w: &[u8], row_bytes: usize, a: [ActRow; 4], out: &mut [[f32; 4]]) {
-                // SAFETY: as for `dot1`.
-                unsafe { rows::<$k, 1, 4>(w, row_bytes, a, out) }
-            }
-            fn dot(w: &[u8], a: &[u8]) -> f32 {
-                let mut out = [0.0];
-                with_act_row($act, a, |row| dot1(w, w.len(), row, &mut out));
-                out[0]
-            }
-            Some((dot as VecDotFn, dot1 as VecDot1Fn, dot4 as VecDot4Fn))
-        }};
-    }
     match weights {
-        GgmlType::Q4_1 => entries!(Q4_1Pairs, ActType::Q8_1),
-        GgmlType::Q5_0 => entries!(Signed<Q5_0Codes>, ActType::Q8_0),
-        GgmlType::Q8_0 => entries!(Signed<Q8_0Codes>, ActType::Q8_0),
+        GgmlType::Q4_1 => Some(super::row_entries!(rows, Q4_1Pairs, ActType::Q8_1, DECODE_ROWS)),
+        GgmlType::Q5_0 => Some(super::row_entries!(rows, Signed<Q5_0Codes>, ActType::Q8_0, DECODE_ROWS)),
+        GgmlType::Q8_0 => Some(super::row_entries!(rows, Signed<Q8_0Codes>, ActType::Q8_0, DECODE_ROWS)),
         _ => None,
     }
 }

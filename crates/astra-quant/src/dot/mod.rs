@@ -137,6 +137,33 @@ pub(crate) fn with_act_row<R>(act: ActType, row: &[u8], f: impl FnOnce(ActRow) -
     f(ActRow { bytes: row, scales: &scales, quants: &quants, neg_sums4: &sums })
 }
 
+/// The entry points of a kernel family that runs M weight rows × N tokens over runs of
+/// consecutive rows (`$rows::<$k, M, N>(w, row_bytes, acts, out)`, an unsafe fn that
+/// needs the features of the set whose `kernels` hands these out): the dot on bytes,
+/// one token (M = `$decode_rows`), four tokens (M = 1).
+macro_rules! row_entries {
+    ($rows:ident, $k:ty, $act:expr, $decode_rows:expr) => {{
+        fn dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
+            // SAFETY: handed out only where the set's features are present (the
+            // calling module's doc). `out` is viewed as one output per row, the same
+            // memory.
+            let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<[f32; 1]>(), out.len()) };
+            unsafe { $rows::<$k, { $decode_rows }, 1>(w, row_bytes, [a], out) }
+        }
+        fn dot4(w: &[u8], row_bytes: usize, a: [ActRow; 4], out: &mut [[f32; 4]]) {
+            // SAFETY: as for `dot1`.
+            unsafe { $rows::<$k, 1, 4>(w, row_bytes, a, out) }
+        }
+        fn dot(w: &[u8], a: &[u8]) -> f32 {
+            let mut out = [0.0];
+            $crate::dot::with_act_row($act, a, |row| dot1(w, w.len(), row, &mut out));
+            out[0]
+        }
+        (dot as VecDotFn, dot1 as VecDot1Fn, dot4 as VecDot4Fn)
+    }};
+}
+pub(crate) use row_entries;
+
 /// An instruction set with kernels here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
