@@ -56,8 +56,8 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, Option<VecDot1Fn>,
     }
     Some(match weights {
         Q4_1 => rows!(Q4_1Rows, ActType::Q8_1),
-        Q5_0 => rows!(Q5_0Rows, ActType::Q8_0),
-        Q8_0 => rows!(Q8_0Rows, ActType::Q8_0),
+        Q5_0 => rows!(SignedRows<BlockQ5_0>, ActType::Q8_0),
+        Q8_0 => rows!(SignedRows<BlockQ8_0>, ActType::Q8_0),
         F32 => (safe!(dot_f32_f32), None, None),
         F16 => (safe!(dot_f16_f32), None, None),
         BF16 => (safe!(dot_bf16_f32), None, None),
@@ -320,8 +320,6 @@ unsafe fn rows_avx2<K: RowKernel, const M: usize, const N: usize>(
 }
 
 struct Q4_1Rows;
-struct Q5_0Rows;
-struct Q8_0Rows;
 
 impl RowKernel for Q4_1Rows {
     type W = BlockQ4_1;
@@ -359,58 +357,55 @@ impl RowKernel for Q4_1Rows {
     }
 }
 
-impl RowKernel for Q5_0Rows {
-    type W = BlockQ5_0;
-    type A = BlockQ8_0;
-    const SCALES: usize = 1;
+/// A 32-element format of signed codes with one f16 scale: how to decode a block.
+trait SignedBlock: Block {
+    fn d(&self) -> F16Le;
+    /// The block's 32 codes as signed bytes.
+    unsafe fn codes(&self) -> __m256i;
+}
 
+impl SignedBlock for BlockQ5_0 {
+    fn d(&self) -> F16Le {
+        self.d
+    }
     #[inline(always)]
-    unsafe fn dot<D: IntDot, const M: usize, const N: usize>(
-        w: [&[BlockQ5_0]; M],
-        q: [&[BlockQ8_0]; N],
-        s: [&[f32]; N],
-    ) -> [[f32; N]; M] {
-        let mut acc = [[_mm256_setzero_ps(); N]; M];
-        for i in 0..w[0].len() {
-            for m in 0..M {
-                // SAFETY (the unchecked indexing): the trait's contract.
-                let wb = w[m].get_unchecked(i);
-                let missing = _mm256_andnot_si256(bits_to_bytes(u32::from_le_bytes(wb.qh)), _mm256_set1_epi8(0xF0u8 as i8));
-                let qx = _mm256_or_si256(nibbles(&wb.qs), missing);
-                let ax = _mm256_sign_epi8(qx, qx);
-                let dw = f16(wb.d);
-                for r in 0..N {
-                    let p = _mm256_cvtepi32_ps(D::dot_u8_i8(ax, _mm256_sign_epi8(load(&q[r].get_unchecked(i).qs), qx)));
-                    acc[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * s[r].get_unchecked(i)), p, acc[m][r]);
-                }
-            }
-        }
-        hsums(&acc)
+    unsafe fn codes(&self) -> __m256i {
+        let missing = _mm256_andnot_si256(bits_to_bytes(u32::from_le_bytes(self.qh)), _mm256_set1_epi8(0xF0u8 as i8));
+        _mm256_or_si256(nibbles(&self.qs), missing)
     }
 }
 
-impl RowKernel for Q8_0Rows {
-    type W = BlockQ8_0;
+impl SignedBlock for BlockQ8_0 {
+    fn d(&self) -> F16Le {
+        self.d
+    }
+    #[inline(always)]
+    unsafe fn codes(&self) -> __m256i {
+        load(&self.qs)
+    }
+}
+
+/// Signed codes × Q8_0 activations, by the sign trick (|w| · sign(a, w)).
+struct SignedRows<B>(std::marker::PhantomData<B>);
+
+impl<B: SignedBlock> RowKernel for SignedRows<B> {
+    type W = B;
     type A = BlockQ8_0;
     const SCALES: usize = 1;
 
     #[inline(always)]
-    unsafe fn dot<D: IntDot, const M: usize, const N: usize>(
-        w: [&[BlockQ8_0]; M],
-        q: [&[BlockQ8_0]; N],
-        s: [&[f32]; N],
-    ) -> [[f32; N]; M] {
+    unsafe fn dot<D: IntDot, const M: usize, const N: usize>(w: [&[B]; M], q: [&[BlockQ8_0]; N], s: [&[f32]; N]) -> [[f32; N]; M] {
         let mut acc = [[_mm256_setzero_ps(); N]; M];
         for i in 0..w[0].len() {
             for m in 0..M {
                 // SAFETY (the unchecked indexing): the trait's contract.
                 let wb = w[m].get_unchecked(i);
-                let qx = load(&wb.qs);
+                let qx = wb.codes();
                 let ax = _mm256_sign_epi8(qx, qx);
-                let dw = f16(wb.d);
+                let dw = f16(wb.d());
                 for r in 0..N {
-                    let p = D::dot_u8_i8(ax, _mm256_sign_epi8(load(&q[r].get_unchecked(i).qs), qx));
-                    acc[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * s[r].get_unchecked(i)), _mm256_cvtepi32_ps(p), acc[m][r]);
+                    let p = _mm256_cvtepi32_ps(D::dot_u8_i8(ax, _mm256_sign_epi8(load(&q[r].get_unchecked(i).qs), qx)));
+                    acc[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * s[r].get_unchecked(i)), p, acc[m][r]);
                 }
             }
         }
