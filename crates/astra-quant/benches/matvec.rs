@@ -7,6 +7,9 @@
 //! - `matvec_4096/{type}/{1,2}t`: a 4096 × 4096 matrix of every supported type.
 //! - `matvec_models/{type}/{cols}x{rows}`: the real models' matrix shapes and types, on
 //!   all threads.
+//! - `matmul_prefill/{type}/{cols}x{rows}`: the models' shapes against a batch of 128
+//!   tokens on one thread, in multiply-adds per second (the prefill kernels' compute
+//!   rate; weights and activations stay in cache).
 //!
 //! Run: `cargo bench -p astra-quant --bench matvec` (on an idle machine).
 
@@ -130,5 +133,35 @@ fn matvec_models(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, stream_read, matvec_4096, matvec_models);
+fn matmul_prefill(c: &mut Criterion) {
+    const TOKENS: usize = 128;
+    let shapes = [
+        (GgmlType::Q4_1, 576, 1536), (GgmlType::Q5_0, 640, 2048), (GgmlType::Q8_0, 640, 1024),
+        (GgmlType::Q4_K, 2048, 640), (GgmlType::Q6_K, 2048, 640),
+    ];
+    let mut g = c.benchmark_group("matmul_prefill");
+    g.sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    let p = pool(1);
+    for (ty, cols, rows) in shapes {
+        let weights = random_weights(ty, rows, cols, 1).expect("weights");
+        let w = QuantMatrix::new(ty, rows, cols, &weights).expect("matrix");
+        let kernels = Kernels::best(ty).expect("kernels");
+        let mut rng = SplitMix::new(2);
+        let x: Vec<f32> = (0..cols * TOKENS).map(|_| rng.activation()).collect();
+        let mut out = vec![0.0f32; rows * TOKENS];
+        g.throughput(Throughput::Elements((rows * cols * TOKENS) as u64));
+        g.bench_function(BenchmarkId::new(ty.name(), format!("{cols}x{rows}")), |b| {
+            b.iter(|| {
+                p.install(|| {
+                    let acts = QuantizedActivations::new(kernels.act, black_box(&x), cols).expect("acts");
+                    matmul_quantized(&w, &acts, &mut out, &kernels);
+                });
+                black_box(&out);
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, stream_read, matvec_4096, matvec_models, matmul_prefill);
 criterion_main!(benches);

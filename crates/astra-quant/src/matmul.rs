@@ -13,7 +13,7 @@
 
 use rayon::prelude::*;
 
-use crate::dot::{ActRow, ActType, Kernels};
+use crate::dot::{ActRow, ActType, Kernels, TILE_ROWS};
 use crate::{row_bytes, GgmlType, QuantError};
 
 /// A row-major matrix of quantized weights, borrowed (usually from a memory map).
@@ -59,7 +59,7 @@ pub struct QuantizedActivations {
     row_quants: usize,
     quants: Vec<i8>,
     row_sums: usize,
-    neg_sums4: Vec<i32>,
+    neg_sums: Vec<i32>,
 }
 
 impl QuantizedActivations {
@@ -68,16 +68,16 @@ impl QuantizedActivations {
         let row_bytes = act.row_bytes(cols)?;
         let tokens = if cols == 0 { 0 } else { x.len() / cols };
         let mut data = vec![0u8; row_bytes * tokens];
-        let (mut scales, mut quants, mut neg_sums4) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut scales, mut quants, mut neg_sums) = (Vec::new(), Vec::new(), Vec::new());
         for (xr, out) in x.chunks_exact(cols.max(1)).zip(data.chunks_exact_mut(row_bytes.max(1))) {
             act.quantize(xr, out);
             act.row_scales(out, &mut scales);
             act.row_quants(out, &mut quants);
-            act.row_neg_sums4(out, &mut neg_sums4);
+            act.row_neg_sums(out, &mut neg_sums);
         }
         let per_token = |n: usize| n.checked_div(tokens).unwrap_or(0);
-        let (row_scales, row_quants, row_sums) = (per_token(scales.len()), per_token(quants.len()), per_token(neg_sums4.len()));
-        Ok(QuantizedActivations { act, tokens, row_bytes, data, row_scales, scales, row_quants, quants, row_sums, neg_sums4 })
+        let (row_scales, row_quants, row_sums) = (per_token(scales.len()), per_token(quants.len()), per_token(neg_sums.len()));
+        Ok(QuantizedActivations { act, tokens, row_bytes, data, row_scales, scales, row_quants, quants, row_sums, neg_sums })
     }
 
     #[inline]
@@ -91,7 +91,7 @@ impl QuantizedActivations {
             bytes: self.row(t),
             scales: &self.scales[t * self.row_scales..(t + 1) * self.row_scales],
             quants: &self.quants[t * self.row_quants..(t + 1) * self.row_quants],
-            neg_sums4: &self.neg_sums4[t * self.row_sums..(t + 1) * self.row_sums],
+            neg_sums: &self.neg_sums[t * self.row_sums..(t + 1) * self.row_sums],
         }
     }
 }
@@ -197,6 +197,19 @@ fn run_rows(w: &QuantMatrix, acts: &QuantizedActivations, out: SharedOut, kernel
     // SAFETY (every write): t * rows + r < out.len() (checked by the caller), and row r
     // belongs to this task only.
     let put = |t: usize, r: usize, v: f32| unsafe { *out.0.add(t * rows + r) = v };
+    if let (Some(tile_fn), 2..) = (kernels.tile, tokens) {
+        // Each tile of rows is rearranged once and meets every token of the batch.
+        let a: Vec<ActRow> = (0..tokens).map(|t| acts.act_row(t)).collect();
+        let mut tile_out = vec![[0.0f32; TILE_ROWS]; tokens];
+        for tile in task_rows.clone().step_by(TILE_ROWS) {
+            let tile = tile..(tile + TILE_ROWS).min(task_rows.end);
+            tile_fn(&w.bytes()[tile.start * w.row_bytes..tile.end * w.row_bytes], w.row_bytes, &a, &mut tile_out);
+            for (t, v) in tile_out.iter().enumerate() {
+                tile.clone().zip(v).for_each(|(r, &v)| put(t, r, v));
+            }
+        }
+        return;
+    }
     // A tile of weight rows meets every block of four tokens in turn, so that both
     // stay in L1 rather than the whole batch of activations streaming past each row.
     let mut t = 0;

@@ -1,53 +1,87 @@
-//! AVX-512 VNNI dot products that take two 32-element blocks per 512-bit vector.
+//! AVX-512 VNNI kernels that put sixteen weight rows in the sixteen lanes of a vector.
 //!
-//! A 512-bit `vpdpbusd` multiplies 64 weight bytes with 64 activation bytes: two
-//! blocks at once, block i in lanes 0..8 and block i + 1 in lanes 8..16. The two
-//! blocks' scale products are spread over their lanes and multiplied in with one FMA,
-//! so even blocks accumulate in the low lanes and odd blocks in the high ones; the 16
-//! lanes are summed at the end. That is a different association of the float sums
-//! from the AVX2 kernels' (parity bound against the scalar reference: relative L2 ≤
-//! 1e-6), but one fixed sequence per (row, token) whatever the batch, as everywhere.
+//! A block (32 elements) of 16 consecutive rows is decoded and transposed so that
+//! vector k holds, in lane l, row l's codes 4k..4k+4. One `vpdpbusd` against the token's
+//! quants 4k..4k+4, broadcast, adds four products to every row's lane; eight of them
+//! leave each row's exact integer block sum in its lane, with no horizontal sums. Each
+//! output is then one float chain over the blocks in order,
+//! `acc ← fma(isum_b, d_w·d_a, acc)` (and, for formats with a minimum, `m_w·s_a` summed
+//! in a second chain added at the end): one fixed sequence per (row, token), which
+//! [`reference`] writes out in scalar code and which the kernels match bit for bit.
 //!
-//! Activations come as [`ActRow`]s whose `quants` are contiguous, so one 64-byte
-//! load covers two blocks.
+//! Decode streams each 16-row group once, transposing it as it goes ([`rows_dot1`]);
+//! prefill transposes a group once into a scratch tile that every token of the batch
+//! then meets ([`tile_dot`]). Both run the same per-lane arithmetic.
+//!
+//! Signed codes (Q5_0, Q8_0) are read as unsigned `c + 2^SHIFT` so that `vpdpbusd` can
+//! take them; the offset comes back through the activations' block sums, in exact i32
+//! lanes: Σ c·a = Σ (c + 2^SHIFT)·a − 2^SHIFT·Σ a.
 //!
 //! Safety: every kernel here requires AVX-512 F/BW/VL/VNNI and AVX2/FMA/F16C. They are
 //! reachable only through [`kernels`], which `Kernels::new` calls for
 //! `Isa::Avx512Vnni` after checking `Isa::available`.
 
 use std::arch::x86_64::*;
+use std::cell::RefCell;
 
-use super::{ActRow, ActType, VecDot1Fn, VecDot4Fn, VecDotFn};
+use super::{ActRow, ActType, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_ROWS};
 use crate::blocks::*;
 use crate::GgmlType;
 
-/// Weight rows walked together against one token (see `avx2::DECODE_ROWS`).
-const DECODE_ROWS: usize = 4;
-
 /// The kernels for a weight type, if this set has its own.
-pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, VecDot1Fn, VecDot4Fn)> {
+pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, VecDot1Fn, VecDotTileFn)> {
+    macro_rules! entries {
+        ($f:ty, $act:expr) => {{
+            fn dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
+                // SAFETY: handed out only where the features are present (module doc).
+                unsafe { rows_dot1::<$f>(w, row_bytes, a, out) }
+            }
+            fn tile(w: &[u8], row_bytes: usize, a: &[ActRow], out: &mut [[f32; TILE_ROWS]]) {
+                // SAFETY: as for `dot1`.
+                unsafe { tile_dot::<$f>(w, row_bytes, a, out) }
+            }
+            fn dot(w: &[u8], a: &[u8]) -> f32 {
+                let mut out = [0.0];
+                super::with_act_row($act, a, |row| dot1(w, w.len(), row, &mut out));
+                out[0]
+            }
+            (dot as VecDotFn, dot1 as VecDot1Fn, tile as VecDotTileFn)
+        }};
+    }
     match weights {
-        GgmlType::Q4_1 => Some(super::row_entries!(rows, Q4_1Pairs, ActType::Q8_1, DECODE_ROWS)),
-        GgmlType::Q5_0 => Some(super::row_entries!(rows, Signed<Q5_0Codes>, ActType::Q8_0, DECODE_ROWS)),
-        GgmlType::Q8_0 => Some(super::row_entries!(rows, Signed<Q8_0Codes>, ActType::Q8_0, DECODE_ROWS)),
+        GgmlType::Q4_1 => Some(entries!(Q4_1Lanes, ActType::Q8_1)),
+        GgmlType::Q5_0 => Some(entries!(Q5_0Lanes, ActType::Q8_0)),
+        GgmlType::Q8_0 => Some(entries!(Q8_0Lanes, ActType::Q8_0)),
         _ => None,
     }
 }
 
-/// The sum of 16 lanes: the halves added, then `avx2`'s 8-lane order.
-#[inline(always)]
-unsafe fn hsum16(v: __m512) -> f32 {
-    let lo = _mm512_castps512_ps256(v);
-    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    let s = _mm256_add_ps(lo, hi);
-    let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
+/// A weight format of 32-element blocks that these kernels take.
+pub(crate) trait LaneFormat {
+    type W: Block;
+    /// log2 of the offset added to signed codes; `None` for unsigned codes with a
+    /// minimum (`value = d·c + m`).
+    const SHIFT: Option<u32>;
+    /// The block's scale and (formats with a minimum) minimum, as f16 bits.
+    fn d(b: &Self::W) -> u16;
+    fn m(b: &Self::W) -> u16;
+    /// A block's 32 codes (offset where signed), in element order.
+    #[cfg(test)]
+    fn codes(b: &Self::W) -> [u8; 32];
+    /// Two blocks' codes as [`Self::codes`] gives them: `b0`'s in bytes 0..32, `b1`'s
+    /// in 32..64.
+    ///
+    /// # Safety
+    /// The module's features.
+    unsafe fn codes2(b0: &Self::W, b1: &Self::W) -> __m512i;
 }
 
-/// Two blocks' 16 bytes of nibbles as 64 codes in the activations' order: block 0's
-/// low nibbles, its high nibbles, then block 1's.
+pub(crate) struct Q4_1Lanes;
+pub(crate) struct Q5_0Lanes;
+pub(crate) struct Q8_0Lanes;
+
+/// Two blocks' 16 bytes of nibbles as 64 codes in element order: block 0's low
+/// nibbles, its high nibbles, then block 1's.
 #[inline(always)]
 unsafe fn nibbles2(qs0: &[u8; 16], qs1: &[u8; 16]) -> __m512i {
     let x = _mm256_set_m128i(_mm_loadu_si128(qs1.as_ptr().cast()), _mm_loadu_si128(qs0.as_ptr().cast()));
@@ -55,164 +89,44 @@ unsafe fn nibbles2(qs0: &[u8; 16], qs1: &[u8; 16]) -> __m512i {
     _mm512_and_si512(_mm512_shuffle_i64x2::<0b11_01_10_00>(y, y), _mm512_set1_epi8(0x0F))
 }
 
-/// One block's nibbles as 32 codes: the low nibbles, then the high ones.
-#[inline(always)]
-unsafe fn nibbles1(qs: &[u8; 16]) -> __m256i {
-    let x = _mm_loadu_si128(qs.as_ptr().cast());
-    _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(x), x), _mm256_set1_epi8(0x0F))
+/// A block's nibbles in element order (scalar).
+#[cfg(test)]
+fn nibbles(qs: &[u8; 16]) -> [u8; 32] {
+    std::array::from_fn(|j| if j < 16 { qs[j] & 0x0F } else { qs[j - 16] >> 4 })
 }
 
-/// Four f16 values (as the u16s of a u64, lowest first) to f32.
-#[inline(always)]
-unsafe fn f16x4(bits: u64) -> __m128 {
-    _mm_cvtph_ps(_mm_cvtsi64_si128(bits as i64))
-}
-
-/// A kernel taking two blocks per vector: what it needs of an activation row, and its
-/// dot products of M weight rows with N activation rows.
-trait PairKernel {
-    type W: Block;
-    /// Whether `a` fits weight rows of `blocks` blocks.
-    fn fits(a: &ActRow, blocks: usize) -> bool;
-    /// # Safety
-    /// The features of [`rows`]; every `w[m]` has as many blocks as `w[0]`, and every
-    /// `a[r]` fits rows of that many.
-    unsafe fn dot<const M: usize, const N: usize>(w: [&[Self::W]; M], a: &[ActRow; N]) -> [[f32; N]; M];
-}
-
-/// `out[i] = K·(row i of w, a)` for consecutive rows of `row_bytes`, M rows at a time,
-/// the activation rows checked once.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows<K: PairKernel, const M: usize, const N: usize>(w: &[u8], row_bytes: usize, a: [ActRow<'_>; N], out: &mut [[f32; N]]) {
-    assert!(row_bytes > 0 && w.len() == row_bytes * out.len(), "weights are not out.len() rows");
-    let blocks = row_bytes / std::mem::size_of::<K::W>();
-    assert!(a.iter().all(|r| K::fits(r, blocks)), "activation row does not match the weights");
-    let row = |i: usize| as_blocks::<K::W>(&w[i * row_bytes..(i + 1) * row_bytes]);
-    let whole = out.len() / M * M;
-    for first in (0..whole).step_by(M) {
-        let mut rows: [&[K::W]; M] = [&[]; M];
-        for (m, r) in rows.iter_mut().enumerate() {
-            *r = row(first + m);
-        }
-        if N == 1 {
-            super::avx2::prefetch_ahead(w, (first + 4 * M) * row_bytes, M * row_bytes);
-        }
-        out[first..first + M].copy_from_slice(&K::dot::<M, N>(rows, &a));
-    }
-    for (i, o) in out.iter_mut().enumerate().skip(whole) {
-        *o = K::dot::<1, N>([row(i)], &a)[0];
-    }
-}
-
-struct Q4_1Pairs;
-
-impl PairKernel for Q4_1Pairs {
+impl LaneFormat for Q4_1Lanes {
     type W = BlockQ4_1;
-    fn fits(a: &ActRow, blocks: usize) -> bool {
-        a.quants.len() == 32 * blocks && a.scales.len() == 2 * blocks
+    const SHIFT: Option<u32> = None;
+    fn d(b: &BlockQ4_1) -> u16 {
+        u16::from_le_bytes(b.d.0)
+    }
+    fn m(b: &BlockQ4_1) -> u16 {
+        u16::from_le_bytes(b.m.0)
+    }
+    #[cfg(test)]
+    fn codes(b: &BlockQ4_1) -> [u8; 32] {
+        nibbles(&b.qs)
     }
     #[inline(always)]
-    unsafe fn dot<const M: usize, const N: usize>(w: [&[BlockQ4_1]; M], a: &[ActRow; N]) -> [[f32; N]; M] {
-        dot_q4_1(w, a)
+    unsafe fn codes2(b0: &BlockQ4_1, b1: &BlockQ4_1) -> __m512i {
+        nibbles2(&b0.qs, &b1.qs)
     }
 }
 
-/// Q4_1 (see [`PairKernel::dot`]): unsigned codes times the activations, plus the
-/// minimum times the activations' block sums.
-#[inline(always)]
-unsafe fn dot_q4_1<const M: usize, const N: usize>(w: [&[BlockQ4_1]; M], a: &[ActRow; N]) -> [[f32; N]; M] {
-    let (mut q, mut s) = ([std::ptr::null(); N], [std::ptr::null(); N]);
-    for r in 0..N {
-        (q[r], s[r]) = (a[r].quants.as_ptr(), a[r].scales.as_ptr());
-    }
-    let nb = w[0].len();
-    let mut acc = [[_mm512_setzero_ps(); N]; M];
-    // Lanes [d·d, m·s, d·d, m·s] of the block pairs: lanes 1 and 3 sum the minimums.
-    let mut mins = [[_mm_setzero_ps(); N]; M];
-    // Lane j of the scale vector: product 0 (block i) for j < 8, product 2 (block i + 1) above.
-    let spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-    let scale_bits = |b: &BlockQ4_1| u16::from_le_bytes(b.d.0) as u64 | (u16::from_le_bytes(b.m.0) as u64) << 16;
-    for p in 0..nb / 2 {
-        let i = 2 * p;
-        for m in 0..M {
-            let (b0, b1) = (w[m].get_unchecked(i), w[m].get_unchecked(i + 1));
-            let wq = nibbles2(&b0.qs, &b1.qs);
-            let wsc = f16x4(scale_bits(b0) | scale_bits(b1) << 32);
-            for r in 0..N {
-                let aq = _mm512_loadu_si512(q[r].add(64 * p).cast());
-                let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, aq);
-                let prods = _mm_mul_ps(wsc, _mm_loadu_ps(s[r].add(4 * p)));
-                let sc = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(prods));
-                acc[m][r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(dp), acc[m][r]);
-                mins[m][r] = _mm_add_ps(mins[m][r], prods);
-            }
-        }
-    }
-    if nb % 2 == 1 {
-        // The last block alone, in the low lanes (the high ones get zeros).
-        let i = nb - 1;
-        for m in 0..M {
-            let b0 = w[m].get_unchecked(i);
-            let wq = _mm512_zextsi256_si512(nibbles1(&b0.qs));
-            let wsc = f16x4(scale_bits(b0));
-            for r in 0..N {
-                let aq = _mm512_zextsi256_si512(_mm256_loadu_si256(q[r].add(32 * i).cast()));
-                let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, aq);
-                let ds = _mm_castpd_ps(_mm_load_sd(s[r].add(2 * i).cast()));
-                let prods = _mm_mul_ps(wsc, ds);
-                let sc = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(prods));
-                acc[m][r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(dp), acc[m][r]);
-                mins[m][r] = _mm_add_ps(mins[m][r], prods);
-            }
-        }
-    }
-    let mut out = [[0.0; N]; M];
-    for m in 0..M {
-        for r in 0..N {
-            let v = mins[m][r];
-            out[m][r] = hsum16(acc[m][r]) + (_mm_cvtss_f32(_mm_movehdup_ps(v)) + _mm_cvtss_f32(_mm_shuffle_ps::<0b11>(v, v)));
-        }
-    }
-    out
-}
-
-/// A weight format of 32-element blocks with one f16 scale and signed codes, read as
-/// unsigned codes `c + OFFSET` (so that `vpdpbusd` can take them) with the offset
-/// taken back through the activations' four-quant sums: Σ c·a = Σ (c + 2^SHIFT)·a −
-/// 2^SHIFT·Σ a, all in exact i32 lanes.
-trait SignedCodes {
-    type W: Block;
-    /// log2 of the offset.
-    const SHIFT: u32;
-    fn d(b: &Self::W) -> F16Le;
-    /// Two blocks' offset codes: block 0 in bytes 0..32, block 1 in 32..64.
-    unsafe fn codes2(b0: &Self::W, b1: &Self::W) -> __m512i;
-    /// One block's offset codes in bytes 0..32.
-    unsafe fn codes1(b0: &Self::W) -> __m256i;
-}
-
-struct Q5_0Codes;
-struct Q8_0Codes;
-
-/// A [`PairKernel`] for a [`SignedCodes`] format.
-struct Signed<K>(std::marker::PhantomData<K>);
-
-impl<K: SignedCodes> PairKernel for Signed<K> {
-    type W = K::W;
-    fn fits(a: &ActRow, blocks: usize) -> bool {
-        a.quants.len() == 32 * blocks && a.scales.len() == blocks && a.neg_sums4.len() == 8 * blocks
-    }
-    #[inline(always)]
-    unsafe fn dot<const M: usize, const N: usize>(w: [&[K::W]; M], a: &[ActRow; N]) -> [[f32; N]; M] {
-        dot_signed::<K, M, N>(w, a)
-    }
-}
-
-impl SignedCodes for Q5_0Codes {
+impl LaneFormat for Q5_0Lanes {
     type W = BlockQ5_0;
-    const SHIFT: u32 = 4;
-    fn d(b: &BlockQ5_0) -> F16Le {
-        b.d
+    const SHIFT: Option<u32> = Some(4);
+    fn d(b: &BlockQ5_0) -> u16 {
+        u16::from_le_bytes(b.d.0)
+    }
+    fn m(_: &BlockQ5_0) -> u16 {
+        0
+    }
+    #[cfg(test)]
+    fn codes(b: &BlockQ5_0) -> [u8; 32] {
+        let (low, high) = (nibbles(&b.qs), u32::from_le_bytes(b.qh));
+        std::array::from_fn(|j| low[j] | (((high >> j) & 1) as u8) << 4)
     }
     #[inline(always)]
     unsafe fn codes2(b0: &BlockQ5_0, b1: &BlockQ5_0) -> __m512i {
@@ -221,18 +135,20 @@ impl SignedCodes for Q5_0Codes {
         let high = u32::from_le_bytes(b0.qh) as u64 | (u32::from_le_bytes(b1.qh) as u64) << 32;
         _mm512_mask_add_epi8(nibbles, high, nibbles, _mm512_set1_epi8(16))
     }
-    #[inline(always)]
-    unsafe fn codes1(b0: &BlockQ5_0) -> __m256i {
-        let nibbles = nibbles1(&b0.qs);
-        _mm256_mask_add_epi8(nibbles, u32::from_le_bytes(b0.qh), nibbles, _mm256_set1_epi8(16))
-    }
 }
 
-impl SignedCodes for Q8_0Codes {
+impl LaneFormat for Q8_0Lanes {
     type W = BlockQ8_0;
-    const SHIFT: u32 = 7;
-    fn d(b: &BlockQ8_0) -> F16Le {
-        b.d
+    const SHIFT: Option<u32> = Some(7);
+    fn d(b: &BlockQ8_0) -> u16 {
+        u16::from_le_bytes(b.d.0)
+    }
+    fn m(_: &BlockQ8_0) -> u16 {
+        0
+    }
+    #[cfg(test)]
+    fn codes(b: &BlockQ8_0) -> [u8; 32] {
+        b.qs.map(|q| (q as u8) ^ 0x80)
     }
     #[inline(always)]
     unsafe fn codes2(b0: &BlockQ8_0, b1: &BlockQ8_0) -> __m512i {
@@ -240,61 +156,280 @@ impl SignedCodes for Q8_0Codes {
         let x = _mm512_inserti64x4::<1>(lo, _mm256_loadu_si256(b1.qs.as_ptr().cast()));
         _mm512_xor_si512(x, _mm512_set1_epi8(-128))
     }
-    #[inline(always)]
-    unsafe fn codes1(b0: &BlockQ8_0) -> __m256i {
-        _mm256_xor_si256(_mm256_loadu_si256(b0.qs.as_ptr().cast()), _mm256_set1_epi8(-128))
+}
+
+/// One block of 16 rows in lanes: `codes[k]` lane l is row l's codes 4k..4k+4; `d`
+/// and `m` lane l are row l's scale and minimum.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct LaneBlock {
+    codes: [__m512i; 8],
+    d: __m512,
+    m: __m512,
+}
+
+/// Sixteen 32-byte rows, row j + 8h in half h of `p[j]`, as eight vectors of sixteen
+/// dwords: vector k lane l is row l's dword k.
+#[inline(always)]
+unsafe fn transpose(p: [__m512i; 8]) -> [__m512i; 8] {
+    // In each 128-bit lane L of p[j]: row j + 8(L / 2), dwords 4(L % 2)..+4.
+    let t = [
+        _mm512_unpacklo_epi32(p[0], p[1]),
+        _mm512_unpackhi_epi32(p[0], p[1]),
+        _mm512_unpacklo_epi32(p[2], p[3]),
+        _mm512_unpackhi_epi32(p[2], p[3]),
+        _mm512_unpacklo_epi32(p[4], p[5]),
+        _mm512_unpackhi_epi32(p[4], p[5]),
+        _mm512_unpacklo_epi32(p[6], p[7]),
+        _mm512_unpackhi_epi32(p[6], p[7]),
+    ];
+    // u[i] (v[i]): in 128-bit lane L, rows 0..4 (4..8) + 8(L / 2), dword 4(L % 2) + i.
+    let u = [
+        _mm512_unpacklo_epi64(t[0], t[2]),
+        _mm512_unpackhi_epi64(t[0], t[2]),
+        _mm512_unpacklo_epi64(t[1], t[3]),
+        _mm512_unpackhi_epi64(t[1], t[3]),
+    ];
+    let v = [
+        _mm512_unpacklo_epi64(t[4], t[6]),
+        _mm512_unpackhi_epi64(t[4], t[6]),
+        _mm512_unpacklo_epi64(t[5], t[7]),
+        _mm512_unpackhi_epi64(t[5], t[7]),
+    ];
+    // Dword i takes 128-bit lanes 0 and 2 of u[i] and v[i]; dword 4 + i, lanes 1 and 3.
+    let low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    let high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    let mut out = [_mm512_setzero_si512(); 8];
+    for i in 0..4 {
+        out[i] = _mm512_permutex2var_epi64(u[i], low, v[i]);
+        out[4 + i] = _mm512_permutex2var_epi64(u[i], high, v[i]);
+    }
+    out
+}
+
+/// Block `b` of the 16 rows `rows`, in lanes.
+#[inline(always)]
+unsafe fn lane_block<F: LaneFormat>(rows: &[&[F::W]; TILE_ROWS], b: usize) -> LaneBlock {
+    let mut p = [_mm512_setzero_si512(); 8];
+    for (j, pj) in p.iter_mut().enumerate() {
+        *pj = F::codes2(rows[j].get_unchecked(b), rows[j + 8].get_unchecked(b));
+    }
+    let (mut d, mut m) = ([0u16; TILE_ROWS], [0u16; TILE_ROWS]);
+    for l in 0..TILE_ROWS {
+        let block = rows[l].get_unchecked(b);
+        d[l] = F::d(block);
+        if F::SHIFT.is_none() {
+            m[l] = F::m(block);
+        }
+    }
+    LaneBlock {
+        codes: transpose(p),
+        d: _mm512_cvtph_ps(_mm256_loadu_si256(d.as_ptr().cast())),
+        m: if F::SHIFT.is_none() { _mm512_cvtph_ps(_mm256_loadu_si256(m.as_ptr().cast())) } else { _mm512_setzero_ps() },
     }
 }
 
-/// A [`SignedCodes`] format (see [`PairKernel::dot`]).
+/// A token's view for these kernels: its contiguous quants, f32 scales and block sums.
+#[derive(Clone, Copy)]
+struct Act {
+    q: *const i8,
+    s: *const f32,
+    neg: *const i32,
+}
+
+impl Act {
+    fn new<F: LaneFormat>(a: &ActRow, blocks: usize) -> Act {
+        let scales = if F::SHIFT.is_none() { 2 * blocks } else { blocks };
+        let sums = if F::SHIFT.is_none() { 0 } else { blocks };
+        assert!(
+            a.quants.len() == 32 * blocks && a.scales.len() == scales && a.neg_sums.len() == sums,
+            "activation row does not match the weights"
+        );
+        Act { q: a.quants.as_ptr(), s: a.scales.as_ptr(), neg: a.neg_sums.as_ptr() }
+    }
+}
+
+/// The float chains (value, minimum) of 16 rows against one token, advanced by block b.
+///
+/// # Safety
+/// The module's features; `a` fits the rows and `b` is one of their blocks.
 #[inline(always)]
-unsafe fn dot_signed<K: SignedCodes, const M: usize, const N: usize>(w: [&[K::W]; M], a: &[ActRow; N]) -> [[f32; N]; M] {
-    let (mut q, mut s, mut g) = ([std::ptr::null(); N], [std::ptr::null(); N], [std::ptr::null(); N]);
-    for r in 0..N {
-        (q[r], s[r], g[r]) = (a[r].quants.as_ptr(), a[r].scales.as_ptr(), a[r].neg_sums4.as_ptr());
+unsafe fn step<F: LaneFormat>(x: &LaneBlock, a: Act, b: usize, acc: &mut __m512, min: &mut __m512) {
+    let mut isum = match F::SHIFT {
+        Some(shift) => _mm512_set1_epi32(*a.neg.add(b) << shift),
+        None => _mm512_setzero_si512(),
+    };
+    let q = a.q.add(32 * b).cast::<i32>();
+    for k in 0..8 {
+        isum = _mm512_dpbusd_epi32(isum, x.codes[k], _mm512_set1_epi32(q.add(k).read_unaligned()));
     }
-    let nb = w[0].len();
-    let mut acc = [[_mm512_setzero_ps(); N]; M];
-    let spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    let bits = |b: &K::W| u16::from_le_bytes(K::d(b).0) as u64;
-    for p in 0..nb / 2 {
-        let i = 2 * p;
-        for m in 0..M {
-            let (b0, b1) = (w[m].get_unchecked(i), w[m].get_unchecked(i + 1));
-            let wq = K::codes2(b0, b1);
-            let wsc = f16x4(bits(b0) | bits(b1) << 16);
-            for r in 0..N {
-                let offset = _mm512_sll_epi32(_mm512_loadu_si512(g[r].add(16 * p).cast()), _mm_cvtsi32_si128(K::SHIFT as i32));
-                let dp = _mm512_dpbusd_epi32(offset, wq, _mm512_loadu_si512(q[r].add(64 * p).cast()));
-                let ds = _mm_castpd_ps(_mm_load_sd(s[r].add(i).cast()));
-                let sc = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(wsc, ds)));
-                acc[m][r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(dp), acc[m][r]);
+    let (da, sa) = match F::SHIFT {
+        Some(_) => (*a.s.add(b), 0.0),
+        None => (*a.s.add(2 * b), *a.s.add(2 * b + 1)),
+    };
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(x.d, _mm512_set1_ps(da)), *acc);
+    if F::SHIFT.is_none() {
+        *min = _mm512_fmadd_ps(x.m, _mm512_set1_ps(sa), *min);
+    }
+}
+
+/// The 16 results of a pair of chains.
+#[inline(always)]
+unsafe fn finish<F: LaneFormat>(acc: __m512, min: __m512) -> [f32; TILE_ROWS] {
+    let v = if F::SHIFT.is_none() { _mm512_add_ps(acc, min) } else { acc };
+    std::mem::transmute::<__m512, [f32; TILE_ROWS]>(v)
+}
+
+/// The 16 rows starting at row `first` of `w`, the last one repeated past `n` rows.
+fn group<F: LaneFormat>(w: &[u8], row_bytes: usize, first: usize, n: usize) -> [&[F::W]; TILE_ROWS] {
+    std::array::from_fn(|l| {
+        let r = first + l.min(n - 1);
+        as_blocks::<F::W>(&w[r * row_bytes..(r + 1) * row_bytes])
+    })
+}
+
+/// `out[i] = K·(row i of w, a)` for consecutive rows of `row_bytes`, 16 at a time, each
+/// group transposed as it streams past while the next one is prefetched.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn rows_dot1<F: LaneFormat>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
+    assert!(row_bytes > 0 && w.len() == row_bytes * out.len(), "weights are not out.len() rows");
+    let blocks = row_bytes / std::mem::size_of::<F::W>();
+    let act = Act::new::<F>(&a, blocks);
+    let span = TILE_ROWS * row_bytes;
+    for (g, out) in out.chunks_mut(TILE_ROWS).enumerate() {
+        let rows = group::<F>(w, row_bytes, g * TILE_ROWS, out.len());
+        let (mut acc, mut min) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let next = (g + 1) * span;
+        for b in 0..blocks {
+            super::avx2::prefetch_ahead(w, next + b * span / blocks, span / blocks);
+            step::<F>(&lane_block::<F>(&rows, b), act, b, &mut acc, &mut min);
+        }
+        out.copy_from_slice(&finish::<F>(acc, min)[..out.len()]);
+    }
+}
+
+thread_local! {
+    /// A thread's transposed tile, reused from call to call.
+    static TILE: RefCell<Vec<LaneBlock>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `out[t][i] = K·(row i of w, a[t])` for the (at most 16) rows of `w`: the rows are
+/// transposed once, then every token runs its chains over the tile.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile_dot<F: LaneFormat>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], out: &mut [[f32; TILE_ROWS]]) {
+    let n = w.len() / row_bytes.max(1);
+    assert!(row_bytes > 0 && w.len() == row_bytes * n && (1..=TILE_ROWS).contains(&n), "weights are not 1..=16 rows");
+    assert_eq!(a.len(), out.len(), "one output row per token");
+    let blocks = row_bytes / std::mem::size_of::<F::W>();
+    let rows = group::<F>(w, row_bytes, 0, n);
+    // Taken out of the thread-local rather than used in a closure: a closure would not
+    // inherit this function's target features.
+    let mut tile = TILE.take();
+    tile.clear();
+    for b in 0..blocks {
+        tile.push(lane_block::<F>(&rows, b));
+    }
+    for (a, out) in a.iter().zip(out.iter_mut()) {
+        let act = Act::new::<F>(a, blocks);
+        let (mut acc, mut min) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for (b, x) in tile.iter().enumerate() {
+            step::<F>(x, act, b, &mut acc, &mut min);
+        }
+        *out = finish::<F>(acc, min);
+    }
+    TILE.set(tile);
+}
+
+/// The kernels' arithmetic in scalar code, for one row and one token: what they must
+/// equal bit for bit.
+#[cfg(test)]
+fn reference<F: LaneFormat>(w: &[u8], a: &ActRow) -> f32 {
+    let blocks = as_blocks::<F::W>(w);
+    let (mut acc, mut min) = (0.0f32, 0.0f32);
+    for (b, block) in blocks.iter().enumerate() {
+        let codes = F::codes(block);
+        let mut isum: i32 = codes.iter().zip(&a.quants[32 * b..32 * b + 32]).map(|(&c, &q)| c as i32 * q as i32).sum();
+        let d = half::f16::from_bits(F::d(block)).to_f32();
+        let da = match F::SHIFT {
+            Some(shift) => {
+                isum += a.neg_sums[b] << shift;
+                a.scales[b]
+            }
+            None => {
+                min = half::f16::from_bits(F::m(block)).to_f32().mul_add(a.scales[2 * b + 1], min);
+                a.scales[2 * b]
+            }
+        };
+        acc = (isum as f32).mul_add(d * da, acc);
+    }
+    if F::SHIFT.is_none() {
+        acc + min
+    } else {
+        acc
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::parity::{random_weights, SplitMix};
+
+    fn check<F: LaneFormat>(ty: GgmlType, act: ActType) {
+        if !crate::Isa::Avx512Vnni.available() {
+            eprintln!("skipped: this machine has no AVX-512 VNNI");
+            return;
+        }
+        let (dot, dot1, tile) = kernels(ty).unwrap();
+        for (rows, cols) in [(1, 32), (16, 64), (21, 96), (40, 640)] {
+            let weights = random_weights(ty, rows, cols, 5).unwrap();
+            let row_bytes = weights.len() / rows;
+            let mut rng = SplitMix::new(6);
+            let tokens: Vec<Vec<u8>> = (0..5)
+                .map(|_| {
+                    let x: Vec<f32> = (0..cols).map(|_| rng.activation()).collect();
+                    let mut q = vec![0u8; act.row_bytes(cols).unwrap()];
+                    act.quantize(&x, &mut q);
+                    q
+                })
+                .collect();
+            for (t, q) in tokens.iter().enumerate() {
+                let want: Vec<u32> = (0..rows)
+                    .map(|r| super::super::with_act_row(act, q, |a| reference::<F>(&weights[r * row_bytes..(r + 1) * row_bytes], &a)).to_bits())
+                    .collect();
+                let mut got1 = vec![0.0f32; rows];
+                super::super::with_act_row(act, q, |a| dot1(&weights, row_bytes, a, &mut got1));
+                assert_eq!(got1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "{ty} {rows}x{cols} token {t} (decode)");
+                let single: Vec<u32> = (0..rows).map(|r| dot(&weights[r * row_bytes..(r + 1) * row_bytes], q).to_bits()).collect();
+                assert_eq!(single, want, "{ty} {rows}x{cols} token {t} (one row)");
+            }
+            // Every token of the batch at once, tile by tile.
+            let mut all = Vec::new();
+            for q in &tokens {
+                super::super::with_act_row(act, q, |a| {
+                    all.push((a.quants.to_vec(), a.scales.to_vec(), a.neg_sums.to_vec(), q.clone()))
+                });
+            }
+            let acts: Vec<ActRow> = all.iter().map(|(q, s, n, b)| ActRow { bytes: b, scales: s, quants: q, neg_sums: n }).collect();
+            for first in (0..rows).step_by(TILE_ROWS) {
+                let n = TILE_ROWS.min(rows - first);
+                let mut out = vec![[0.0f32; TILE_ROWS]; acts.len()];
+                tile(&weights[first * row_bytes..(first + n) * row_bytes], row_bytes, &acts, &mut out);
+                for (t, (a, got)) in acts.iter().zip(&out).enumerate() {
+                    for (r, got) in (first..first + n).zip(got) {
+                        let want = reference::<F>(&weights[r * row_bytes..(r + 1) * row_bytes], a);
+                        assert_eq!(got.to_bits(), want.to_bits(), "{ty} {rows}x{cols} row {r} token {t} (tile)");
+                    }
+                }
             }
         }
     }
-    if nb % 2 == 1 {
-        // The last block alone, in the low lanes (the high ones get zeros).
-        let i = nb - 1;
-        for m in 0..M {
-            let b0 = w[m].get_unchecked(i);
-            let wq = _mm512_zextsi256_si512(K::codes1(b0));
-            let wsc = f16x4(bits(b0));
-            for r in 0..N {
-                let offset = _mm512_zextsi256_si512(_mm256_loadu_si256(g[r].add(8 * i).cast()));
-                let offset = _mm512_sll_epi32(offset, _mm_cvtsi32_si128(K::SHIFT as i32));
-                let aq = _mm512_zextsi256_si512(_mm256_loadu_si256(q[r].add(32 * i).cast()));
-                let dp = _mm512_dpbusd_epi32(offset, wq, aq);
-                let ds = _mm_load_ss(s[r].add(i));
-                let sc = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(wsc, ds)));
-                acc[m][r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(dp), acc[m][r]);
-            }
-        }
+
+    /// Decode, single-row and tile entry points equal the scalar statement of their
+    /// arithmetic bit for bit, on ragged row counts.
+    #[test]
+    fn kernels_equal_their_scalar_statement() {
+        check::<Q4_1Lanes>(GgmlType::Q4_1, ActType::Q8_1);
+        check::<Q5_0Lanes>(GgmlType::Q5_0, ActType::Q8_0);
+        check::<Q8_0Lanes>(GgmlType::Q8_0, ActType::Q8_0);
     }
-    let mut out = [[0.0; N]; M];
-    for m in 0..M {
-        for r in 0..N {
-            out[m][r] = hsum16(acc[m][r]);
-        }
-    }
-    out
 }

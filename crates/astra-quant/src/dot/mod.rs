@@ -31,9 +31,9 @@ pub struct ActRow<'a> {
     /// The 32-element formats' quants, contiguous (the blocks' `qs` without their
     /// scales between), so that one 64-byte load covers two blocks; empty otherwise.
     pub quants: &'a [i8],
-    /// For Q8_0: minus the sum of every four consecutive quants (`quants.len() / 4`
-    /// values), the offset term of unsigned-times-signed products; empty otherwise.
-    pub neg_sums4: &'a [i32],
+    /// For Q8_0: minus the sum of each block's 32 quants, the offset term of
+    /// unsigned-times-signed products; empty otherwise.
+    pub neg_sums: &'a [i32],
 }
 
 /// Consecutive weight rows (`w`: `out.len()` rows of `row_bytes`) against one
@@ -45,6 +45,14 @@ pub type VecDot1Fn = fn(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]);
 /// once for all four): `out[i][t]` is bitwise what [`VecDotFn`] gives for row i and
 /// token t alone.
 pub type VecDot4Fn = fn(w: &[u8], row_bytes: usize, a: [ActRow; 4], out: &mut [[f32; 4]]);
+
+/// Weight rows per tile of [`VecDotTileFn`]: one per lane of a 512-bit vector of f32.
+pub const TILE_ROWS: usize = 16;
+
+/// Up to [`TILE_ROWS`] consecutive weight rows (`w`, rows of `row_bytes`) against every
+/// token of a batch, the rows rearranged once for all of them: `out[t][i]` is bitwise
+/// what [`VecDotFn`] gives for row i and token t alone (lanes past the rows are junk).
+pub type VecDotTileFn = fn(w: &[u8], row_bytes: usize, a: &[ActRow], out: &mut [[f32; TILE_ROWS]]);
 
 /// The activation format a weight type's dot product consumes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,13 +112,11 @@ impl ActType {
         }
     }
 
-    /// The negated four-quant sums an [`ActRow`] carries (Q8_0 only).
-    pub fn row_neg_sums4(self, row: &[u8], out: &mut Vec<i32>) {
+    /// The negated block sums an [`ActRow`] carries (Q8_0 only).
+    pub fn row_neg_sums(self, row: &[u8], out: &mut Vec<i32>) {
         use crate::blocks::as_blocks;
         if self == ActType::Q8_0 {
-            for b in as_blocks::<BlockQ8_0>(row) {
-                out.extend(b.qs.chunks_exact(4).map(|g| -g.iter().map(|&q| q as i32).sum::<i32>()));
-            }
+            out.extend(as_blocks::<BlockQ8_0>(row).iter().map(|b| -b.qs.iter().map(|&q| q as i32).sum::<i32>()));
         }
     }
 
@@ -133,8 +139,8 @@ pub(crate) fn with_act_row<R>(act: ActType, row: &[u8], f: impl FnOnce(ActRow) -
     let (mut scales, mut quants, mut sums) = (Vec::new(), Vec::new(), Vec::new());
     act.row_scales(row, &mut scales);
     act.row_quants(row, &mut quants);
-    act.row_neg_sums4(row, &mut sums);
-    f(ActRow { bytes: row, scales: &scales, quants: &quants, neg_sums4: &sums })
+    act.row_neg_sums(row, &mut sums);
+    f(ActRow { bytes: row, scales: &scales, quants: &quants, neg_sums: &sums })
 }
 
 /// The entry points of a kernel family that runs M weight rows × N tokens over runs of
@@ -171,8 +177,8 @@ pub enum Isa {
     /// AVX2 with FMA and F16C (x86-64 since Haswell / Zen).
     Avx2,
     /// AVX-512 (F, BW, VL) with VNNI (Ice Lake, Sapphire Rapids, Zen 4): Q4_1, Q5_0
-    /// and Q8_0 take two blocks per 512-bit `vpdpbusd`; the other types run AVX2's
-    /// kernels.
+    /// and Q8_0 put sixteen weight rows in the lanes of a 512-bit `vpdpbusd`; the other
+    /// types run AVX2's kernels.
     Avx512Vnni,
 }
 
@@ -249,8 +255,10 @@ pub struct Kernels {
     pub dot: VecDotFn,
     /// The variant taking converted scales, where the instruction set has one.
     pub dot1: Option<VecDot1Fn>,
-    /// The four-row variant, where the instruction set has one for the type.
+    /// The four-token variant, where the instruction set has one for the type.
     pub dot4: Option<VecDot4Fn>,
+    /// The whole-batch variant over tiles of rows, where the set has one.
+    pub tile: Option<VecDotTileFn>,
 }
 
 impl Kernels {
@@ -258,17 +266,17 @@ impl Kernels {
     pub fn new(weights: GgmlType, isa: Isa) -> Result<Kernels, QuantError> {
         let act = ActType::for_weights(weights)?;
         assert!(isa.available(), "{} kernels requested on a machine without {}", isa.name(), isa.name());
-        let scalar = Kernels { weights, act, isa: Isa::Scalar, dot: scalar_dot_fn(weights)?, dot1: None, dot4: None };
+        let scalar = Kernels { weights, act, isa: Isa::Scalar, dot: scalar_dot_fn(weights)?, dot1: None, dot4: None, tile: None };
         Ok(match isa {
             Isa::Scalar => scalar,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni if avx512::kernels(weights).is_some() => {
-                let (dot, dot1, dot4) = avx512::kernels(weights).expect("just checked");
-                Kernels { weights, act, isa, dot, dot1: Some(dot1), dot4: Some(dot4) }
+                let (dot, dot1, tile) = avx512::kernels(weights).expect("just checked");
+                Kernels { weights, act, isa, dot, dot1: Some(dot1), dot4: None, tile: Some(tile) }
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512Vnni => match avx2::kernels(weights) {
-                Some((dot, dot1, dot4)) => Kernels { weights, act, isa: Isa::Avx2, dot, dot1, dot4 },
+                Some((dot, dot1, dot4)) => Kernels { weights, act, isa: Isa::Avx2, dot, dot1, dot4, tile: None },
                 None => scalar,
             },
             #[cfg(not(target_arch = "x86_64"))]
