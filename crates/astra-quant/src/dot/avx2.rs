@@ -110,6 +110,14 @@ unsafe fn hsum_f32(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// The exact sum of eight i32 lanes.
+#[inline(always)]
+unsafe fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s)))
+}
+
 /// Decode streams the weights once: asks for `len` bytes of `w` from `at` (clipped to
 /// `w`) ahead of their use, a few row groups early, so that their loads overlap the
 /// arithmetic on the rows before them.
@@ -415,13 +423,14 @@ impl<B: SignedBlock> RowKernel for SignedRows<B> {
 
 // ------------------------------------------------------------------ 256-blocks, N rows
 
-/// N activation rows at once (see `dotn_q4_1_q8_1`).
+/// N activation rows at once. Each super-block's integer sum is exact; the float chains
+/// `acc ← fma(Σ, d·d_a, acc)` and `min ← fma(Σ m·bsum, dmin·d_a, min)` then run over the
+/// super-blocks in order: the arithmetic that the AVX-512 tiles repeat lane by lane.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dotn_q4_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     let w = as_blocks::<BlockQ4K>(w);
     let a = a.map(as_blocks::<BlockQ8K>);
-    let mut acc = [_mm256_setzero_ps(); N];
-    let mut mins = [0.0f32; N];
+    let (mut acc, mut mins) = ([0.0f32; N], [0.0f32; N]);
     let m4 = _mm256_set1_epi8(0x0F);
     for (i, wb) in w.iter().enumerate() {
         let mut sumi = [_mm256_setzero_si256(); N];
@@ -442,23 +451,20 @@ unsafe fn dotn_q4_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
         for r in 0..N {
             let ab = &a[r][i];
             let da = ab.d();
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * da), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-            mins[r] += k4_min_sum(&wb.scales, ab) as f32 * (wdmin * da);
+            acc[r] = (hsum_i32(sumi[r]) as f32).mul_add(wd * da, acc[r]);
+            mins[r] = (k4_min_sum(&wb.scales, ab) as f32).mul_add(wdmin * da, mins[r]);
         }
     }
-    let mut out = hsums(&[acc])[0];
-    for r in 0..N {
-        out[r] -= mins[r];
-    }
-    out
+    std::array::from_fn(|r| acc[r] - mins[r])
 }
 
-/// N activation rows at once (see `dotn_q4_1_q8_1`).
+/// N activation rows at once, in the arithmetic of `dotn_q4_k_q8_k` (no minimum: the
+/// codes' offset of 32 is inside the exact integer sum).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dotn_q6_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     let w = as_blocks::<BlockQ6K>(w);
     let a = a.map(as_blocks::<BlockQ8K>);
-    let mut acc = [_mm256_setzero_ps(); N];
+    let mut acc = [0.0f32; N];
     let (m4, m3, m32) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3), _mm256_set1_epi8(32));
     for (i, wb) in w.iter().enumerate() {
         let mut sumi = [_mm256_setzero_si256(); N];
@@ -490,10 +496,10 @@ unsafe fn dotn_q6_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
         }
         let wd = f16(wb.d);
         for r in 0..N {
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * a[r][i].d()), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            acc[r] = (hsum_i32(sumi[r]) as f32).mul_add(wd * a[r][i].d(), acc[r]);
         }
     }
-    hsums(&[acc])[0]
+    acc
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -13,6 +13,10 @@
 //! prefill transposes a group once into a scratch tile that every token of the batch
 //! then meets ([`tile_dot`]). Both run the same per-lane arithmetic.
 //!
+//! Q4_K and Q6_K batches run the same way over super-blocks ([`k_tile_dot`]): exact
+//! integer super-block sums (group sums times their integer scales), then AVX2's float
+//! chains, so that a batch equals AVX2's single-token kernel bit for bit.
+//!
 //! Signed codes (Q5_0, Q8_0) are read as unsigned `c + 2^SHIFT` so that `vpdpbusd` can
 //! take them; the offset comes back through the activations' block sums, in exact i32
 //! lanes: Σ c·a = Σ (c + 2^SHIFT)·a − 2^SHIFT·Σ a.
@@ -28,8 +32,9 @@ use super::{ActRow, ActType, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_ROWS};
 use crate::blocks::*;
 use crate::GgmlType;
 
-/// The kernels for a weight type, if this set has its own.
-pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, VecDot1Fn, VecDotTileFn)> {
+/// The kernels for a weight type, if this set has its own: the whole set (dot, decode,
+/// tile) or, for the K-quants, a tile for batches beside AVX2's kernels.
+pub(crate) fn kernels(weights: GgmlType) -> Option<(Option<(VecDotFn, VecDot1Fn)>, VecDotTileFn)> {
     macro_rules! entries {
         ($f:ty, $act:expr) => {{
             fn dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
@@ -45,13 +50,24 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, VecDot1Fn, VecDotT
                 super::with_act_row($act, a, |row| dot1(w, w.len(), row, &mut out));
                 out[0]
             }
-            (dot as VecDotFn, dot1 as VecDot1Fn, tile as VecDotTileFn)
+            (Some((dot as VecDotFn, dot1 as VecDot1Fn)), tile as VecDotTileFn)
+        }};
+    }
+    macro_rules! k_tile {
+        ($f:ty) => {{
+            fn tile(w: &[u8], row_bytes: usize, a: &[ActRow], out: &mut [[f32; TILE_ROWS]]) {
+                // SAFETY: as for `dot1` above.
+                unsafe { k_tile_dot::<$f>(w, row_bytes, a, out) }
+            }
+            (None, tile as VecDotTileFn)
         }};
     }
     match weights {
         GgmlType::Q4_1 => Some(entries!(Q4_1Lanes, ActType::Q8_1)),
         GgmlType::Q5_0 => Some(entries!(Q5_0Lanes, ActType::Q8_0)),
         GgmlType::Q8_0 => Some(entries!(Q8_0Lanes, ActType::Q8_0)),
+        GgmlType::Q4_K => Some(k_tile!(Q4KLanes)),
+        GgmlType::Q6_K => Some(k_tile!(Q6KLanes)),
         _ => None,
     }
 }
@@ -281,11 +297,20 @@ unsafe fn finish<F: LaneFormat>(acc: __m512, min: __m512) -> [f32; TILE_ROWS] {
 }
 
 /// The 16 rows starting at row `first` of `w`, the last one repeated past `n` rows.
-fn group<F: LaneFormat>(w: &[u8], row_bytes: usize, first: usize, n: usize) -> [&[F::W]; TILE_ROWS] {
+fn group<W: Block>(w: &[u8], row_bytes: usize, first: usize, n: usize) -> [&[W]; TILE_ROWS] {
     std::array::from_fn(|l| {
         let r = first + l.min(n - 1);
-        as_blocks::<F::W>(&w[r * row_bytes..(r + 1) * row_bytes])
+        as_blocks::<W>(&w[r * row_bytes..(r + 1) * row_bytes])
     })
+}
+
+/// The rows of a tile (`w`: 1..=16 rows of `row_bytes`, as [`group`] gives them) and
+/// their blocks per row, checked against a batch of `tokens` and its outputs.
+fn tile_rows<W: Block>(w: &[u8], row_bytes: usize, tokens: usize, outs: usize) -> ([&[W]; TILE_ROWS], usize) {
+    let n = w.len() / row_bytes.max(1);
+    assert!(row_bytes > 0 && w.len() == row_bytes * n && (1..=TILE_ROWS).contains(&n), "weights are not 1..=16 rows");
+    assert_eq!(tokens, outs, "one output row per token");
+    (group::<W>(w, row_bytes, 0, n), row_bytes / std::mem::size_of::<W>())
 }
 
 /// `out[i] = K·(row i of w, a)` for consecutive rows of `row_bytes`, 16 at a time, each
@@ -297,7 +322,7 @@ unsafe fn rows_dot1<F: LaneFormat>(w: &[u8], row_bytes: usize, a: ActRow<'_>, ou
     let act = Act::new::<F>(&a, blocks);
     let span = TILE_ROWS * row_bytes;
     for (g, out) in out.chunks_mut(TILE_ROWS).enumerate() {
-        let rows = group::<F>(w, row_bytes, g * TILE_ROWS, out.len());
+        let rows = group::<F::W>(w, row_bytes, g * TILE_ROWS, out.len());
         let (mut acc, mut min) = (_mm512_setzero_ps(), _mm512_setzero_ps());
         let next = (g + 1) * span;
         for b in 0..blocks {
@@ -317,11 +342,7 @@ thread_local! {
 /// transposed once, then every token runs its chains over the tile.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn tile_dot<F: LaneFormat>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], out: &mut [[f32; TILE_ROWS]]) {
-    let n = w.len() / row_bytes.max(1);
-    assert!(row_bytes > 0 && w.len() == row_bytes * n && (1..=TILE_ROWS).contains(&n), "weights are not 1..=16 rows");
-    assert_eq!(a.len(), out.len(), "one output row per token");
-    let blocks = row_bytes / std::mem::size_of::<F::W>();
-    let rows = group::<F>(w, row_bytes, 0, n);
+    let (rows, blocks) = tile_rows::<F::W>(w, row_bytes, a.len(), out.len());
     // Taken out of the thread-local rather than used in a closure: a closure would not
     // inherit this function's target features.
     let mut tile = TILE.take();
@@ -338,6 +359,198 @@ unsafe fn tile_dot<F: LaneFormat>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], 
         *out = finish::<F>(acc, min);
     }
     TILE.set(tile);
+}
+
+// ------------------------------------------------------------- 256-element K-quants
+
+/// A 256-element K-quant format whose batches run here in lanes, while single tokens
+/// run the AVX2 kernel: both compute each super-block's sum exactly in integers and
+/// then the same float chains (`avx2::dotn_q4_k_q8_k`), so they agree bit for bit.
+pub(crate) trait KLaneFormat {
+    type W: Block;
+    /// Super-block `b` of 16 rows in lanes.
+    ///
+    /// # Safety
+    /// The module's features.
+    unsafe fn lane_block(rows: &[&[Self::W]; TILE_ROWS], b: usize) -> KLaneBlock;
+    /// The integer sum (lanes of `sum`) and minimum sum (`min`) of a super-block against
+    /// a token's block.
+    ///
+    /// # Safety
+    /// The module's features.
+    unsafe fn sums(x: &KLaneBlock, a: &BlockQ8K) -> (__m512i, __m512i);
+}
+
+/// A super-block of 16 rows in lanes: `codes[g][k]` lane l is row l's codes 4k..4k+4 of
+/// group g (32 elements); `scales` are per-lane integer scales of the groups' sums
+/// (Q4_K: 8 groups of 32; Q6_K: 16 sub-blocks of 16); `pairs` per-lane pairs of i16
+/// multiplying pairs of the activations' 16-element sums; `d` and `dmin` the scales.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct KLaneBlock {
+    codes: [[__m512i; 8]; 8],
+    scales: [__m512i; 16],
+    pairs: [__m512i; 8],
+    d: __m512,
+    dmin: __m512,
+}
+
+pub(crate) struct Q4KLanes;
+pub(crate) struct Q6KLanes;
+
+/// Sixteen 32-byte pieces, one per row, as `transpose` takes them: row j in the low
+/// half of vector j, row j + 8 in the high half.
+#[inline(always)]
+unsafe fn pieces(rows: &[&[u8]; TILE_ROWS], at: usize) -> [__m512i; 8] {
+    // Loops, not closures, around intrinsics here: a closure would not inherit the
+    // caller's target features.
+    let mut p = [_mm512_setzero_si512(); 8];
+    for (j, pj) in p.iter_mut().enumerate() {
+        let lo = _mm512_castsi256_si512(_mm256_loadu_si256(rows[j][at..at + 32].as_ptr().cast()));
+        *pj = _mm512_inserti64x4::<1>(lo, _mm256_loadu_si256(rows[j + 8][at..at + 32].as_ptr().cast()));
+    }
+    p
+}
+
+/// Sixteen i32 lanes from per-row values.
+#[inline(always)]
+unsafe fn lanes_i32(v: [i32; TILE_ROWS]) -> __m512i {
+    _mm512_loadu_si512(v.as_ptr().cast())
+}
+
+/// Sixteen f32 lanes from per-row f16 bits.
+#[inline(always)]
+unsafe fn lanes_f16(v: [u16; TILE_ROWS]) -> __m512 {
+    _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().cast()))
+}
+
+/// The activations' 16-element sums, a pair at a time, against `pairs`.
+#[inline(always)]
+unsafe fn pair_sums(pairs: &[__m512i; 8], a: &BlockQ8K) -> __m512i {
+    let bsums = a.bsums.as_ptr().cast::<i32>();
+    let mut s = _mm512_setzero_si512();
+    for (j, p) in pairs.iter().enumerate() {
+        s = _mm512_dpwssd_epi32(s, *p, _mm512_set1_epi32(bsums.add(j).read_unaligned()));
+    }
+    s
+}
+
+/// The sum of `groups` groups of `4 · K` quants from `q`, each scaled by its lane scale.
+#[inline(always)]
+unsafe fn scaled_sums<const K: usize>(x: &KLaneBlock, q: *const i32, groups: usize) -> __m512i {
+    let mut t = _mm512_setzero_si512();
+    for g in 0..groups {
+        let mut s = _mm512_setzero_si512();
+        for k in 0..K {
+            let codes = x.codes[g * K / 8][(g * K) % 8 + k];
+            s = _mm512_dpbusd_epi32(s, codes, _mm512_set1_epi32(q.add(g * K + k).read_unaligned()));
+        }
+        t = _mm512_add_epi32(t, _mm512_mullo_epi32(s, x.scales[g]));
+    }
+    t
+}
+
+impl KLaneFormat for Q4KLanes {
+    type W = BlockQ4K;
+    #[inline(always)]
+    unsafe fn lane_block(rows: &[&[BlockQ4K]; TILE_ROWS], b: usize) -> KLaneBlock {
+        let blocks: [&BlockQ4K; TILE_ROWS] = std::array::from_fn(|l| rows[l].get_unchecked(b));
+        let qs: [&[u8]; TILE_ROWS] = std::array::from_fn(|l| &blocks[l].qs[..]);
+        let mut x: KLaneBlock = std::mem::zeroed();
+        let m4 = _mm512_set1_epi8(0x0F);
+        for c in 0..4 {
+            // Bytes 32c..32c+32: group 2c in the low nibbles, 2c + 1 in the high ones.
+            let p = pieces(&qs, 32 * c);
+            let (mut low, mut high) = (p, p);
+            for j in 0..8 {
+                low[j] = _mm512_and_si512(p[j], m4);
+                high[j] = _mm512_and_si512(_mm512_srli_epi16::<4>(p[j]), m4);
+            }
+            x.codes[2 * c] = transpose(low);
+            x.codes[2 * c + 1] = transpose(high);
+        }
+        for g in 0..8 {
+            let sm: [(u8, u8); TILE_ROWS] = std::array::from_fn(|l| scale_min_k4(g, &blocks[l].scales));
+            x.scales[g] = lanes_i32(sm.map(|(sc, _)| sc as i32));
+            x.pairs[g] = lanes_i32(sm.map(|(_, m)| m as i32 | (m as i32) << 16));
+        }
+        x.d = lanes_f16(blocks.map(|b| u16::from_le_bytes(b.d.0)));
+        x.dmin = lanes_f16(blocks.map(|b| u16::from_le_bytes(b.dmin.0)));
+        x
+    }
+    #[inline(always)]
+    unsafe fn sums(x: &KLaneBlock, a: &BlockQ8K) -> (__m512i, __m512i) {
+        (scaled_sums::<8>(x, a.qs.as_ptr().cast(), 8), pair_sums(&x.pairs, a))
+    }
+}
+
+impl KLaneFormat for Q6KLanes {
+    type W = BlockQ6K;
+    #[inline(always)]
+    unsafe fn lane_block(rows: &[&[BlockQ6K]; TILE_ROWS], b: usize) -> KLaneBlock {
+        let blocks: [&BlockQ6K; TILE_ROWS] = std::array::from_fn(|l| rows[l].get_unchecked(b));
+        let ql: [&[u8]; TILE_ROWS] = std::array::from_fn(|l| &blocks[l].ql[..]);
+        let qh: [&[u8]; TILE_ROWS] = std::array::from_fn(|l| &blocks[l].qh[..]);
+        let mut x: KLaneBlock = std::mem::zeroed();
+        let (m4, m3) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(3));
+        for n in 0..2 {
+            let (ql0, ql1, qh) = (pieces(&ql, 64 * n), pieces(&ql, 64 * n + 32), pieces(&qh, 32 * n));
+            // Quarter q of this half: four low bits from ql, two high bits from qh at 2q.
+            for q in 0..4 {
+                let mut p = [_mm512_setzero_si512(); 8];
+                for j in 0..8 {
+                    let low = if q % 2 == 0 { ql0[j] } else { ql1[j] };
+                    let low = if q < 2 { low } else { _mm512_srli_epi16::<4>(low) };
+                    let high = _mm512_and_si512(_mm512_srl_epi16(qh[j], _mm_cvtsi32_si128(2 * q as i32)), m3);
+                    p[j] = _mm512_or_si512(_mm512_and_si512(low, m4), _mm512_slli_epi16::<4>(high));
+                }
+                x.codes[4 * n + q] = transpose(p);
+            }
+        }
+        for g in 0..16 {
+            x.scales[g] = lanes_i32(blocks.map(|b| b.scales[g] as i32));
+        }
+        for j in 0..8 {
+            x.pairs[j] = lanes_i32(blocks.map(|b| (b.scales[2 * j] as i16 as u16 as i32) | (b.scales[2 * j + 1] as i32) << 16));
+        }
+        x.d = lanes_f16(blocks.map(|b| u16::from_le_bytes(b.d.0)));
+        x
+    }
+    #[inline(always)]
+    unsafe fn sums(x: &KLaneBlock, a: &BlockQ8K) -> (__m512i, __m512i) {
+        // Σ sc·(q − 32)·a = Σ sc·q·a − 32 · Σ sc·(16-element sums of a).
+        let t = scaled_sums::<4>(x, a.qs.as_ptr().cast(), 16);
+        (_mm512_sub_epi32(t, _mm512_slli_epi32::<5>(pair_sums(&x.pairs, a))), _mm512_setzero_si512())
+    }
+}
+
+thread_local! {
+    /// A thread's transposed K-quant tile, reused from call to call.
+    static K_TILE: RefCell<Vec<KLaneBlock>> = const { RefCell::new(Vec::new()) };
+}
+
+/// As [`tile_dot`] for a [`KLaneFormat`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn k_tile_dot<F: KLaneFormat>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], out: &mut [[f32; TILE_ROWS]]) {
+    let (rows, blocks) = tile_rows::<F::W>(w, row_bytes, a.len(), out.len());
+    let mut tile = K_TILE.take();
+    tile.clear();
+    for b in 0..blocks {
+        tile.push(F::lane_block(&rows, b));
+    }
+    for (a, out) in a.iter().zip(out.iter_mut()) {
+        let a = as_blocks::<BlockQ8K>(a.bytes);
+        assert_eq!(a.len(), blocks, "activation row does not match the weights");
+        let (mut acc, mut min) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for (x, a) in tile.iter().zip(a) {
+            let da = _mm512_set1_ps(a.d());
+            let (sum, mins) = F::sums(x, a);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(x.d, da), acc);
+            min = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(x.dmin, da), min);
+        }
+        *out = std::mem::transmute::<__m512, [f32; TILE_ROWS]>(_mm512_sub_ps(acc, min));
+    }
+    K_TILE.set(tile);
 }
 
 /// The kernels' arithmetic in scalar code, for one row and one token: what they must
@@ -379,7 +592,8 @@ mod tests {
             eprintln!("skipped: this machine has no AVX-512 VNNI");
             return;
         }
-        let (dot, dot1, tile) = kernels(ty).unwrap();
+        let (own, tile) = kernels(ty).unwrap();
+        let (dot, dot1) = own.expect("a whole set");
         for (rows, cols) in [(1, 32), (16, 64), (21, 96), (40, 640)] {
             let weights = random_weights(ty, rows, cols, 5).unwrap();
             let row_bytes = weights.len() / rows;
@@ -431,5 +645,84 @@ mod tests {
         check::<Q4_1Lanes>(GgmlType::Q4_1, ActType::Q8_1);
         check::<Q5_0Lanes>(GgmlType::Q5_0, ActType::Q8_0);
         check::<Q8_0Lanes>(GgmlType::Q8_0, ActType::Q8_0);
+    }
+
+    /// The K-quant tiles' arithmetic in scalar code: exact integer super-block sums,
+    /// then the float chains.
+    fn k_reference(ty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
+        let a = as_blocks::<BlockQ8K>(a);
+        let (mut acc, mut min) = (0.0f32, 0.0f32);
+        let f16 = |b: F16Le| half::f16::from_bits(u16::from_le_bytes(b.0)).to_f32();
+        match ty {
+            GgmlType::Q4_K => {
+                for (x, a) in as_blocks::<BlockQ4K>(w).iter().zip(a) {
+                    let (mut t, mut m) = (0i32, 0i32);
+                    for g in 0..8 {
+                        let (sc, mn) = scale_min_k4(g, &x.scales);
+                        let q = |e: usize| (x.qs[32 * (g / 2) + e] >> (4 * (g % 2))) & 0x0F;
+                        t += sc as i32 * (0..32).map(|e| q(e) as i32 * a.qs[32 * g + e] as i32).sum::<i32>();
+                        m += mn as i32 * (a.bsum(2 * g) + a.bsum(2 * g + 1));
+                    }
+                    acc = (t as f32).mul_add(f16(x.d) * a.d(), acc);
+                    min = (m as f32).mul_add(f16(x.dmin) * a.d(), min);
+                }
+            }
+            GgmlType::Q6_K => {
+                for (x, a) in as_blocks::<BlockQ6K>(w).iter().zip(a) {
+                    let mut t = 0i32;
+                    for e in 0..256 {
+                        let (n, quarter, l) = (e / 128, e % 128 / 32, e % 32);
+                        let low = (x.ql[64 * n + 32 * (quarter % 2) + l] >> (4 * (quarter / 2))) & 0x0F;
+                        let high = (x.qh[32 * n + l] >> (2 * quarter)) & 3;
+                        let q = (low | high << 4) as i32 - 32;
+                        t += x.scales[e / 16] as i32 * q * a.qs[e] as i32;
+                    }
+                    acc = (t as f32).mul_add(f16(x.d) * a.d(), acc);
+                }
+            }
+            _ => unreachable!("not a K-quant with lanes"),
+        }
+        acc - min
+    }
+
+    /// K-quant tiles equal AVX2's single-token kernel and the scalar statement of their
+    /// arithmetic bit for bit: a batch gives what each token gives alone.
+    #[test]
+    fn k_tiles_equal_the_single_token_kernels() {
+        if !crate::Isa::Avx512Vnni.available() {
+            eprintln!("skipped: this machine has no AVX-512 VNNI");
+            return;
+        }
+        for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+            let (_, tile) = kernels(ty).unwrap();
+            let single = crate::Kernels::new(ty, crate::Isa::Avx2).unwrap().dot;
+            for (rows, cols) in [(1, 256), (16, 512), (21, 768), (40, 2048)] {
+                let weights = random_weights(ty, rows, cols, 7).unwrap();
+                let row_bytes = weights.len() / rows;
+                let mut rng = SplitMix::new(8);
+                let tokens: Vec<Vec<u8>> = (0..3)
+                    .map(|_| {
+                        let x: Vec<f32> = (0..cols).map(|_| rng.activation()).collect();
+                        let mut q = vec![0u8; ActType::Q8K.row_bytes(cols).unwrap()];
+                        ActType::Q8K.quantize(&x, &mut q);
+                        q
+                    })
+                    .collect();
+                let acts: Vec<ActRow> = tokens.iter().map(|b| ActRow { bytes: b, scales: &[], quants: &[], neg_sums: &[] }).collect();
+                for first in (0..rows).step_by(TILE_ROWS) {
+                    let n = TILE_ROWS.min(rows - first);
+                    let mut out = vec![[0.0f32; TILE_ROWS]; acts.len()];
+                    tile(&weights[first * row_bytes..(first + n) * row_bytes], row_bytes, &acts, &mut out);
+                    for (t, (a, got)) in tokens.iter().zip(&out).enumerate() {
+                        for (r, got) in (first..first + n).zip(got) {
+                            let w = &weights[r * row_bytes..(r + 1) * row_bytes];
+                            let want = k_reference(ty, w, a);
+                            assert_eq!(single(w, a).to_bits(), want.to_bits(), "{ty} {rows}x{cols} row {r} token {t} (AVX2)");
+                            assert_eq!(got.to_bits(), want.to_bits(), "{ty} {rows}x{cols} row {r} token {t} (tile)");
+                        }
+                    }
+                }
+            }
+        }
     }
 }

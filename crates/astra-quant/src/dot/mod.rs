@@ -177,8 +177,8 @@ pub enum Isa {
     /// AVX2 with FMA and F16C (x86-64 since Haswell / Zen).
     Avx2,
     /// AVX-512 (F, BW, VL) with VNNI (Ice Lake, Sapphire Rapids, Zen 4): Q4_1, Q5_0
-    /// and Q8_0 put sixteen weight rows in the lanes of a 512-bit `vpdpbusd`; the other
-    /// types run AVX2's kernels.
+    /// and Q8_0 put sixteen weight rows in the lanes of a 512-bit `vpdpbusd`, as do
+    /// batches of Q4_K and Q6_K; the rest runs AVX2's kernels.
     Avx512Vnni,
 }
 
@@ -271,8 +271,12 @@ impl Kernels {
             Isa::Scalar => scalar,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni if avx512::kernels(weights).is_some() => {
-                let (dot, dot1, tile) = avx512::kernels(weights).expect("just checked");
-                Kernels { weights, act, isa, dot, dot1: Some(dot1), dot4: None, tile: Some(tile) }
+                let (own, tile) = avx512::kernels(weights).expect("just checked");
+                let base = Kernels::new(weights, Isa::Avx2)?;
+                match own {
+                    Some((dot, dot1)) => Kernels { isa, dot, dot1: Some(dot1), dot4: None, tile: Some(tile), ..base },
+                    None => Kernels { isa, tile: Some(tile), ..base },
+                }
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512Vnni => match avx2::kernels(weights) {
