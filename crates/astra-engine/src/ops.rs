@@ -88,37 +88,29 @@ const GELU_COEF_A: f32 = 0.044715;
 /// e^(score − max) (libm's `expf`, not [`exp_approx`]: with it, ulp-level changes in
 /// the weights moved a SmolLM2 chat prompt's second-ranked token by 2% in
 /// probability through the activation quantization downstream), and
-/// `acc = Σ_r weight_r · v_r` in row order. Returns (max, Σ weights). The arithmetic is [`dot`] and [`axpy`]'s,
-/// in one AVX2 function where the CPU has it (no call or feature check per row).
+/// `acc = Σ_r weight_r · v_r` in row order. Returns (max, Σ weights). The arithmetic is
+/// [`dot`] and [`axpy`]'s, in one AVX2 function where the CPU has it.
 pub fn attend_rows(q: &[f32], k: &[f32], v: &[f32], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 is present.
         return unsafe { simd::attend_rows(q, k, v, scale, weights, acc) };
     }
-    attend_rows_body!(q, k, v, scale, weights, acc, dot_scalar, axpy_scalar)
+    let hd = q.len();
+    let mut max = f32::NEG_INFINITY;
+    for (w, kr) in weights.iter_mut().zip(k.chunks_exact(hd)) {
+        *w = dot_scalar(q, kr) * scale;
+        max = max.max(*w);
+    }
+    let mut sum = 0.0f32;
+    for (w, vr) in weights.iter_mut().zip(v.chunks_exact(hd)) {
+        let w = (*w - max).exp();
+        sum += w;
+        axpy_scalar(acc, w, vr);
+    }
+    (max, sum)
 }
 
-/// The body of [`attend_rows`], over the given dot and axpy.
-macro_rules! attend_rows_body {
-    ($q:expr, $k:expr, $v:expr, $scale:expr, $weights:expr, $acc:expr, $dot:path, $axpy:path) => {{
-        let (q, k, v, weights, acc) = ($q, $k, $v, $weights, $acc);
-        let hd = q.len();
-        let mut max = f32::NEG_INFINITY;
-        for (w, kr) in weights.iter_mut().zip(k.chunks_exact(hd)) {
-            *w = $dot(q, kr) * $scale;
-            max = max.max(*w);
-        }
-        let mut sum = 0.0f32;
-        for (w, vr) in weights.iter_mut().zip(v.chunks_exact(hd)) {
-            let w = (*w - max).exp();
-            sum += w;
-            $axpy(acc, w, vr);
-        }
-        (max, sum)
-    }};
-}
-use attend_rows_body;
 
 /// `gate[i] = act(gate[i]) · up[i]` (`gelu` selects GELU, else SiLU): eight lanes at a
 /// time with AVX2 where the CPU has it, giving the scalar functions' bits.
@@ -216,10 +208,81 @@ mod simd {
         _mm256_blendv_ps(_mm256_mul_ps(e, _mm256_castsi256_ps(scale)), _mm256_set1_ps(f32::INFINITY), big)
     }
 
-    /// [`super::attend_rows`] with AVX2.
+    /// [`super::attend_rows`] with AVX2, in its arithmetic: the scores four keys at a
+    /// time (the query loaded once for four independent chains), then the weighted
+    /// values 64 elements at a time with their sums held in registers across every key
+    /// (each element still takes the keys in order, a multiply then an add).
     #[target_feature(enable = "avx2")]
     pub unsafe fn attend_rows(q: &[f32], k: &[f32], v: &[f32], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
-        super::attend_rows_body!(q, k, v, scale, weights, acc, dot, axpy)
+        let (hd, n) = (q.len(), weights.len());
+        assert!(k.len() >= n * hd && v.len() >= n * hd && acc.len() == hd, "keys, values or output do not fit");
+        let row = |x: &[f32], r: usize| -> *const f32 { x[r * hd..(r + 1) * hd].as_ptr() };
+        let whole = n / 4 * 4;
+        for r in (0..whole).step_by(4) {
+            let s = dot4(q, [row(k, r), row(k, r + 1), row(k, r + 2), row(k, r + 3)]);
+            for i in 0..4 {
+                weights[r + i] = s[i] * scale;
+            }
+        }
+        for r in whole..n {
+            weights[r] = dot(q, &k[r * hd..(r + 1) * hd]) * scale;
+        }
+        let mut max = f32::NEG_INFINITY;
+        for w in weights.iter() {
+            max = max.max(*w);
+        }
+        let mut sum = 0.0f32;
+        for w in weights.iter_mut() {
+            *w = (*w - max).exp();
+            sum += *w;
+        }
+        let mut e = 0;
+        while e + 64 <= hd {
+            let mut a = [_mm256_setzero_ps(); 8];
+            for (i, a) in a.iter_mut().enumerate() {
+                *a = _mm256_loadu_ps(acc.as_ptr().add(e + 8 * i));
+            }
+            for (j, &w) in weights.iter().enumerate() {
+                let (wv, vr) = (_mm256_set1_ps(w), v.as_ptr().add(j * hd + e));
+                for (i, a) in a.iter_mut().enumerate() {
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, _mm256_loadu_ps(vr.add(8 * i))));
+                }
+            }
+            for (i, a) in a.iter().enumerate() {
+                _mm256_storeu_ps(acc.as_mut_ptr().add(e + 8 * i), *a);
+            }
+            e += 64;
+        }
+        for e in e..hd {
+            for (j, &w) in weights.iter().enumerate() {
+                acc[e] += w * v[j * hd + e];
+            }
+        }
+        (max, sum)
+    }
+
+    /// [`dot`] of `a` with four rows of its length at once.
+    #[inline(always)]
+    unsafe fn dot4(a: &[f32], b: [*const f32; 4]) -> [f32; 4] {
+        let (n, chunks) = (a.len(), a.len() / 8);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for c in 0..chunks {
+            let x = _mm256_loadu_ps(a.as_ptr().add(8 * c));
+            for (acc, b) in acc.iter_mut().zip(b) {
+                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(x, _mm256_loadu_ps(b.add(8 * c))));
+            }
+        }
+        let mut out = [0.0f32; 4];
+        for i in 0..4 {
+            let mut lanes = [0.0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i]);
+            let mut tail = 0.0;
+            for j in 8 * chunks..n {
+                tail += a[j] * *b[i].add(j);
+            }
+            out[i] = super::reduce_lanes(lanes) + tail;
+        }
+        out
     }
 
     /// [`super::glu`] on whole groups of eight; returns how many elements it did.
