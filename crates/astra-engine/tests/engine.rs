@@ -24,34 +24,58 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 /// Agreement with llama.cpp's greedy runs. Q8 activation quantization makes logits
-/// sensitive to the last bit of every intermediate value (the same model computed
-/// without activation quantization differs from both engines by 1–3% in probability),
-/// so what is asserted is what survives that noise: the first generated token of every
-/// prompt, and its top-5 probabilities within 0.05. How long each greedy run stays in
-/// step with llama.cpp is printed.
+/// sensitive to the last bit of every intermediate value: astra's own kernel sets
+/// (AVX-512, AVX2, scalar; each within 1e-6 of the f64 reference per dot product)
+/// differ from one another, step by step along llama.cpp's tokens, by a median of
+/// 0.010 (SmolLM2) / 0.006 (Gemma) and a 90th percentile of 0.03 in the largest top-5
+/// probability difference: the same distribution as each of them against llama.cpp.
+/// So what is asserted is what survives that noise: the first generated token of
+/// every prompt, and, feeding llama.cpp's tokens at every step (all steps compared,
+/// even after the greedy runs part), the distribution of the top-5 probability
+/// differences over each model's steps: mean ≤ 0.018 (noise 0.011–0.015), median ≤
+/// 0.015 and 90th percentile ≤ 0.05, a fifth to a half above the noise between astra's
+/// own kernel sets (an attention scale 3% off raises SmolLM2's mean to 0.0183). How
+/// long each greedy run stays in step with llama.cpp, and llama.cpp's top-2 gap where
+/// it parts, is printed.
 fn greedy_agreement(name: &str) {
     let Some(model) = load(name, 2) else { return };
+    let mut deviations = Vec::new();
     for case in data("greedy_llama_cpp.json")[name].as_array().unwrap() {
         let prompt = ids(&case["prompt_ids"]);
         let want = ids(&case["generated_ids"]);
         let mut s = model.session(1024).unwrap();
         let mut logits = model.forward(&mut s, &prompt, prompt.len() - 1).unwrap();
-        let probs = softmax(&logits);
-        for t in case["top5"][0].as_array().unwrap() {
-            let (id, p) = (t[0].as_u64().unwrap() as usize, t[1].as_f64().unwrap().exp());
-            assert!((probs[id] - p).abs() < 0.05, "{name} {}: p({id}) {:.4} vs {p:.4}", case["name"], probs[id]);
-        }
         assert_eq!(argmax(&logits), want[0], "{name} {}: first token", case["name"]);
-        let mut agree = 0;
-        for &w in &want {
-            if argmax(&logits) != w {
-                break;
+        let mut agree = None;
+        for (step, &w) in want.iter().enumerate() {
+            let probs = softmax(&logits);
+            let top: Vec<(usize, f64)> = case["top5"][step]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| (t[0].as_u64().unwrap() as usize, t[1].as_f64().unwrap().exp()))
+                .collect();
+            deviations.push(top.iter().map(|&(id, p)| (probs[id] as f64 - p).abs()).fold(0.0, f64::max));
+            if agree.is_none() && argmax(&logits) != w {
+                agree = Some(step);
+                eprintln!("{name} {}: parts from llama.cpp at step {step}, where llama.cpp's top two are {:.4} and {:.4}", case["name"], top[0].1, top[1].1);
             }
-            agree += 1;
             logits = model.forward(&mut s, &[w], 0).unwrap();
         }
-        eprintln!("{name} {}: {agree}/{} greedy tokens as llama.cpp", case["name"], want.len());
+        eprintln!("{name} {}: {}/{} greedy tokens as llama.cpp", case["name"], agree.unwrap_or(want.len()), want.len());
     }
+    deviations.sort_by(f64::total_cmp);
+    let (median, p90) = (deviations[deviations.len() / 2], deviations[deviations.len() * 9 / 10]);
+    let mean = deviations.iter().sum::<f64>() / deviations.len() as f64;
+    eprintln!(
+        "{name}: top-5 probability differences over {} steps: mean {mean:.4}, median {median:.4}, 90th percentile {p90:.4}, max {:.4}",
+        deviations.len(),
+        deviations[deviations.len() - 1]
+    );
+    assert!(
+        mean <= 0.018 && median <= 0.015 && p90 <= 0.05,
+        "{name}: mean {mean:.4} (bound 0.018), median {median:.4} (bound 0.015), 90th percentile {p90:.4} (bound 0.05)"
+    );
 }
 
 #[test]
