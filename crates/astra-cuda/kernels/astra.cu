@@ -260,6 +260,39 @@ __device__ __forceinline__ float blk_q6_k(const u8* w, const u8* a) {
 #define T_Q8_0 8
 #define T_Q4_K 12
 #define T_Q6_K 14
+#define T_IQ2_S 22
+
+// The IQ2_S codebook (1024 points of eight magnitudes), written from the host's copy
+// of the table when the module loads.
+__device__ unsigned long long iq2s_grid[1024];
+
+// IQ2_S: d(f16) qs[64] (grid indices' low bits, then signs) qh[8] scales[8];
+// activation Q8_K. Group l (8 weights) of 32-weight group g: grid point
+// qs[4g + l] | (qh[g] << (8 - 2l) & 0x300), signs qs[32 + 4g + l]; each half of g has
+// the 4-bit scale s, weight scale d (2s + 1) / 8.
+__device__ __forceinline__ float blk_iq2_s(const u8* w, const u8* a) {
+    const u8* qs = w + 2;
+    const u8* qh = w + 66;
+    const u8* scales = w + 74;
+    const i8* y = (const i8*)(a + 4);
+    int isum = 0;
+    for (int g = 0; g < 8; g++) {
+        for (int half = 0; half < 2; half++) {
+            int hsum = 0;
+            for (int l = 2 * half; l < 2 * half + 2; l++) {
+                unsigned long long grid = iq2s_grid[qs[4 * g + l] | (((int)qh[g] << (8 - 2 * l)) & 0x300)];
+                int signs = qs[32 + 4 * g + l];
+                for (int j = 0; j < 8; j++) {
+                    int v = (int)((grid >> (8 * j)) & 0xff) * y[32 * g + 8 * l + j];
+                    hsum += (signs >> j) & 1 ? -v : v;
+                }
+            }
+            int s = (scales[g] >> (4 * half)) & 15;
+            isum += (2 * s + 1) * hsum;
+        }
+    }
+    return (float)isum * (ldh(w) * ldf(a)) * 0.125f;
+}
 
 // out[t * rows + r] = Σ_b block(w[r][b], a[t][b]): one warp per weight row, lanes over
 // its blocks; grid (ceil(rows / 4), tokens), 128 threads.
@@ -281,6 +314,7 @@ extern "C" __global__ void matvec(int type, const u8* w, const u8* a, float* out
             case T_Q8_0: sum += blk_q8_0(wb, ab); break;
             case T_Q4_K: sum += blk_q4_k(wb, ab); break;
             case T_Q6_K: sum += blk_q6_k(wb, ab); break;
+            case T_IQ2_S: sum += blk_iq2_s(wb, ab); break;
         }
     }
     float total = warp_sum(sum) + warp_sum(mins);
@@ -486,6 +520,15 @@ __device__ float dequant_one(int type, const u8* row, int k) {
             int high = (b[128 + 32 * n + l] >> (2 * r)) & 3;
             int q = (low | (high << 4)) - 32;
             return ldh(b + 208) * (float)((const i8*)(b + 192))[kk / 16] * (float)q;
+        }
+        case T_IQ2_S: {
+            const u8* b = row + (k / 256) * 82;
+            int kk = k % 256, g = kk / 32, l = (kk % 32) / 8, j = kk % 8;
+            unsigned long long grid = iq2s_grid[b[2 + 4 * g + l] | (((int)b[66 + g] << (8 - 2 * l)) & 0x300)];
+            float mag = (float)((grid >> (8 * j)) & 0xff);
+            int s = (b[74 + g] >> (4 * (l / 2))) & 15;
+            float v = ldh(b) * (0.5f + (float)s) * 0.25f * mag;
+            return (b[34 + 4 * g + l] >> j) & 1 ? -v : v;
         }
     }
     return 0.0f;

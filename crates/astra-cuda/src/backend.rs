@@ -142,7 +142,14 @@ impl CudaBackend {
             _module: Arc::clone(&module),
         };
         let device = format!("{} ({arch}, driver {driver})", ctx.name().unwrap_or_else(|_| "GPU".into()));
-        Ok(CudaBackend { stream: ctx.default_stream(), k, device })
+        let stream = ctx.default_stream();
+        // The IQ2_S codebook, from the one table the CPU kernels use.
+        let mut grid = module.get_global("iq2s_grid", &stream).map_err(gpu_err("finding the IQ2_S table"))?;
+        // SAFETY: `iq2s_grid` is declared in astra.cu as 1024 u64s.
+        let mut grid = unsafe { grid.transmute_mut::<u64>(astra_quant::IQ2S_GRID.len()) }
+            .ok_or_else(|| EngineError::Backend("the kernels' IQ2_S table has the wrong size".into()))?;
+        stream.memcpy_htod(&astra_quant::IQ2S_GRID[..], &mut grid).map_err(gpu_err("uploading the IQ2_S table"))?;
+        Ok(CudaBackend { stream, k, device })
     }
 
     fn upload<T: cudarc::driver::DeviceRepr>(&self, v: &[T]) -> CudaSlice<T> {
@@ -188,7 +195,7 @@ fn type_code(ty: GgmlType) -> i32 {
 
 /// Weight types the matvec kernel reads.
 fn supported(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K)
+    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::IQ2_S)
 }
 
 impl Backend for CudaBackend {

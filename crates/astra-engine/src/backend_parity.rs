@@ -23,7 +23,8 @@ pub struct OpReport {
 }
 
 /// Weight types compared, with the shapes used.
-pub const TYPES: [GgmlType; 6] = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K];
+pub const TYPES: [GgmlType; 7] =
+    [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::IQ2_S];
 const ROWS: usize = 96;
 const COLS: usize = 512;
 

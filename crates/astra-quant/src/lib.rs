@@ -17,6 +17,8 @@ pub mod blocks;
 pub mod dequant;
 pub mod dot;
 mod iq2s_grid;
+
+pub use iq2s_grid::IQ2S_GRID;
 pub mod matmul;
 pub mod parity;
 pub mod quantize;

@@ -13,7 +13,7 @@ pub struct Args {
     /// The shape: llama3-8b, llama3-1b, smollm2-135m, gemma3-270m.
     #[arg(long)]
     like: String,
-    /// Weight type of the matrices (q4_0, q4_1, q5_0, q8_0, q4_k, q6_k); matrices whose
+    /// Weight type of the matrices (q4_0, q4_1, q5_0, q8_0, q4_k, q6_k, iq2_s); matrices whose
     /// rows are not whole blocks of it get q5_0, as llama.cpp's quantizer does.
     #[arg(long = "type", default_value = "q4_k")]
     ty: String,
