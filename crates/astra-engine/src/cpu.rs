@@ -123,7 +123,7 @@ impl Backend for CpuBackend {
         for (w, _) in outs.iter() {
             let act = w.m.kernels.act;
             if !acts.iter().any(|a| a.act == act) {
-                acts.push(QuantizedActivations::new(act, &x.data, x.width).expect("activation shape"));
+                acts.push(QuantizedActivations::new_on(&self.pool, act, &x.data, x.width).expect("activation shape"));
             }
         }
         let views: Vec<_> = outs.iter().map(|(w, _)| w.m.view(&w.file)).collect();

@@ -80,6 +80,37 @@ impl QuantizedActivations {
         Ok(QuantizedActivations { act, tokens, row_bytes, data, row_scales, scales, row_quants, quants, row_sums, neg_sums })
     }
 
+    /// As [`Self::new`], the tokens of a batch quantized in parallel on `par` (each row
+    /// by the same scalar quantizer, so the result is the same).
+    pub fn new_on(par: &dyn Parallel, act: ActType, x: &[f32], cols: usize) -> Result<Self, QuantError> {
+        let tokens = if cols == 0 { 0 } else { x.len() / cols };
+        let per_task = tokens.div_ceil(2 * par.threads()).max(8);
+        if tokens <= per_task {
+            return Self::new(act, x, cols);
+        }
+        let tasks = tokens.div_ceil(per_task);
+        let parts: Vec<std::sync::Mutex<Option<Result<Self, QuantError>>>> = (0..tasks).map(|_| Default::default()).collect();
+        par.run(tasks, &|i| {
+            let rows = &x[i * per_task * cols..((i + 1) * per_task).min(tokens) * cols];
+            *parts[i].lock().expect("own slot") = Some(Self::new(act, rows, cols));
+        });
+        let mut whole: Option<Self> = None;
+        for part in parts {
+            let part = part.into_inner().expect("own slot").expect("every task ran")?;
+            match whole.as_mut() {
+                None => whole = Some(part),
+                Some(w) => {
+                    w.tokens += part.tokens;
+                    w.data.extend_from_slice(&part.data);
+                    w.scales.extend_from_slice(&part.scales);
+                    w.quants.extend_from_slice(&part.quants);
+                    w.neg_sums.extend_from_slice(&part.neg_sums);
+                }
+            }
+        }
+        Ok(whole.expect("at least one task"))
+    }
+
     #[inline]
     pub fn row(&self, t: usize) -> &[u8] {
         &self.data[t * self.row_bytes..(t + 1) * self.row_bytes]
@@ -292,6 +323,25 @@ mod tests {
         pool.install(|| matmul_many_on(&Rayon, &mut jobs));
         for (got, want) in outs.iter().zip(&alone) {
             assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        }
+    }
+
+    /// Quantizing a batch in parallel gives the bytes, scales and sums of doing it alone.
+    #[test]
+    fn parallel_quantization_equals_serial() {
+        let cols = 512;
+        let x = pseudo_random(37 * cols, 9);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        for act in [ActType::Q8_0, ActType::Q8_1, ActType::Q8K, ActType::F32] {
+            let serial = QuantizedActivations::new(act, &x, cols).unwrap();
+            let parallel = pool.install(|| QuantizedActivations::new_on(&Rayon, act, &x, cols)).unwrap();
+            assert_eq!(parallel.tokens, 37);
+            assert_eq!(parallel.data, serial.data, "{act:?}");
+            assert_eq!(parallel.scales.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), serial.scales.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            assert_eq!((&parallel.quants, &parallel.neg_sums), (&serial.quants, &serial.neg_sums));
+            for t in [0, 17, 36] {
+                assert_eq!(parallel.act_row(t).quants, serial.act_row(t).quants);
+            }
         }
     }
 
