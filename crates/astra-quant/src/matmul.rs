@@ -66,7 +66,7 @@ impl QuantizedActivations {
     /// Quantizes `x` (`tokens` rows of `cols` values).
     pub fn new(act: ActType, x: &[f32], cols: usize) -> Result<Self, QuantError> {
         let row_bytes = act.row_bytes(cols)?;
-        let tokens = if cols == 0 { 0 } else { x.len() / cols };
+        let tokens = x.len().checked_div(cols).unwrap_or(0);
         let mut data = vec![0u8; row_bytes * tokens];
         let (mut scales, mut quants, mut neg_sums) = (Vec::new(), Vec::new(), Vec::new());
         for (xr, out) in x.chunks_exact(cols.max(1)).zip(data.chunks_exact_mut(row_bytes.max(1))) {
@@ -83,7 +83,7 @@ impl QuantizedActivations {
     /// As [`Self::new`], the tokens of a batch quantized in parallel on `par` (each row
     /// by the same scalar quantizer, so the result is the same).
     pub fn new_on(par: &dyn Parallel, act: ActType, x: &[f32], cols: usize) -> Result<Self, QuantError> {
-        let tokens = if cols == 0 { 0 } else { x.len() / cols };
+        let tokens = x.len().checked_div(cols).unwrap_or(0);
         let per_task = tokens.div_ceil(2 * par.threads()).max(8);
         if tokens <= per_task {
             return Self::new(act, x, cols);
@@ -166,7 +166,7 @@ pub fn matmul(w: &QuantMatrix, x: &[f32], out: &mut [f32], kernels: &Kernels) ->
     if kernels.weights != w.ty {
         return Err(QuantError::Unsupported(w.ty));
     }
-    let tokens = if w.cols == 0 { 0 } else { x.len() / w.cols };
+    let tokens = x.len().checked_div(w.cols).unwrap_or(0);
     assert_eq!(x.len(), tokens * w.cols, "activations are not whole rows of {}", w.cols);
     assert_eq!(out.len(), tokens * w.rows, "output is not tokens × rows");
     let acts = QuantizedActivations::new(kernels.act, x, w.cols)?;
