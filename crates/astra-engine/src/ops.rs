@@ -277,8 +277,8 @@ mod simd {
             let mut lanes = [0.0f32; 8];
             _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i]);
             let mut tail = 0.0;
-            for j in 8 * chunks..n {
-                tail += a[j] * *b[i].add(j);
+            for (j, &x) in a.iter().enumerate().skip(8 * chunks) {
+                tail += x * *b[i].add(j);
             }
             out[i] = super::reduce_lanes(lanes) + tail;
         }

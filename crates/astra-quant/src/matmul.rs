@@ -4,8 +4,9 @@
 //! 1. Each token's activation row is quantized to the weights' activation type by the
 //!    one scalar quantizer ([`crate::ActType::quantize`]), independently of the others.
 //! 2. The weight rows are cut into chunks, handed to the current rayon pool.
-//! 3. A task computes, for each of its rows and each token, one output element with one
-//!    call of the dot kernel.
+//! 3. A task computes its rows' outputs for every token: where the kernels have a
+//!    tile variant, a tile of rows at a time against the whole batch; else a run of
+//!    rows per call against one token (decode) or four.
 //!
 //! Invariant: an output element is a function of one weight row and one token's
 //! quantized activations only, computed in a fixed order by one thread. Thread count,
