@@ -264,7 +264,7 @@ mod simd {
     /// [`dot`] of `a` with four rows of its length at once.
     #[inline(always)]
     unsafe fn dot4(a: &[f32], b: [*const f32; 4]) -> [f32; 4] {
-        let (n, chunks) = (a.len(), a.len() / 8);
+        let chunks = a.len() / 8;
         let mut acc = [_mm256_setzero_ps(); 4];
         for c in 0..chunks {
             let x = _mm256_loadu_ps(a.as_ptr().add(8 * c));
