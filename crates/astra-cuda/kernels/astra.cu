@@ -328,17 +328,33 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
     return r;
 }
 
+// Each warp-cooperative matrix kernel is a row function (one warp, row r, token
+// blockIdx.y) and two launches of it: one matrix, and up to three matrices of one type
+// and width against the same activations (Q, K and V; gate and up) in one grid whose
+// blocks cover the three matrices' rows in turn. A row is computed the same way in both.
+#define MATVEC_KERNELS(name)                                                                   \
+    extern "C" __global__ void name(const u8* w, const u8* a, float* out, int rows, int nb) {  \
+        int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
+        if (r < rows) name##_row(w, a, out, rows, nb, r);                                       \
+    }                                                                                           \
+    extern "C" __global__ void name##_3(const u8* w0, const u8* w1, const u8* w2, const u8* a,  \
+                                        float* o0, float* o1, float* o2, int r0, int r1, int r2, \
+                                        int nb) {                                               \
+        int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
+        if (r < r0) name##_row(w0, a, o0, r0, nb, r);                                           \
+        else if (r < r0 + r1) name##_row(w1, a, o1, r1, nb, r - r0);                            \
+        else if (r < r0 + r1 + r2) name##_row(w2, a, o2, r2, nb, r - r0 - r1);                  \
+    }
+
 // Q4_K × Q8_K, eight lanes per 256-block and four blocks per warp step: lane p of a
 // block loads its 16 quant bytes at once (bytes 16p..16p+15: weights 64c + 16(p%2) + i
 // in the low nibbles, group 2c, and the same + 32 in the high nibbles, group 2c + 1,
 // c = p / 2) and also takes group p's minimum. Rows are 16-byte aligned (144-byte
 // blocks); activation blocks (292 bytes) are read as 4-byte words.
 // One warp per row; grid (ceil(rows / 4), tokens), 128 threads.
-extern "C" __global__ void matvec_q4_k(const u8* w, const u8* a, float* out, int rows, int nb) {
-    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    int r = blockIdx.x * 4 + warp;
+__device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r) {
+    int lane = threadIdx.x % WARP;
     int t = blockIdx.y;
-    if (r >= rows) return;
     const u8* wr = w + (long)r * nb * 144;
     const u8* at = a + (long)t * nb * 292;
     int p = lane % 8, c = p / 2, half = 16 * (p % 2);
@@ -368,6 +384,7 @@ extern "C" __global__ void matvec_q4_k(const u8* w, const u8* a, float* out, int
     sum = warp_sum(sum);
     if (lane == 0) out[(long)t * rows + r] = sum;
 }
+MATVEC_KERNELS(matvec_q4_k)
 
 // A word of four bytes at a 2-byte aligned address.
 __device__ __forceinline__ int ld4_2(const u8* p) {
@@ -379,11 +396,9 @@ __device__ __forceinline__ int ld4_2(const u8* p) {
 // quant bytes 4p..4p+3 (weights 4p + i in the low nibbles, 16 + 4p + i in the high);
 // lane 0 of each block adds the minimum's term. Blocks (20 and 36 bytes) are 4-byte
 // aligned. One warp per row; grid (ceil(rows / 4), tokens), 128 threads.
-extern "C" __global__ void matvec_q4_1(const u8* w, const u8* a, float* out, int rows, int nb) {
-    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    int r = blockIdx.x * 4 + warp;
+__device__ __forceinline__ void matvec_q4_1_row(const u8* w, const u8* a, float* out, int rows, int nb, int r) {
+    int lane = threadIdx.x % WARP;
     int t = blockIdx.y;
-    if (r >= rows) return;
     const u8* wr = w + (long)r * nb * 20;
     const u8* at = a + (long)t * nb * 36;
     int p = lane % 4;
@@ -401,15 +416,14 @@ extern "C" __global__ void matvec_q4_1(const u8* w, const u8* a, float* out, int
     float total = warp_sum(sum) + warp_sum(mins);
     if (lane == 0) out[(long)t * rows + r] = total;
 }
+MATVEC_KERNELS(matvec_q4_1)
 
 // Q5_0 × Q8_0, four lanes per 32-block and eight blocks per warp step: lane p takes
 // weights 4p + i and 16 + 4p + i, their fifth bits from qh; codes are offset by -16 into
 // signed bytes. Blocks (22 and 34 bytes) are 2-byte aligned.
-extern "C" __global__ void matvec_q5_0(const u8* w, const u8* a, float* out, int rows, int nb) {
-    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    int r = blockIdx.x * 4 + warp;
+__device__ __forceinline__ void matvec_q5_0_row(const u8* w, const u8* a, float* out, int rows, int nb, int r) {
+    int lane = threadIdx.x % WARP;
     int t = blockIdx.y;
-    if (r >= rows) return;
     const u8* wr = w + (long)r * nb * 22;
     const u8* at = a + (long)t * nb * 34;
     int p = lane % 4;
@@ -436,6 +450,7 @@ extern "C" __global__ void matvec_q5_0(const u8* w, const u8* a, float* out, int
     sum = warp_sum(sum);
     if (lane == 0) out[(long)t * rows + r] = sum;
 }
+MATVEC_KERNELS(matvec_q5_0)
 
 // The 32 quants of a Q8_0 block (34 bytes, 2-byte aligned) as eight words, read with
 // 16-bit loads.
@@ -447,11 +462,9 @@ __device__ __forceinline__ void q8_words(const u8* blk, int* out) {
 
 // Q8_0 × Q8_0, a lane per block: the warp reads 32 consecutive blocks (1088 bytes)
 // with 16-bit loads. One warp per row; grid (ceil(rows / 4), tokens), 128 threads.
-extern "C" __global__ void matvec_q8_0(const u8* w, const u8* a, float* out, int rows, int nb) {
-    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    int r = blockIdx.x * 4 + warp;
+__device__ __forceinline__ void matvec_q8_0_row(const u8* w, const u8* a, float* out, int rows, int nb, int r) {
+    int lane = threadIdx.x % WARP;
     int t = blockIdx.y;
-    if (r >= rows) return;
     const u8* wr = w + (long)r * nb * 34;
     const u8* at = a + (long)t * nb * 34;
     float sum = 0.0f;
@@ -470,6 +483,7 @@ extern "C" __global__ void matvec_q8_0(const u8* w, const u8* a, float* out, int
     sum = warp_sum(sum);
     if (lane == 0) out[(long)t * rows + r] = sum;
 }
+MATVEC_KERNELS(matvec_q8_0)
 
 // ---------------------------------------------------------------------------------
 // Dequantization of single weights (embedding rows).

@@ -11,7 +11,7 @@ use astra_engine::attention::{KvLayout, LayerSlots, CHUNK};
 use astra_engine::EngineError;
 use astra_gguf::{GgmlType, GgufFile};
 use astra_quant::ActType;
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::nvrtc;
 
@@ -24,10 +24,11 @@ struct Kernels {
     quantize_q8_32: CudaFunction,
     quantize_q8_k: CudaFunction,
     matvec: CudaFunction,
-    matvec_q4_k: CudaFunction,
-    matvec_q4_1: CudaFunction,
-    matvec_q5_0: CudaFunction,
-    matvec_q8_0: CudaFunction,
+    /// The warp-cooperative matrix kernels: (one matrix, up to three in one launch).
+    matvec_q4_k: (CudaFunction, CudaFunction),
+    matvec_q4_1: (CudaFunction, CudaFunction),
+    matvec_q5_0: (CudaFunction, CudaFunction),
+    matvec_q8_0: (CudaFunction, CudaFunction),
     embed: CudaFunction,
     rms_norm: CudaFunction,
     rms_norm_inplace: CudaFunction,
@@ -125,10 +126,10 @@ impl CudaBackend {
             quantize_q8_32: f("quantize_q8_32")?,
             quantize_q8_k: f("quantize_q8_k")?,
             matvec: f("matvec")?,
-            matvec_q4_k: f("matvec_q4_k")?,
-            matvec_q4_1: f("matvec_q4_1")?,
-            matvec_q5_0: f("matvec_q5_0")?,
-            matvec_q8_0: f("matvec_q8_0")?,
+            matvec_q4_k: (f("matvec_q4_k")?, f("matvec_q4_k_3")?),
+            matvec_q4_1: (f("matvec_q4_1")?, f("matvec_q4_1_3")?),
+            matvec_q5_0: (f("matvec_q5_0")?, f("matvec_q5_0_3")?),
+            matvec_q8_0: (f("matvec_q8_0")?, f("matvec_q8_0_3")?),
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
             rms_norm_inplace: f("rms_norm_inplace")?,
@@ -191,6 +192,12 @@ impl CudaBackend {
 /// The ggml type id the kernels switch on.
 fn type_code(ty: GgmlType) -> i32 {
     ty as i32
+}
+
+/// The matrix kernels' launch: a warp per output row (four per block of 128 threads),
+/// a grid row per token.
+fn matvec_grid(rows: usize, tokens: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: ((rows as u32).div_ceil(4), tokens as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// Weight types the matvec kernel reads.
@@ -301,16 +308,14 @@ impl Backend for CudaBackend {
 
     fn matmul(&self, x: &GpuTensor, outs: &mut [(&GpuMatrix, &mut GpuTensor)]) {
         let mut shared: Option<(ActType, CudaSlice<u8>)> = None;
-        for (w, out) in outs.iter_mut() {
+        let mut i = 0;
+        while i < outs.len() {
+            let w = outs[i].0;
             if shared.as_ref().is_none_or(|(a, _)| *a != w.act) {
                 shared = Some((w.act, self.quantize(x, w.act)));
             }
             let (_, acts) = shared.as_ref().expect("just set");
-            let (blk_elems, wbytes) = (w.ty.block_elems() as usize, w.ty.block_bytes());
-            let abytes = w.act.ggml_type().block_bytes() as i32;
-            let nb = (w.cols / blk_elems) as i32;
-            let (ty, rows, wbytes) = (type_code(w.ty), w.rows as i32, wbytes as i32);
-            let cfg = LaunchConfig { grid_dim: ((w.rows as u32).div_ceil(4), x.rows as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            let nb = (w.cols / w.ty.block_elems() as usize) as i32;
             // Warp-cooperative kernels where there is one; a lane per block otherwise.
             let special = match w.ty {
                 GgmlType::Q4_K => Some(&self.k.matvec_q4_k),
@@ -319,15 +324,45 @@ impl Backend for CudaBackend {
                 GgmlType::Q8_0 => Some(&self.k.matvec_q8_0),
                 _ => None,
             };
-            if let Some(f) = special {
-                let mut b = self.stream.launch_builder(f);
-                b.arg(&w.data).arg(acts).arg(&mut out.buf).arg(&rows).arg(&nb);
+            let Some((one, three)) = special else {
+                let (wbytes, abytes) = (w.ty.block_bytes() as i32, w.act.ggml_type().block_bytes() as i32);
+                let (ty, rows) = (type_code(w.ty), w.rows as i32);
+                let cfg = matvec_grid(w.rows, x.rows);
+                let mut b = self.stream.launch_builder(&self.k.matvec);
+                b.arg(&ty).arg(&w.data).arg(acts).arg(&mut outs[i].1.buf).arg(&rows).arg(&nb).arg(&wbytes).arg(&abytes);
                 self.launch(b, cfg);
+                i += 1;
+                continue;
+            };
+            // The following matrices of the same type and width (Q, K, V; gate, up) go
+            // in the same launch, up to three.
+            let n = outs[i..].iter().take(3).take_while(|(m, _)| m.ty == w.ty && m.cols == w.cols).count();
+            if n == 1 {
+                let rows = w.rows as i32;
+                let cfg = matvec_grid(w.rows, x.rows);
+                let mut b = self.stream.launch_builder(one);
+                b.arg(&w.data).arg(acts).arg(&mut outs[i].1.buf).arg(&rows).arg(&nb);
+                self.launch(b, cfg);
+                i += 1;
                 continue;
             }
-            let mut b = self.stream.launch_builder(&self.k.matvec);
-            b.arg(&ty).arg(&w.data).arg(acts).arg(&mut out.buf).arg(&rows).arg(&nb).arg(&wbytes).arg(&abytes);
+            let group = &mut outs[i..i + n];
+            let rows: Vec<i32> = (0..3).map(|j| group.get(j).map_or(0, |(m, _)| m.rows as i32)).collect();
+            let cfg = matvec_grid(rows.iter().map(|&r| r as usize).sum(), x.rows);
+            // With two matrices the third slot repeats the second's pointers; it has no
+            // rows, so they are never used.
+            let weights: Vec<&CudaSlice<u8>> = (0..3).map(|j| &group[j.min(n - 1)].0.data).collect();
+            let mut outs_ptr = [0u64; 3];
+            for (j, p) in outs_ptr.iter_mut().enumerate() {
+                let (ptr, _sync) = group[j.min(n - 1)].1.buf.device_ptr_mut(&self.stream);
+                *p = ptr;
+            }
+            let mut b = self.stream.launch_builder(three);
+            b.arg(weights[0]).arg(weights[1]).arg(weights[2]).arg(acts);
+            b.arg(&outs_ptr[0]).arg(&outs_ptr[1]).arg(&outs_ptr[2]);
+            b.arg(&rows[0]).arg(&rows[1]).arg(&rows[2]).arg(&nb);
             self.launch(b, cfg);
+            i += n;
         }
     }
 
