@@ -6,8 +6,8 @@
 //! leave each row's exact integer block sum in its lane, with no horizontal sums. Each
 //! output is then one float chain over the blocks in order,
 //! `acc ← fma(isum_b, d_w·d_a, acc)` (and, for formats with a minimum, `m_w·s_a` summed
-//! in a second chain added at the end): one fixed sequence per (row, token), which
-//! [`reference`] writes out in scalar code and which the kernels match bit for bit.
+//! in a second chain added at the end): one fixed sequence per (row, token), which the
+//! tests write out in scalar code (`reference`) and the kernels match bit for bit.
 //!
 //! Decode streams each 16-row group once, transposing it as it goes ([`rows_dot1`]);
 //! prefill transposes a group once into a scratch tile that every token of the batch
