@@ -392,6 +392,52 @@ __device__ __forceinline__ int ld4_2(const u8* p) {
     return (int)((unsigned int)h[0] | ((unsigned int)h[1] << 16));
 }
 
+// Q6_K × Q8_K, eight lanes per 256-block and four blocks per warp step: lane p takes
+// 32 weights, quarter p % 4 of half p / 4 (weights 128(p/4) + 32(p%4) + l): four low
+// bits from ql (nibble (p%4)/2 of bytes 64(p/4) + 32(p%2) + l), two high bits from qh
+// (bits 2(p%4) of bytes 32(p/4) + l), offset by −32 into signed bytes; its two
+// 16-weight halves take scales 8(p/4) + 2(p%4) and + 1. The eight lanes' integer sums
+// are added exactly (shuffles) before the block's one float product. Blocks (210
+// bytes) are 2-byte aligned; activation blocks (292 bytes) 4-byte aligned.
+__device__ __forceinline__ void matvec_q6_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r) {
+    int lane = threadIdx.x % WARP;
+    int t = blockIdx.y;
+    const u8* wr = w + (long)r * nb * 210;
+    const u8* at = a + (long)t * nb * 292;
+    int p = lane % 8, n = p / 4, qr = p % 4;
+    float sum = 0.0f;
+    // Every lane runs every step (the shuffles need the whole warp); lanes past the
+    // last block contribute zero.
+    for (int b0 = 0; b0 < nb; b0 += 4) {
+        int b = b0 + lane / 8;
+        int part = 0;
+        if (b < nb) {
+            const u8* wb = wr + (long)b * 210;
+            const u8* ab = at + (long)b * 292;
+            const u8* ql = wb + 64 * n + 32 * (qr % 2);
+            const u8* qh = wb + 128 + 32 * n;
+            const int* y = (const int*)(ab + 4 + 128 * n + 32 * qr);
+            int half[2] = {0, 0};
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                unsigned int lo = ((unsigned int)ld4_2(ql + 4 * i) >> (4 * (qr / 2))) & 0x0f0f0f0fu;
+                unsigned int hi = (((unsigned int)ld4_2(qh + 4 * i) >> (2 * qr)) & 0x03030303u) << 4;
+                int q = (int)__vsub4(lo | hi, 0x20202020u);
+                half[i / 4] = dp4a(q, y[i], half[i / 4]);
+            }
+            const i8* sc = (const i8*)(wb + 192) + 8 * n + 2 * qr;
+            part = sc[0] * half[0] + sc[1] * half[1];
+        }
+        part += __shfl_xor_sync(0xffffffffu, part, 1);
+        part += __shfl_xor_sync(0xffffffffu, part, 2);
+        part += __shfl_xor_sync(0xffffffffu, part, 4);
+        if (b < nb && p == 0) sum += (float)part * (ldh(wr + (long)b * 210 + 208) * ldf(at + (long)b * 292));
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) out[(long)t * rows + r] = sum;
+}
+MATVEC_KERNELS(matvec_q6_k)
+
 // Q4_1 × Q8_1, four lanes per 32-block and eight blocks per warp step: lane p takes
 // quant bytes 4p..4p+3 (weights 4p + i in the low nibbles, 16 + 4p + i in the high);
 // lane 0 of each block adds the minimum's term. Blocks (20 and 36 bytes) are 4-byte

@@ -29,6 +29,7 @@ struct Kernels {
     matvec_q4_1: (CudaFunction, CudaFunction),
     matvec_q5_0: (CudaFunction, CudaFunction),
     matvec_q8_0: (CudaFunction, CudaFunction),
+    matvec_q6_k: (CudaFunction, CudaFunction),
     embed: CudaFunction,
     rms_norm: CudaFunction,
     rms_norm_inplace: CudaFunction,
@@ -130,6 +131,7 @@ impl CudaBackend {
             matvec_q4_1: (f("matvec_q4_1")?, f("matvec_q4_1_3")?),
             matvec_q5_0: (f("matvec_q5_0")?, f("matvec_q5_0_3")?),
             matvec_q8_0: (f("matvec_q8_0")?, f("matvec_q8_0_3")?),
+            matvec_q6_k: (f("matvec_q6_k")?, f("matvec_q6_k_3")?),
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
             rms_norm_inplace: f("rms_norm_inplace")?,
@@ -322,6 +324,7 @@ impl Backend for CudaBackend {
                 GgmlType::Q4_1 => Some(&self.k.matvec_q4_1),
                 GgmlType::Q5_0 => Some(&self.k.matvec_q5_0),
                 GgmlType::Q8_0 => Some(&self.k.matvec_q8_0),
+                GgmlType::Q6_K => Some(&self.k.matvec_q6_k),
                 _ => None,
             };
             let Some((one, three)) = special else {
