@@ -717,71 +717,132 @@ extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16
 #define CHUNK 64
 #define MAX_HEAD_DIM 256
 
-// Attention of query rows row0.. (positions pos, pos+1, …) over their cached positions,
-// split at absolute multiples of CHUNK; each chunk's (max, Σexp, Σexp·v) merged into a
-// running total. grid (n_head, rows), CHUNK threads; head_dim ≤ 256.
-extern "C" __global__ void attention(const float* q, const u16* kc, const u16* vc, float* out, int row0, int pos0,
-                                     int slots, int window, int n_head, int group, int head_dim, float scale) {
-    __shared__ float sq[MAX_HEAD_DIM];
-    __shared__ float sp[CHUNK];
-    __shared__ float red[CHUNK];
-    int h = blockIdx.x, i = blockIdx.y, t = threadIdx.x;
-    int row = row0 + i, pos = pos0 + i;
+// Attention of query rows row0.. (positions pos0, pos0+1, …) over their cached
+// positions, split at absolute multiples of CHUNK; each chunk's (max, Σexp, Σexp·v)
+// merged into a running total. A CTA of CHUNK threads takes Q consecutive query rows
+// of one head: each key row is read once for all Q, and the Q queries' sums run side
+// by side (independent chains), but every query's arithmetic is exactly what it is
+// with Q = 1 — the same operations in the same order — so a row's result does not
+// depend on which other rows share its CTA. grid (n_head, ceil(rows / Q)); head_dim ≤
+// 256.
+template <int Q>
+__device__ void attend(const float* q, const u16* kc, const u16* vc, float* out, int row0, int pos0, int rows,
+                       int slots, int window, int n_head, int group, int head_dim, float scale) {
+    __shared__ float sq[Q][MAX_HEAD_DIM];
+    __shared__ float sp[Q][CHUNK];
+    __shared__ float red[Q][CHUNK];
+    const int per = MAX_HEAD_DIM / CHUNK;
+    int h = blockIdx.x, t = threadIdx.x, i0 = blockIdx.y * Q;
+    int nq = min(Q, rows - i0);
     int g = h / group;
     int width = n_head * head_dim;
-    for (int d = t; d < head_dim; d += CHUNK) sq[d] = q[(long)row * width + h * head_dim + d];
+    int first[Q], pos[Q];
+    float acc[Q][per], run_max[Q], run_sum[Q];
+    for (int iq = 0; iq < Q; iq++) {
+        pos[iq] = pos0 + i0 + min(iq, nq - 1);
+        first[iq] = window > 0 ? max(0, pos[iq] + 1 - window) : 0;
+        run_max[iq] = NEG_INF;
+        run_sum[iq] = 0.0f;
+        for (int j = 0; j < per; j++) acc[iq][j] = 0.0f;
+        for (int d = t; d < head_dim; d += CHUNK) sq[iq][d] = q[(long)(row0 + i0 + min(iq, nq - 1)) * width + h * head_dim + d];
+    }
     __syncthreads();
-    int first = window > 0 ? max(0, pos + 1 - window) : 0;
-    const int per = MAX_HEAD_DIM / CHUNK;
-    float acc[per];
-    for (int j = 0; j < per; j++) acc[j] = 0.0f;
-    float run_max = NEG_INF, run_sum = 0.0f;
     const u16* kh = kc + (long)g * slots * head_dim;
     const u16* vh = vc + (long)g * slots * head_dim;
-    for (int c = first / CHUNK; c <= pos / CHUNK; c++) {
-        int lo = max(c * CHUNK, first), hi = min(c * CHUNK + CHUNK - 1, pos);
+    for (int c = first[0] / CHUNK; c <= pos[Q - 1] / CHUNK; c++) {
+        int lo[Q], hi[Q];
+        bool on[Q];
+        int ulo = 0x7fffffff, uhi = -1;
+        for (int iq = 0; iq < Q; iq++) {
+            on[iq] = iq < nq && c >= first[iq] / CHUNK && c <= pos[iq] / CHUNK;
+            lo[iq] = max(c * CHUNK, first[iq]);
+            hi[iq] = min(c * CHUNK + CHUNK - 1, pos[iq]);
+            if (on[iq]) {
+                ulo = min(ulo, lo[iq]);
+                uhi = max(uhi, hi[iq]);
+            }
+        }
         int p = c * CHUNK + t;
-        float s = NEG_INF;
-        if (p >= lo && p <= hi) {
+        float s[Q];
+        for (int iq = 0; iq < Q; iq++) s[iq] = NEG_INF;
+        if (p >= ulo && p <= uhi) {
             const u16* kr = kh + (long)(p % slots) * head_dim;
-            float dot = 0.0f;
-            for (int d = 0; d < head_dim; d++) dot = __fadd_rn(dot, __fmul_rn(sq[d], h2f(kr[d])));
-            s = __fmul_rn(dot, scale);
+            float dot[Q];
+            for (int iq = 0; iq < Q; iq++) dot[iq] = 0.0f;
+            for (int d = 0; d < head_dim; d++) {
+                float kd = h2f(kr[d]);
+                for (int iq = 0; iq < Q; iq++) dot[iq] = __fadd_rn(dot[iq], __fmul_rn(sq[iq][d], kd));
+            }
+            for (int iq = 0; iq < Q; iq++)
+                if (on[iq] && p >= lo[iq] && p <= hi[iq]) s[iq] = __fmul_rn(dot[iq], scale);
         }
-        red[t] = s;
+        for (int iq = 0; iq < Q; iq++) red[iq][t] = s[iq];
         __syncthreads();
         for (int o = CHUNK / 2; o > 0; o >>= 1) {
-            if (t < o) red[t] = fmaxf(red[t], red[t + o]);
+            if (t < o)
+                for (int iq = 0; iq < Q; iq++) red[iq][t] = fmaxf(red[iq][t], red[iq][t + o]);
             __syncthreads();
         }
-        float m = red[0];
+        float m[Q];
+        for (int iq = 0; iq < Q; iq++) m[iq] = red[iq][0];
         __syncthreads();
-        float e = (p >= lo && p <= hi) ? expf(s - m) : 0.0f;
-        sp[t] = e;
-        red[t] = e;
+        for (int iq = 0; iq < Q; iq++) {
+            float e = (on[iq] && p >= lo[iq] && p <= hi[iq]) ? expf(s[iq] - m[iq]) : 0.0f;
+            sp[iq][t] = e;
+            red[iq][t] = e;
+        }
         __syncthreads();
         for (int o = CHUNK / 2; o > 0; o >>= 1) {
-            if (t < o) red[t] += red[t + o];
+            if (t < o)
+                for (int iq = 0; iq < Q; iq++) red[iq][t] += red[iq][t + o];
             __syncthreads();
         }
-        float csum = red[0];
-        float new_max = fmaxf(run_max, m);
-        float a_old = run_max == NEG_INF ? 0.0f : expf(run_max - new_max);
-        float a_new = expf(m - new_max);
         for (int j = 0; j < per; j++) {
             int d = t + j * CHUNK;
             if (d >= head_dim) break;
-            float cacc = 0.0f;
-            for (int pp = lo; pp <= hi; pp++) cacc += sp[pp - c * CHUNK] * h2f(vh[(long)(pp % slots) * head_dim + d]);
-            acc[j] = acc[j] * a_old + cacc * a_new;
+            float cacc[Q];
+            for (int iq = 0; iq < Q; iq++) cacc[iq] = 0.0f;
+            for (int pp = ulo; pp <= uhi; pp++) {
+                float vd = h2f(vh[(long)(pp % slots) * head_dim + d]);
+                for (int iq = 0; iq < Q; iq++)
+                    if (pp >= lo[iq] && pp <= hi[iq]) cacc[iq] = __fmaf_rn(sp[iq][pp - c * CHUNK], vd, cacc[iq]);
+            }
+            for (int iq = 0; iq < Q; iq++) {
+                if (!on[iq]) continue;
+                float new_max = fmaxf(run_max[iq], m[iq]);
+                float a_old = run_max[iq] == NEG_INF ? 0.0f : expf(run_max[iq] - new_max);
+                float a_new = expf(m[iq] - new_max);
+                acc[iq][j] = __fmaf_rn(acc[iq][j], a_old, __fmul_rn(cacc[iq], a_new));
+            }
         }
-        run_sum = run_sum * a_old + csum * a_new;
-        run_max = new_max;
+        for (int iq = 0; iq < Q; iq++) {
+            if (!on[iq]) continue;
+            float csum = red[iq][0];
+            float new_max = fmaxf(run_max[iq], m[iq]);
+            float a_old = run_max[iq] == NEG_INF ? 0.0f : expf(run_max[iq] - new_max);
+            float a_new = expf(m[iq] - new_max);
+            run_sum[iq] = __fmaf_rn(run_sum[iq], a_old, __fmul_rn(csum, a_new));
+            run_max[iq] = new_max;
+        }
         __syncthreads();
     }
-    float inv = 1.0f / run_sum;
-    for (int j = 0; j < per; j++) {
-        int d = t + j * CHUNK;
-        if (d < head_dim) out[(long)row * width + h * head_dim + d] = acc[j] * inv;
+    for (int iq = 0; iq < nq; iq++) {
+        float inv = 1.0f / run_sum[iq];
+        for (int j = 0; j < per; j++) {
+            int d = t + j * CHUNK;
+            if (d < head_dim) out[(long)(row0 + i0 + iq) * width + h * head_dim + d] = acc[iq][j] * inv;
+        }
     }
+}
+
+// One query row per CTA (decode); grid (n_head, rows).
+extern "C" __global__ void attention(const float* q, const u16* kc, const u16* vc, float* out, int row0, int pos0,
+                                     int rows, int slots, int window, int n_head, int group, int head_dim, float scale) {
+    attend<1>(q, kc, vc, out, row0, pos0, rows, slots, window, n_head, group, head_dim, scale);
+}
+
+// Four query rows per CTA (prefill); grid (n_head, ceil(rows / 4)).
+extern "C" __global__ void attention_4(const float* q, const u16* kc, const u16* vc, float* out, int row0, int pos0,
+                                       int rows, int slots, int window, int n_head, int group, int head_dim, float scale) {
+    attend<4>(q, kc, vc, out, row0, pos0, rows, slots, window, n_head, group, head_dim, scale);
 }

@@ -39,7 +39,8 @@ struct Kernels {
     glu: CudaFunction,
     gather: CudaFunction,
     kv_store: CudaFunction,
-    attention: CudaFunction,
+    /// Attention with one query row per CTA (decode) and with four (prefill).
+    attention: (CudaFunction, CudaFunction),
     _module: Arc<CudaModule>,
 }
 
@@ -141,7 +142,7 @@ impl CudaBackend {
             glu: f("glu")?,
             gather: f("gather")?,
             kv_store: f("kv_store")?,
-            attention: f("attention")?,
+            attention: (f("attention")?, f("attention_4")?),
             _module: Arc::clone(&module),
         };
         let device = format!("{} ({arch}, driver {driver})", ctx.name().unwrap_or_else(|_| "GPU".into()));
@@ -431,9 +432,12 @@ impl Backend for CudaBackend {
             self.launch(b, cfg);
             let window = l.window.map_or(0, |w| w as i32);
             let (nh, grp) = (n_head as i32, group as i32);
-            let cfg = LaunchConfig { grid_dim: (n_head as u32, n, 1), block_dim: (CHUNK as u32, 1, 1), shared_mem_bytes: 0 };
-            let mut b = self.stream.launch_builder(&self.k.attention);
-            b.arg(&q.buf).arg(&l.k).arg(&l.v).arg(&mut out.buf).arg(&row0).arg(&pos).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi).arg(&scale);
+            // A row's result is the same whichever kernel runs it (astra.cu, `attend`).
+            let (f, per_cta) = if n == 1 { (&self.k.attention.0, 1) } else { (&self.k.attention.1, 4) };
+            let cfg = LaunchConfig { grid_dim: (n_head as u32, n.div_ceil(per_cta), 1), block_dim: (CHUNK as u32, 1, 1), shared_mem_bytes: 0 };
+            let rows = n as i32;
+            let mut b = self.stream.launch_builder(f);
+            b.arg(&q.buf).arg(&l.k).arg(&l.v).arg(&mut out.buf).arg(&row0).arg(&pos).arg(&rows).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi).arg(&scale);
             self.launch(b, cfg);
         }
     }
