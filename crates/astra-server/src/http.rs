@@ -7,7 +7,7 @@ use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::{Arc, OnceLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::{Body, Bytes};
+use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -262,12 +262,17 @@ async fn metrics(State(state): State<Shared>) -> Response {
 }
 
 async fn read_body(state: &AppState, body: Body) -> Result<Map<String, Value>, ApiError> {
-    let bytes = axum::body::to_bytes(body, state.body_limit).await.map_err(|_| ApiError {
+    let too_large = || ApiError {
         status: 413,
         message: format!("the body is larger than {} bytes, or was cut off", state.body_limit),
         kind: "invalid_request_error",
         param: None,
-    })?;
+    };
+    // A declared length over the limit is refused before any of the body is read.
+    if body.size_hint().lower() > state.body_limit as u64 {
+        return Err(too_large());
+    }
+    let bytes = axum::body::to_bytes(body, state.body_limit).await.map_err(|_| too_large())?;
     api::parse_object(&bytes)
 }
 
