@@ -797,6 +797,13 @@ __device__ void attend(const float* q, const u16* kc, const u16* vc, float* out,
                 for (int iq = 0; iq < Q; iq++) red[iq][t] += red[iq][t + o];
             __syncthreads();
         }
+        // Each query's rescaling of its running total and of this chunk.
+        float new_max[Q], a_old[Q], a_new[Q];
+        for (int iq = 0; iq < Q; iq++) {
+            new_max[iq] = fmaxf(run_max[iq], m[iq]);
+            a_old[iq] = run_max[iq] == NEG_INF ? 0.0f : expf(run_max[iq] - new_max[iq]);
+            a_new[iq] = expf(m[iq] - new_max[iq]);
+        }
         for (int j = 0; j < per; j++) {
             int d = t + j * CHUNK;
             if (d >= head_dim) break;
@@ -807,22 +814,13 @@ __device__ void attend(const float* q, const u16* kc, const u16* vc, float* out,
                 for (int iq = 0; iq < Q; iq++)
                     if (pp >= lo[iq] && pp <= hi[iq]) cacc[iq] = __fmaf_rn(sp[iq][pp - c * CHUNK], vd, cacc[iq]);
             }
-            for (int iq = 0; iq < Q; iq++) {
-                if (!on[iq]) continue;
-                float new_max = fmaxf(run_max[iq], m[iq]);
-                float a_old = run_max[iq] == NEG_INF ? 0.0f : expf(run_max[iq] - new_max);
-                float a_new = expf(m[iq] - new_max);
-                acc[iq][j] = __fmaf_rn(acc[iq][j], a_old, __fmul_rn(cacc[iq], a_new));
-            }
+            for (int iq = 0; iq < Q; iq++)
+                if (on[iq]) acc[iq][j] = __fmaf_rn(acc[iq][j], a_old[iq], __fmul_rn(cacc[iq], a_new[iq]));
         }
         for (int iq = 0; iq < Q; iq++) {
             if (!on[iq]) continue;
-            float csum = red[iq][0];
-            float new_max = fmaxf(run_max[iq], m[iq]);
-            float a_old = run_max[iq] == NEG_INF ? 0.0f : expf(run_max[iq] - new_max);
-            float a_new = expf(m[iq] - new_max);
-            run_sum[iq] = __fmaf_rn(run_sum[iq], a_old, __fmul_rn(csum, a_new));
-            run_max[iq] = new_max;
+            run_sum[iq] = __fmaf_rn(run_sum[iq], a_old[iq], __fmul_rn(red[iq][0], a_new[iq]));
+            run_max[iq] = new_max[iq];
         }
         __syncthreads();
     }

@@ -368,13 +368,16 @@ unsafe fn tile_dot<F: LaneFormat>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], 
 /// then the same float chains (`avx2::dotn_q4_k_q8_k`), so they agree bit for bit.
 pub(crate) trait KLaneFormat {
     type W: Block;
+    /// Whether the format has a minimum (Q4_K); without one (Q6_K) the minimum chain
+    /// stays zero and is not run.
+    const HAS_MIN: bool;
     /// Super-block `b` of 16 rows in lanes.
     ///
     /// # Safety
     /// The module's features.
     unsafe fn lane_block(rows: &[&[Self::W]; TILE_ROWS], b: usize) -> KLaneBlock;
-    /// The integer sum (lanes of `sum`) and minimum sum (`min`) of a super-block against
-    /// a token's block.
+    /// The integer sum (lanes of `sum`) and minimum sum (`min`, zero without a
+    /// minimum) of a super-block against a token's block.
     ///
     /// # Safety
     /// The module's features.
@@ -452,6 +455,7 @@ unsafe fn scaled_sums<const K: usize>(x: &KLaneBlock, q: *const i32, groups: usi
 
 impl KLaneFormat for Q4KLanes {
     type W = BlockQ4K;
+    const HAS_MIN: bool = true;
     #[inline(always)]
     unsafe fn lane_block(rows: &[&[BlockQ4K]; TILE_ROWS], b: usize) -> KLaneBlock {
         let blocks: [&BlockQ4K; TILE_ROWS] = std::array::from_fn(|l| rows[l].get_unchecked(b));
@@ -486,6 +490,7 @@ impl KLaneFormat for Q4KLanes {
 
 impl KLaneFormat for Q6KLanes {
     type W = BlockQ6K;
+    const HAS_MIN: bool = false;
     #[inline(always)]
     unsafe fn lane_block(rows: &[&[BlockQ6K]; TILE_ROWS], b: usize) -> KLaneBlock {
         let blocks: [&BlockQ6K; TILE_ROWS] = std::array::from_fn(|l| rows[l].get_unchecked(b));
@@ -546,7 +551,9 @@ unsafe fn k_tile_dot<F: KLaneFormat>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>
             let da = _mm512_set1_ps(a.d());
             let (sum, mins) = F::sums(x, a);
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(x.d, da), acc);
-            min = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(x.dmin, da), min);
+            if F::HAS_MIN {
+                min = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(x.dmin, da), min);
+            }
         }
         *out = std::mem::transmute::<__m512, [f32; TILE_ROWS]>(_mm512_sub_ps(acc, min));
     }
