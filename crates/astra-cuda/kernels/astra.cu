@@ -704,12 +704,14 @@ extern "C" __global__ void gather(const float* x, const unsigned int* rows, floa
 // KV cache and attention. A layer's cache is (kv_head, slot, head_dim) in f16; position
 // p lives in slot p % slots (a ring for sliding-window layers).
 
-// Stores n rows of keys and values (kv_dim = kv_heads · head_dim each) at positions
-// pos, pos+1, …; grid (kv_heads, n), head_dim threads.
-extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16* vc, int row0, int pos, int slots, int kv_dim, int head_dim) {
+// Stores n rows of keys and values (kv_dim = kv_heads · head_dim each) of rows row0..
+// at their positions (read from `positions`, so that a replayed graph follows them);
+// grid (kv_heads, n), head_dim threads.
+extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16* vc, int row0, const unsigned int* positions,
+                                    int slots, int kv_dim, int head_dim) {
     int d = threadIdx.x, g = blockIdx.x, i = blockIdx.y;
     long src = (long)(row0 + i) * kv_dim + g * head_dim + d;
-    long dst = ((long)g * slots + (pos + i) % slots) * head_dim + d;
+    long dst = ((long)g * slots + (long)(positions[row0 + i] % (unsigned)slots)) * head_dim + d;
     kc[dst] = (u16)f2h(k[src]);
     vc[dst] = (u16)f2h(v[src]);
 }
@@ -833,14 +835,15 @@ __device__ void attend(const float* q, const u16* kc, const u16* vc, float* out,
     }
 }
 
-// One query row per CTA (decode); grid (n_head, rows).
-extern "C" __global__ void attention(const float* q, const u16* kc, const u16* vc, float* out, int row0, int pos0,
+// One query row per CTA (decode); grid (n_head, rows). The rows' positions are
+// positions[row0], positions[row0] + 1, …
+extern "C" __global__ void attention(const float* q, const u16* kc, const u16* vc, float* out, int row0, const unsigned int* positions,
                                      int rows, int slots, int window, int n_head, int group, int head_dim, float scale) {
-    attend<1>(q, kc, vc, out, row0, pos0, rows, slots, window, n_head, group, head_dim, scale);
+    attend<1>(q, kc, vc, out, row0, (int)positions[row0], rows, slots, window, n_head, group, head_dim, scale);
 }
 
 // Four query rows per CTA (prefill); grid (n_head, ceil(rows / 4)).
-extern "C" __global__ void attention_4(const float* q, const u16* kc, const u16* vc, float* out, int row0, int pos0,
+extern "C" __global__ void attention_4(const float* q, const u16* kc, const u16* vc, float* out, int row0, const unsigned int* positions,
                                        int rows, int slots, int window, int n_head, int group, int head_dim, float scale) {
-    attend<4>(q, kc, vc, out, row0, pos0, rows, slots, window, n_head, group, head_dim, scale);
+    attend<4>(q, kc, vc, out, row0, (int)positions[row0], rows, slots, window, n_head, group, head_dim, scale);
 }

@@ -3,7 +3,8 @@
 //! quantized on the device by the CPU engine's arithmetic, and every matrix product is
 //! a per-block integer dot product as on the CPU.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use astra_engine::backend::{Activation, Backend, Rope, SeqRows};
 use astra_engine::weights::MatRef;
@@ -11,7 +12,8 @@ use astra_engine::attention::{KvLayout, LayerSlots, CHUNK};
 use astra_engine::EngineError;
 use astra_gguf::{GgmlType, GgufFile};
 use astra_quant::ActType;
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::nvrtc;
 
@@ -48,7 +50,34 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     k: Kernels,
     device: String,
+    /// Quantized activations, reused by every matrix product (the stream orders the
+    /// reuse).
+    acts: Mutex<Scratch>,
+    /// Whether decode steps are recorded as graphs (`ASTRA_CUDA_GRAPHS=0` turns it off).
+    graphs: bool,
+    /// A capture is under way: launches are recorded, not run.
+    capturing: AtomicBool,
+    /// Something during the capture could not be recorded; the capture is dropped.
+    capture_failed: AtomicBool,
 }
+
+/// A device buffer that grows as needed; `generation` counts its replacements, so that
+/// a graph recorded over the old one is known to be stale.
+struct Scratch {
+    buf: Option<CudaSlice<u8>>,
+    generation: u64,
+}
+
+/// A recorded decode step ([`Backend::record`]).
+pub struct StepGraph {
+    graph: CudaGraph,
+    /// The activation scratch's generation it was recorded over.
+    generation: u64,
+}
+
+// SAFETY: a graph is used through `&mut` of the session owning it, so by one thread at
+// a time, which is what the driver requires of graph objects.
+unsafe impl Send for StepGraph {}
 
 /// Activations on the device: `rows × width` f32.
 pub struct GpuTensor {
@@ -146,49 +175,76 @@ impl CudaBackend {
             _module: Arc::clone(&module),
         };
         let device = format!("{} ({arch}, driver {driver})", ctx.name().unwrap_or_else(|_| "GPU".into()));
-        let stream = ctx.default_stream();
+        // A stream of its own: the legacy default stream cannot be captured.
+        let stream = ctx.new_stream().map_err(gpu_err("creating a stream"))?;
         // The IQ2_S codebook, from the one table the CPU kernels use.
         let mut grid = module.get_global("iq2s_grid", &stream).map_err(gpu_err("finding the IQ2_S table"))?;
         // SAFETY: `iq2s_grid` is declared in astra.cu as 1024 u64s.
         let mut grid = unsafe { grid.transmute_mut::<u64>(astra_quant::IQ2S_GRID.len()) }
             .ok_or_else(|| EngineError::Backend("the kernels' IQ2_S table has the wrong size".into()))?;
         stream.memcpy_htod(&astra_quant::IQ2S_GRID[..], &mut grid).map_err(gpu_err("uploading the IQ2_S table"))?;
-        Ok(CudaBackend { stream, k, device })
+        let graphs = std::env::var("ASTRA_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        Ok(CudaBackend {
+            stream,
+            k,
+            device,
+            acts: Mutex::new(Scratch { buf: None, generation: 0 }),
+            graphs,
+            capturing: AtomicBool::new(false),
+            capture_failed: AtomicBool::new(false),
+        })
     }
 
     fn upload<T: cudarc::driver::DeviceRepr>(&self, v: &[T]) -> CudaSlice<T> {
         self.stream.clone_htod(v).expect("CUDA upload")
     }
 
-    /// Quantizes `x`'s rows for the activation type `act`.
-    fn quantize(&self, x: &GpuTensor, act: ActType) -> CudaSlice<u8> {
+    /// Quantizes `x`'s rows for the activation type `act` into `scratch`, grown if it
+    /// is too small; `false` (nothing launched) where it would have to grow during a
+    /// capture.
+    fn quantize(&self, x: &GpuTensor, act: ActType, scratch: &mut Scratch) -> bool {
         let row_bytes = act.row_bytes(x.width).expect("a whole number of blocks");
-        // SAFETY: every byte is written by the kernel below.
-        let mut out = unsafe { self.stream.alloc::<u8>(row_bytes * x.rows) }.expect("CUDA alloc");
+        let need = row_bytes * x.rows;
+        if scratch.buf.as_ref().is_none_or(|b| b.len() < need) {
+            if self.capturing.load(Ordering::Relaxed) {
+                self.capture_failed.store(true, Ordering::Relaxed);
+                return false;
+            }
+            // SAFETY: every byte read is first written by a quantization kernel.
+            scratch.buf = Some(unsafe { self.stream.alloc::<u8>(need.max(1 << 16)) }.expect("CUDA alloc"));
+            scratch.generation += 1;
+        }
+        let out = scratch.buf.as_mut().expect("just made");
         let (cols, rows) = (x.width as i32, x.rows as u32);
         match act {
             ActType::Q8_0 | ActType::Q8_1 => {
                 let with_sum = i32::from(act == ActType::Q8_1);
                 let cfg = LaunchConfig { grid_dim: (x.width as u32 / 32, rows, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
                 let mut b = self.stream.launch_builder(&self.k.quantize_q8_32);
-                b.arg(&x.buf).arg(&mut out).arg(&cols).arg(&with_sum);
+                b.arg(&x.buf).arg(out).arg(&cols).arg(&with_sum);
                 self.launch(b, cfg);
             }
             ActType::Q8K => {
                 let cfg = LaunchConfig { grid_dim: (x.width as u32 / 256, rows, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
                 let mut b = self.stream.launch_builder(&self.k.quantize_q8_k);
-                b.arg(&x.buf).arg(&mut out).arg(&cols);
+                b.arg(&x.buf).arg(out).arg(&cols);
                 self.launch(b, cfg);
             }
             ActType::F32 => unreachable!("float weights are not uploaded to this backend"),
         }
-        out
+        true
     }
 
     fn launch(&self, mut b: cudarc::driver::LaunchArgs<'_>, cfg: LaunchConfig) {
         // SAFETY: each kernel's arguments match its signature in astra.cu, and the grid
         // covers exactly the elements it writes.
-        unsafe { b.launch(cfg) }.expect("CUDA launch");
+        let result = unsafe { b.launch(cfg) };
+        if let Err(e) = result {
+            if !self.capturing.load(Ordering::Relaxed) {
+                panic!("CUDA launch: {e}");
+            }
+            self.capture_failed.store(true, Ordering::Relaxed);
+        }
     }
 }
 
@@ -213,7 +269,8 @@ impl Backend for CudaBackend {
     type Matrix = GpuMatrix;
     type Vector = CudaSlice<f32>;
     type KvCache = GpuKv;
-    type Positions = CudaSlice<u32>;
+    type Ids = CudaSlice<u32>;
+    type Graph = StepGraph;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -241,6 +298,7 @@ impl Backend for CudaBackend {
     }
 
     fn tensor(&self, rows: usize, width: usize) -> GpuTensor {
+        debug_assert!(!self.capturing.load(Ordering::Relaxed), "no allocation while recording");
         let buf = self.stream.alloc_zeros::<f32>((rows * width).max(1)).expect("CUDA alloc");
         GpuTensor { buf, rows, width }
     }
@@ -271,13 +329,12 @@ impl Backend for CudaBackend {
         v
     }
 
-    fn embed(&self, table: &GpuMatrix, tokens: &[u32], scale: Option<f32>, out: &mut GpuTensor) {
-        let ids = self.upload(tokens);
+    fn embed(&self, table: &GpuMatrix, ids: &CudaSlice<u32>, scale: Option<f32>, out: &mut GpuTensor) {
         let row_bytes = astra_quant::row_bytes(table.ty, table.cols).expect("checked at load") as i64;
         let (ty, cols, s, scaled) = (type_code(table.ty), table.cols as i32, scale.unwrap_or(1.0), i32::from(scale.is_some()));
-        let cfg = LaunchConfig { grid_dim: ((table.cols as u32).div_ceil(THREADS), tokens.len() as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim: ((table.cols as u32).div_ceil(THREADS), ids.len() as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.k.embed);
-        b.arg(&ty).arg(&table.data).arg(&ids).arg(&mut out.buf).arg(&cols).arg(&row_bytes).arg(&s).arg(&scaled);
+        b.arg(&ty).arg(&table.data).arg(ids).arg(&mut out.buf).arg(&cols).arg(&row_bytes).arg(&s).arg(&scaled);
         self.launch(b, cfg);
     }
 
@@ -310,14 +367,18 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, x: &GpuTensor, outs: &mut [(&GpuMatrix, &mut GpuTensor)]) {
-        let mut shared: Option<(ActType, CudaSlice<u8>)> = None;
+        let mut scratch = self.acts.lock().expect("scratch lock");
+        let mut quantized: Option<ActType> = None;
         let mut i = 0;
         while i < outs.len() {
             let w = outs[i].0;
-            if shared.as_ref().is_none_or(|(a, _)| *a != w.act) {
-                shared = Some((w.act, self.quantize(x, w.act)));
+            if quantized != Some(w.act) {
+                if !self.quantize(x, w.act, &mut scratch) {
+                    return;
+                }
+                quantized = Some(w.act);
             }
-            let (_, acts) = shared.as_ref().expect("just set");
+            let acts = scratch.buf.as_ref().expect("quantized above");
             let nb = (w.cols / w.ty.block_elems() as usize) as i32;
             // Warp-cooperative kernels where there is one; a lane per block otherwise.
             let special = match w.ty {
@@ -370,8 +431,12 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn positions(&self, positions: &[u32]) -> CudaSlice<u32> {
-        self.upload(positions)
+    fn ids(&self, v: &[u32]) -> CudaSlice<u32> {
+        self.upload(v)
+    }
+
+    fn write_ids(&self, dst: &mut CudaSlice<u32>, v: &[u32]) {
+        self.stream.memcpy_htod(v, dst).expect("CUDA upload");
     }
 
     fn rope(&self, x: &mut GpuTensor, head_dim: usize, pos: &CudaSlice<u32>, r: Rope) {
@@ -413,6 +478,7 @@ impl Backend for CudaBackend {
         &self,
         layer: usize,
         seqs: &mut [SeqRows<'_, GpuKv>],
+        positions: &CudaSlice<u32>,
         q: &GpuTensor,
         k: &GpuTensor,
         v: &GpuTensor,
@@ -423,12 +489,13 @@ impl Backend for CudaBackend {
             let kv = &mut *s.kv;
             let (n_head, group, hd, kv_dim) = (kv.n_head, kv.n_head / kv.n_head_kv, kv.head_dim, kv.n_head_kv * kv.head_dim);
             let l = &mut kv.layers[layer];
-            let (row0, pos, slots) = (s.rows.start as i32, s.pos as i32, l.slots as i32);
+            // Positions are read on the device, so a replayed graph follows them.
+            let (row0, slots) = (s.rows.start as i32, l.slots as i32);
             let n = s.rows.len() as u32;
             let cfg = LaunchConfig { grid_dim: (kv.n_head_kv as u32, n, 1), block_dim: (hd as u32, 1, 1), shared_mem_bytes: 0 };
             let (kd, hdi) = (kv_dim as i32, hd as i32);
             let mut b = self.stream.launch_builder(&self.k.kv_store);
-            b.arg(&k.buf).arg(&v.buf).arg(&mut l.k).arg(&mut l.v).arg(&row0).arg(&pos).arg(&slots).arg(&kd).arg(&hdi);
+            b.arg(&k.buf).arg(&v.buf).arg(&mut l.k).arg(&mut l.v).arg(&row0).arg(positions).arg(&slots).arg(&kd).arg(&hdi);
             self.launch(b, cfg);
             let window = l.window.map_or(0, |w| w as i32);
             let (nh, grp) = (n_head as i32, group as i32);
@@ -437,9 +504,43 @@ impl Backend for CudaBackend {
             let cfg = LaunchConfig { grid_dim: (n_head as u32, n.div_ceil(per_cta), 1), block_dim: (CHUNK as u32, 1, 1), shared_mem_bytes: 0 };
             let rows = n as i32;
             let mut b = self.stream.launch_builder(f);
-            b.arg(&q.buf).arg(&l.k).arg(&l.v).arg(&mut out.buf).arg(&row0).arg(&pos).arg(&rows).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi).arg(&scale);
+            b.arg(&q.buf).arg(&l.k).arg(&l.v).arg(&mut out.buf).arg(&row0).arg(positions).arg(&rows).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi).arg(&scale);
             self.launch(b, cfg);
         }
+    }
+
+    fn record(&self, launches: &mut dyn FnMut()) -> Option<StepGraph> {
+        if !self.graphs {
+            launches();
+            return None;
+        }
+        let generation = self.acts.lock().expect("scratch lock").generation;
+        // Thread-local: other threads' calls (memory queries) stay legal meanwhile.
+        self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).expect("CUDA capture");
+        self.capturing.store(true, Ordering::Relaxed);
+        launches();
+        self.capturing.store(false, Ordering::Relaxed);
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        let failed = self.capture_failed.swap(false, Ordering::Relaxed);
+        match graph {
+            Ok(Some(graph)) if !failed => {
+                graph.launch().expect("CUDA graph launch");
+                Some(StepGraph { graph, generation })
+            }
+            // Nothing ran: run it as plain launches.
+            _ => {
+                launches();
+                None
+            }
+        }
+    }
+
+    fn replay(&self, g: &StepGraph) -> bool {
+        if self.acts.lock().expect("scratch lock").generation != g.generation {
+            return false;
+        }
+        g.graph.launch().expect("CUDA graph launch");
+        true
     }
 }
 
@@ -460,8 +561,11 @@ mod tests {
         let x: Vec<f32> = (0..3 * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32)).collect();
         let t = gpu.tensor_from(&x, cols);
         for act in [ActType::Q8_0, ActType::Q8_1, ActType::Q8K] {
-            let got = gpu.stream.clone_dtoh(&gpu.quantize(&t, act)).unwrap();
+            let mut scratch = Scratch { buf: None, generation: 0 };
+            assert!(gpu.quantize(&t, act, &mut scratch));
             let rb = act.row_bytes(cols).unwrap();
+            let mut got = gpu.stream.clone_dtoh(scratch.buf.as_ref().unwrap()).unwrap();
+            got.truncate(3 * rb);
             let mut want = vec![0u8; 3 * rb];
             for (row, out) in x.chunks_exact(cols).zip(want.chunks_exact_mut(rb)) {
                 act.quantize(row, out);

@@ -23,8 +23,10 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-/// Logits of a prompt fed as one batch, token by token, and in chunks over the cached
-/// prefix; and of 1, 4 and 16 sequences sharing batches: all bitwise the same.
+/// Logits of a prompt fed as one batch, token by token (decode steps replayed from a
+/// recorded graph, recorded again midway when a larger batch of another sequence has
+/// replaced the buffers it read), and in chunks over the cached prefix; and of 1, 4 and
+/// 16 sequences sharing batches: all bitwise the same.
 fn deterministic(like: &str, ty: astra_gguf::GgmlType) {
     let Some((_dir, model)) = gpu_model(like, ty) else { return };
     let prompt: Vec<u32> = (0..150u32).map(|i| (i * 7919) % 20000 + 300).collect();
@@ -34,7 +36,12 @@ fn deterministic(like: &str, ty: astra_gguf::GgmlType) {
     };
     let one_by_one = {
         let mut s = model.session(1024).unwrap();
-        bits(&prompt.iter().flat_map(|&t| model.forward(&mut s, &[t], 0).unwrap()).collect::<Vec<_>>())
+        let mut out: Vec<f32> = prompt[..75].iter().flat_map(|&t| model.forward(&mut s, &[t], 0).unwrap()).collect();
+        let mut other = model.session(1024).unwrap();
+        let long: Vec<u32> = (0..512u32).map(|i| (i * 104_729) % 20000 + 300).collect();
+        model.forward(&mut other, &long, 511).unwrap();
+        out.extend(prompt[75..].iter().flat_map(|&t| model.forward(&mut s, &[t], 0).unwrap()));
+        bits(&out)
     };
     let chunked = {
         let mut s = model.session(1024).unwrap();

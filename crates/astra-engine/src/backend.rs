@@ -53,8 +53,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
     type Vector: Send + Sync;
     /// One sequence's keys and values, every layer.
     type KvCache: Send;
-    /// The positions of a batch's rows, made once per batch for every RoPE of it.
-    type Positions;
+    /// `u32`s on the device: a batch's token ids, or its rows' positions (made once
+    /// per batch for every RoPE and attention of it).
+    type Ids: Send;
+    /// A recorded run of launches that [`Backend::replay`] repeats (a CUDA graph).
+    type Graph: Send;
 
     /// The backend's short name (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
@@ -79,7 +82,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn read(&self, t: &Self::Tensor) -> Vec<f32>;
 
     /// `out[i] = dequantize(table row tokens[i]) · scale`.
-    fn embed(&self, table: &Self::Matrix, tokens: &[u32], scale: Option<f32>, out: &mut Self::Tensor);
+    fn embed(&self, table: &Self::Matrix, tokens: &Self::Ids, scale: Option<f32>, out: &mut Self::Tensor);
     /// A tensor of the given rows of `x`, in that order.
     fn gather(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
     /// `out = rms_norm(x) · w` for each row.
@@ -89,10 +92,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// `out = x · wᵀ` for every `(w, out)`; the weights share one conversion of `x`
     /// where their kernels take the same activation format.
     fn matmul(&self, x: &Self::Tensor, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]);
-    /// The positions of a batch's rows, on the device.
-    fn positions(&self, positions: &[u32]) -> Self::Positions;
+    /// `v` on the device.
+    fn ids(&self, v: &[u32]) -> Self::Ids;
+    /// Overwrites `dst` (of `v`'s length) with `v`, in order with the launches around it.
+    fn write_ids(&self, dst: &mut Self::Ids, v: &[u32]);
     /// RoPE of each `head_dim` head of row `i` at position `positions[i]`.
-    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &Self::Positions, rope: Rope);
+    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &Self::Ids, rope: Rope);
     fn scale(&self, x: &mut Self::Tensor, s: f32);
     /// `x += y`.
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor);
@@ -101,16 +106,34 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Stores each sequence's keys and values of `layer` (rows of `k`, `v`) in its cache,
     /// then writes to `out` the attention of its queries (rows of `q`, heads of
     /// `cfg.head_dim`) over its cached positions: causal, within the layer's window,
-    /// scores scaled by `scale`.
+    /// scores scaled by `scale`. `positions` holds every row's position (for a
+    /// sequence's rows `pos`, `pos + 1`, …): a backend may read them there rather than
+    /// from [`SeqRows::pos`], so that a replayed [`Backend::Graph`] follows them.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         layer: usize,
         seqs: &mut [SeqRows<'_, Self::KvCache>],
+        positions: &Self::Ids,
         q: &Self::Tensor,
         k: &Self::Tensor,
         v: &Self::Tensor,
         scale: f32,
         out: &mut Self::Tensor,
     );
+
+    /// Runs `launches`, recording them as a graph where the backend can replay one: the
+    /// work is done either way. `None` where nothing was recorded (the CPU backend, or a
+    /// run that could not be captured).
+    fn record(&self, launches: &mut dyn FnMut()) -> Option<Self::Graph> {
+        launches();
+        None
+    }
+
+    /// Runs `graph` again: the same launches over the same buffers, reading the values
+    /// those buffers hold now. `false`, having done nothing, where the graph has gone
+    /// stale (a buffer it reads was replaced); record it again then.
+    fn replay(&self, _graph: &Self::Graph) -> bool {
+        false
+    }
 }

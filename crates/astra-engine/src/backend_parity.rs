@@ -106,8 +106,8 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
         out.push(report(format!("matmul {}", ty.name()), &a.read(&oa), &b.read(&ob)));
         let ids = [0u32, 5, ROWS as u32 - 1];
         let (mut ea, mut eb) = (a.tensor(3, COLS), b.tensor(3, COLS));
-        a.embed(&ma, &ids, Some(1.5), &mut ea);
-        b.embed(&mb, &ids, Some(1.5), &mut eb);
+        a.embed(&ma, &a.ids(&ids), Some(1.5), &mut ea);
+        b.embed(&mb, &b.ids(&ids), Some(1.5), &mut eb);
         out.push(report(format!("embed {}", ty.name()), &a.read(&ea), &b.read(&eb)));
     }
     let wv = rng.vec(COLS);
@@ -125,8 +125,8 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
     for neox in [false, true] {
         let (mut ra, mut rb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
         let rope = Rope { dims: 64, base: 10000.0, neox };
-        a.rope(&mut ra, 64, &a.positions(&[0, 7, 1000]), rope);
-        b.rope(&mut rb, 64, &b.positions(&[0, 7, 1000]), rope);
+        a.rope(&mut ra, 64, &a.ids(&[0, 7, 1000]), rope);
+        b.rope(&mut rb, 64, &b.ids(&[0, 7, 1000]), rope);
         out.push(report(if neox { "rope neox" } else { "rope" }, &a.read(&ra), &b.read(&rb)));
     }
     let y = rng.vec(tokens * COLS);
@@ -165,8 +165,10 @@ fn compare_attention<A: Backend, B: Backend>(a: &A, b: &B, rng: &mut Rng) -> Res
             let (qa, kta, va) = (a.tensor_from(&q, qd), a.tensor_from(&k, kd), a.tensor_from(&v, kd));
             let (qb, ktb, vb) = (b.tensor_from(&q, qd), b.tensor_from(&k, kd), b.tensor_from(&v, kd));
             let (mut oa, mut ob) = (a.tensor(n, qd), b.tensor(n, qd));
-            a.attention(layer, &mut [SeqRows { kv: &mut ka, rows: 0..n, pos }], &qa, &kta, &va, 0.125, &mut oa);
-            b.attention(layer, &mut [SeqRows { kv: &mut kb, rows: 0..n, pos }], &qb, &ktb, &vb, 0.125, &mut ob);
+            let positions: Vec<u32> = (pos as u32..(pos + n) as u32).collect();
+            let (pa, pb) = (a.ids(&positions), b.ids(&positions));
+            a.attention(layer, &mut [SeqRows { kv: &mut ka, rows: 0..n, pos }], &pa, &qa, &kta, &va, 0.125, &mut oa);
+            b.attention(layer, &mut [SeqRows { kv: &mut kb, rows: 0..n, pos }], &pb, &qb, &ktb, &vb, 0.125, &mut ob);
             let kind = if layer == 0 { "window 40" } else { "global" };
             out.push(report(format!("attention {kind}, {n} at {pos}"), &a.read(&oa), &b.read(&ob)));
         }

@@ -55,7 +55,8 @@ impl Backend for CpuBackend {
     type Matrix = CpuMatrix;
     type Vector = Vec<f32>;
     type KvCache = KvCache;
-    type Positions = Vec<u32>;
+    type Ids = Vec<u32>;
+    type Graph = ();
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -89,7 +90,7 @@ impl Backend for CpuBackend {
         t.data.clone()
     }
 
-    fn embed(&self, table: &CpuMatrix, tokens: &[u32], scale: Option<f32>, out: &mut CpuTensor) {
+    fn embed(&self, table: &CpuMatrix, tokens: &Vec<u32>, scale: Option<f32>, out: &mut CpuTensor) {
         let m = table.m.view(&table.file);
         for (row, &tok) in out.rows_mut().zip(tokens) {
             astra_quant::dequantize(m.ty, m.row(tok as usize), row).expect("embedding row");
@@ -140,8 +141,12 @@ impl Backend for CpuBackend {
         matmul_many_on(&self.pool, &mut jobs);
     }
 
-    fn positions(&self, positions: &[u32]) -> Vec<u32> {
-        positions.to_vec()
+    fn ids(&self, v: &[u32]) -> Vec<u32> {
+        v.to_vec()
+    }
+
+    fn write_ids(&self, dst: &mut Vec<u32>, v: &[u32]) {
+        dst.copy_from_slice(v);
     }
 
     fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &Vec<u32>, r: Rope) {
@@ -168,6 +173,7 @@ impl Backend for CpuBackend {
         &self,
         layer: usize,
         seqs: &mut [SeqRows<'_, KvCache>],
+        _positions: &Vec<u32>,
         q: &CpuTensor,
         k: &CpuTensor,
         v: &CpuTensor,

@@ -37,6 +37,8 @@ pub struct Session<B: Backend = CpuBackend> {
     n_past: usize,
     /// The highest position count reached since the cache was last emptied.
     high: usize,
+    /// The decode step's buffers and recorded launches, made at the first one.
+    decode: Option<DecodeStep<B>>,
 }
 
 impl<B: Backend> Session<B> {
@@ -63,6 +65,67 @@ impl<B: Backend> Session<B> {
 
     pub fn kv_bytes(&self) -> usize {
         self.kv_bytes
+    }
+
+    /// Counts `n` more positions held.
+    fn advance(&mut self, n: usize) {
+        self.n_past += n;
+        self.high = self.high.max(self.n_past);
+    }
+}
+
+/// The activations of a batch of tokens through the layers.
+struct Activations<B: Backend> {
+    x: B::Tensor,
+    xb: B::Tensor,
+    o: B::Tensor,
+    q: B::Tensor,
+    k: B::Tensor,
+    v: B::Tensor,
+    att: B::Tensor,
+    gate: B::Tensor,
+    up: B::Tensor,
+}
+
+impl<B: Backend> Activations<B> {
+    fn new(be: &B, cfg: &Config, t: usize) -> Activations<B> {
+        let (e, qd, kd, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
+        Activations {
+            x: be.tensor(t, e),
+            xb: be.tensor(t, e),
+            o: be.tensor(t, e),
+            q: be.tensor(t, qd),
+            k: be.tensor(t, kd),
+            v: be.tensor(t, kd),
+            att: be.tensor(t, qd),
+            gate: be.tensor(t, ff),
+            up: be.tensor(t, ff),
+        }
+    }
+}
+
+/// What a session's decode steps (one token, its logits wanted) run over: every
+/// buffer they write or read, kept from step to step, and the launches recorded over
+/// them where the backend records.
+struct DecodeStep<B: Backend> {
+    acts: Activations<B>,
+    normed: B::Tensor,
+    logits: B::Tensor,
+    token: B::Ids,
+    position: B::Ids,
+    graph: Option<B::Graph>,
+}
+
+impl<B: Backend> DecodeStep<B> {
+    fn new(be: &B, cfg: &Config) -> DecodeStep<B> {
+        DecodeStep {
+            acts: Activations::new(be, cfg, 1),
+            normed: be.tensor(1, cfg.n_embd),
+            logits: be.tensor(1, cfg.n_vocab),
+            token: be.ids(&[0]),
+            position: be.ids(&[0]),
+            graph: None,
+        }
     }
 }
 
@@ -123,6 +186,7 @@ impl<B: Backend> Model<B> {
             ctx,
             n_past: 0,
             high: 0,
+            decode: None,
         })
     }
 
@@ -181,7 +245,13 @@ impl<B: Backend> Model<B> {
     /// One batch through the model; returns each part's logits for its tokens at or
     /// after its step's `logits_from`.
     fn forward_batch(&self, steps: &mut [Step<'_, B>], parts: &[Part]) -> Vec<Vec<f32>> {
-        let (cfg, be, w) = (&self.cfg, &self.backend, &self.weights);
+        if let [p] = parts {
+            let st = &mut steps[p.step];
+            if p.range.len() == 1 && p.range.start >= st.logits_from {
+                return vec![self.decode_step(st.session, st.tokens[p.range.start])];
+            }
+        }
+        let (cfg, be) = (&self.cfg, &self.backend);
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut spans = Vec::with_capacity(parts.len());
@@ -200,77 +270,34 @@ impl<B: Backend> Model<B> {
             spans.push((start..tokens.len(), first_pos));
         }
         let t = tokens.len();
-        let e = cfg.n_embd;
-        let positions = be.positions(&positions);
-        let mut x = be.tensor(t, e);
-        let mut xb = be.tensor(t, e);
-        let mut o = be.tensor(t, e);
-        let mut q = be.tensor(t, cfg.q_dim());
-        let mut k = be.tensor(t, cfg.kv_dim());
-        let mut v = be.tensor(t, cfg.kv_dim());
-        let mut att = be.tensor(t, cfg.q_dim());
-        let mut gate = be.tensor(t, cfg.n_ff);
-        let mut up = be.tensor(t, cfg.n_ff);
-        be.embed(&w.token_embd, &tokens, cfg.embed_scale, &mut x);
-        let gemma = cfg.arch == Arch::Gemma3;
-        let act = if gemma { Activation::GeluTanh } else { Activation::Silu };
-        for (l, layer) in w.layers.iter().enumerate() {
-            // Attention.
-            be.rms_norm(&x, &layer.attn_norm, cfg.rms_eps, &mut xb);
-            be.matmul(&xb, &mut [(&layer.wq, &mut q), (&layer.wk, &mut k), (&layer.wv, &mut v)]);
-            let base = if cfg.layer_local[l] { cfg.rope_base_local } else { cfg.rope_base };
-            let rope = Rope { dims: cfg.rope_dim, base, neox: cfg.rope_neox };
-            if let Some(n) = &layer.q_norm {
-                be.rms_norm_groups(&mut q, n, cfg.rms_eps);
-            }
-            be.rope(&mut q, cfg.head_dim, &positions, rope);
-            if let Some(n) = &layer.k_norm {
-                be.rms_norm_groups(&mut k, n, cfg.rms_eps);
-            }
-            be.rope(&mut k, cfg.head_dim, &positions, rope);
-            // Gemma scales the queries; Llama the scores.
-            let score_scale = if gemma {
-                be.scale(&mut q, cfg.attn_scale);
-                1.0
-            } else {
-                cfg.attn_scale
-            };
-            let mut seqs: Vec<SeqRows<'_, B::KvCache>> = Vec::with_capacity(parts.len());
+        let mut acts = Activations::new(be, cfg, t);
+        {
             let mut sessions: Vec<Option<&mut Session<B>>> = steps.iter_mut().map(|s| Some(&mut *s.session)).collect();
-            for (p, (rows, pos)) in parts.iter().zip(&spans) {
-                let s = sessions[p.step].take().expect("one part per sequence in a batch");
-                seqs.push(SeqRows { kv: &mut s.kv, rows: rows.clone(), pos: *pos });
-            }
-            be.attention(l, &mut seqs, &q, &k, &v, score_scale, &mut att);
-            be.matmul(&att, &mut [(&layer.wo, &mut o)]);
-            if let Some(n) = &layer.post_attn_norm {
-                be.rms_norm_groups(&mut o, n, cfg.rms_eps);
-            }
-            be.add(&mut x, &o);
-            // Feed-forward.
-            be.rms_norm(&x, &layer.ffn_norm, cfg.rms_eps, &mut xb);
-            be.matmul(&xb, &mut [(&layer.w_gate, &mut gate), (&layer.w_up, &mut up)]);
-            be.glu(&mut gate, &up, act);
-            be.matmul(&gate, &mut [(&layer.w_down, &mut o)]);
-            if let Some(n) = &layer.post_ffn_norm {
-                be.rms_norm_groups(&mut o, n, cfg.rms_eps);
-            }
-            be.add(&mut x, &o);
+            let mut seqs: Vec<SeqRows<'_, B::KvCache>> = parts
+                .iter()
+                .zip(&spans)
+                .map(|(p, (rows, pos))| {
+                    let s = sessions[p.step].take().expect("one part per sequence in a batch");
+                    SeqRows { kv: &mut s.kv, rows: rows.clone(), pos: *pos }
+                })
+                .collect();
+            self.layers(&mut acts, &be.ids(&tokens), &be.ids(&positions), &mut seqs);
         }
         for p in parts {
             let s = &mut *steps[p.step].session;
-            s.n_past += p.range.len();
-            s.high = s.high.max(s.n_past);
+            s.advance(p.range.len());
         }
         let mut out: Vec<Vec<f32>> = parts.iter().map(|_| Vec::new()).collect();
         if wanted.is_empty() {
             return out;
         }
-        let last = be.gather(&x, &wanted);
-        let mut normed = be.tensor(wanted.len(), e);
-        be.rms_norm(&last, &w.output_norm, cfg.rms_eps, &mut normed);
+        let mut normed = be.tensor(wanted.len(), cfg.n_embd);
         let mut logits = be.tensor(wanted.len(), cfg.n_vocab);
-        be.matmul(&normed, &mut [(w.output(), &mut logits)]);
+        if wanted.len() == t {
+            self.head(&acts.x, &mut normed, &mut logits);
+        } else {
+            self.head(&be.gather(&acts.x, &wanted), &mut normed, &mut logits);
+        }
         let logits = be.read(&logits);
         // `wanted` is in batch order, so each part's rows are consecutive.
         let mut rows = logits.chunks_exact(cfg.n_vocab).zip(&wanted);
@@ -281,5 +308,81 @@ impl<B: Backend> Model<B> {
             }
         }
         out
+    }
+
+    /// One token of one sequence, its logits wanted: the decode step. It runs over
+    /// buffers the session keeps, so that a backend that records its launches replays
+    /// them for every later step, with only the token and position written anew.
+    fn decode_step(&self, s: &mut Session<B>, token: u32) -> Vec<f32> {
+        let be = &self.backend;
+        let pos = s.n_past;
+        let d = s.decode.get_or_insert_with(|| DecodeStep::new(be, &self.cfg));
+        be.write_ids(&mut d.token, &[token]);
+        be.write_ids(&mut d.position, &[pos as u32]);
+        if !d.graph.as_ref().is_some_and(|g| be.replay(g)) {
+            let kv = &mut s.kv;
+            let DecodeStep { acts, normed, logits, token, position, graph } = d;
+            *graph = be.record(&mut || {
+                self.layers(acts, token, position, &mut [SeqRows { kv: &mut *kv, rows: 0..1, pos }]);
+                self.head(&acts.x, normed, logits);
+            });
+        }
+        let logits = be.read(&d.logits);
+        s.advance(1);
+        logits
+    }
+
+    /// The output norm and matrix: `logits` of the rows of `x`.
+    fn head(&self, x: &B::Tensor, normed: &mut B::Tensor, logits: &mut B::Tensor) {
+        let (be, w) = (&self.backend, &self.weights);
+        be.rms_norm(x, &w.output_norm, self.cfg.rms_eps, normed);
+        be.matmul(normed, &mut [(w.output(), logits)]);
+    }
+
+    /// The embeddings of `tokens` through every layer, into `a.x`; `seqs` say which
+    /// rows belong to which cache, `positions` every row's position.
+    fn layers(&self, a: &mut Activations<B>, tokens: &B::Ids, positions: &B::Ids, seqs: &mut [SeqRows<'_, B::KvCache>]) {
+        let (cfg, be, w) = (&self.cfg, &self.backend, &self.weights);
+        let Activations { x, xb, o, q, k, v, att, gate, up } = a;
+        be.embed(&w.token_embd, tokens, cfg.embed_scale, x);
+        let gemma = cfg.arch == Arch::Gemma3;
+        let act = if gemma { Activation::GeluTanh } else { Activation::Silu };
+        for (l, layer) in w.layers.iter().enumerate() {
+            // Attention.
+            be.rms_norm(x, &layer.attn_norm, cfg.rms_eps, xb);
+            be.matmul(xb, &mut [(&layer.wq, q), (&layer.wk, k), (&layer.wv, v)]);
+            let base = if cfg.layer_local[l] { cfg.rope_base_local } else { cfg.rope_base };
+            let rope = Rope { dims: cfg.rope_dim, base, neox: cfg.rope_neox };
+            if let Some(n) = &layer.q_norm {
+                be.rms_norm_groups(q, n, cfg.rms_eps);
+            }
+            be.rope(q, cfg.head_dim, positions, rope);
+            if let Some(n) = &layer.k_norm {
+                be.rms_norm_groups(k, n, cfg.rms_eps);
+            }
+            be.rope(k, cfg.head_dim, positions, rope);
+            // Gemma scales the queries; Llama the scores.
+            let score_scale = if gemma {
+                be.scale(q, cfg.attn_scale);
+                1.0
+            } else {
+                cfg.attn_scale
+            };
+            be.attention(l, seqs, positions, q, k, v, score_scale, att);
+            be.matmul(att, &mut [(&layer.wo, o)]);
+            if let Some(n) = &layer.post_attn_norm {
+                be.rms_norm_groups(o, n, cfg.rms_eps);
+            }
+            be.add(x, o);
+            // Feed-forward.
+            be.rms_norm(x, &layer.ffn_norm, cfg.rms_eps, xb);
+            be.matmul(xb, &mut [(&layer.w_gate, gate), (&layer.w_up, up)]);
+            be.glu(gate, up, act);
+            be.matmul(gate, &mut [(&layer.w_down, o)]);
+            if let Some(n) = &layer.post_ffn_norm {
+                be.rms_norm_groups(o, n, cfg.rms_eps);
+            }
+            be.add(x, o);
+        }
     }
 }
