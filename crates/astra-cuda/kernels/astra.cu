@@ -64,18 +64,14 @@ __device__ __forceinline__ float warp_max(float v) {
 // ---------------------------------------------------------------------------------
 // Activation quantization (bit-identical to astra-quant's quantize_q8_0/q8_1/q8_k).
 
-// One warp per 32-block; grid (blocks per row, rows). Q8_0: d(f16) qs[32];
+// One 32-block quantized by one warp, lane l holding value l: Q8_0: d(f16) qs[32];
 // Q8_1: d(f16) s(f16) qs[32].
-extern "C" __global__ void quantize_q8_32(const float* x, u8* out, int cols, int with_sum) {
-    int b = blockIdx.x, row = blockIdx.y, lane = threadIdx.x;
-    int nb = cols / 32;
-    float v = x[(long)row * cols + b * 32 + lane];
+__device__ __forceinline__ void q8_32_block(float v, u8* blk, int with_sum) {
+    int lane = threadIdx.x % WARP;
     float amax = warp_max(fabsf(v));
     float d = __fdiv_rn(amax, 127.0f);
     float id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
     int q = nearest_int(__fmul_rn(v, id));
-    int bytes = with_sum ? 36 : 34;
-    u8* blk = out + ((long)row * nb + b) * bytes;
     int head = with_sum ? 4 : 2;
     blk[head + lane] = (u8)(i8)q;
     int sum = warp_sum_int(q);
@@ -91,48 +87,49 @@ extern "C" __global__ void quantize_q8_32(const float* x, u8* out, int cols, int
     }
 }
 
-// One 256-thread CTA per 256-block; grid (blocks per row, rows). Q8_K: d(f32) qs[256]
-// bsums[16](i16).
-extern "C" __global__ void quantize_q8_k(const float* x, u8* out, int cols) {
-    __shared__ float s_amax[8];
+// One 256-block quantized by a CTA of 256 threads, thread t holding value t: Q8_K:
+// d(f32) qs[256] bsums[16](i16).
+__device__ void q8_k_block(float v, u8* blk) {
+    __shared__ float s_amax[8], s_val[8];
     __shared__ int s_idx[8];
     __shared__ int s_q[256];
-    int b = blockIdx.x, row = blockIdx.y, t = threadIdx.x;
-    int nb = cols / 256;
-    const float* xb = x + (long)row * cols + b * 256;
-    float v = xb[t];
-    // The first element of the largest magnitude.
-    float a = fabsf(v);
+    int t = threadIdx.x;
+    // The first element of the largest magnitude, and its value.
+    float a = fabsf(v), best_v = v;
     int idx = t;
     for (int o = WARP / 2; o > 0; o >>= 1) {
         float a2 = __shfl_xor_sync(0xffffffffu, a, o);
         int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+        float v2 = __shfl_xor_sync(0xffffffffu, best_v, o);
         if (a2 > a || (a2 == a && i2 < idx)) {
             a = a2;
             idx = i2;
+            best_v = v2;
         }
     }
+    __syncthreads();  // the shared arrays may still be read for the previous block
     if ((t & 31) == 0) {
         s_amax[t / 32] = a;
         s_idx[t / 32] = idx;
+        s_val[t / 32] = best_v;
     }
     __syncthreads();
-    float amax = s_amax[0];
+    float amax = s_amax[0], vmax = s_val[0];
     int best = s_idx[0];
     for (int w = 1; w < 8; w++) {
         if (s_amax[w] > amax || (s_amax[w] == amax && s_idx[w] < best)) {
             amax = s_amax[w];
             best = s_idx[w];
+            vmax = s_val[w];
         }
     }
-    u8* blk = out + ((long)row * nb + b) * 292;
     if (amax == 0.0f) {
         blk[4 + t] = 0;
         if (t < 4) blk[t] = 0;
         if (t < 32) blk[260 + t] = 0;
         return;
     }
-    float iscale = __fdiv_rn(-127.0f, xb[best]);
+    float iscale = __fdiv_rn(-127.0f, vmax);
     int q = min(nearest_int(__fmul_rn(iscale, v)), 127);
     blk[4 + t] = (u8)(i8)q;
     s_q[t] = q;
@@ -152,6 +149,27 @@ extern "C" __global__ void quantize_q8_k(const float* x, u8* out, int cols) {
         blk[2] = (bits >> 16) & 0xff;
         blk[3] = bits >> 24;
     }
+}
+
+__device__ float glu_value(float g, float u, int act);
+
+// The activation quantized is x, or, where `up` is given, the gated product
+// glu_value(x, up, act) (the feed-forward's activation fused into its quantization).
+
+// One warp per 32-block; grid (blocks per row, rows).
+extern "C" __global__ void quantize_q8_32(const float* x, u8* out, int cols, int with_sum, const float* up, int act) {
+    int b = blockIdx.x, row = blockIdx.y, lane = threadIdx.x;
+    long i = (long)row * cols + b * 32 + lane;
+    float v = up ? glu_value(x[i], up[i], act) : x[i];
+    q8_32_block(v, out + ((long)row * (cols / 32) + b) * (with_sum ? 36 : 34), with_sum);
+}
+
+// One 256-thread CTA per 256-block; grid (blocks per row, rows).
+extern "C" __global__ void quantize_q8_k(const float* x, u8* out, int cols, const float* up, int act) {
+    int b = blockIdx.x, row = blockIdx.y;
+    long i = (long)row * cols + b * 256 + threadIdx.x;
+    float v = up ? glu_value(x[i], up[i], act) : x[i];
+    q8_k_block(v, out + ((long)row * (cols / 256) + b) * 292);
 }
 
 // ---------------------------------------------------------------------------------
@@ -294,9 +312,15 @@ __device__ __forceinline__ float blk_iq2_s(const u8* w, const u8* a) {
     return (float)isum * (ldh(w) * ldf(a)) * 0.125f;
 }
 
+// Stores a matrix kernel's result, or adds it to what is there (the residual add
+// fused into the product: the same single rounding as a separate add).
+__device__ __forceinline__ void put(float* out, long i, float v, int acc) {
+    out[i] = acc ? __fadd_rn(out[i], v) : v;
+}
+
 // out[t * rows + r] = Σ_b block(w[r][b], a[t][b]): one warp per weight row, lanes over
 // its blocks; grid (ceil(rows / 4), tokens), 128 threads.
-extern "C" __global__ void matvec(int type, const u8* w, const u8* a, float* out, int rows, int nb, int wbytes, int abytes) {
+extern "C" __global__ void matvec(int type, const u8* w, const u8* a, float* out, int rows, int nb, int wbytes, int abytes, int acc) {
     int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     int r = blockIdx.x * 4 + warp;
     int t = blockIdx.y;
@@ -318,7 +342,7 @@ extern "C" __global__ void matvec(int type, const u8* w, const u8* a, float* out
         }
     }
     float total = warp_sum(sum) + warp_sum(mins);
-    if (lane == 0) out[(long)t * rows + r] = total;
+    if (lane == 0) put(out, (long)t * rows + r, total, acc);
 }
 
 // Σ of four signed byte products, added to c.
@@ -333,17 +357,18 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
 // and width against the same activations (Q, K and V; gate and up) in one grid whose
 // blocks cover the three matrices' rows in turn. A row is computed the same way in both.
 #define MATVEC_KERNELS(name)                                                                   \
-    extern "C" __global__ void name(const u8* w, const u8* a, float* out, int rows, int nb) {  \
+    extern "C" __global__ void name(const u8* w, const u8* a, float* out, int rows, int nb,    \
+                                    int acc) {                                                  \
         int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
-        if (r < rows) name##_row(w, a, out, rows, nb, r);                                       \
+        if (r < rows) name##_row(w, a, out, rows, nb, r, acc);                                  \
     }                                                                                           \
     extern "C" __global__ void name##_3(const u8* w0, const u8* w1, const u8* w2, const u8* a,  \
                                         float* o0, float* o1, float* o2, int r0, int r1, int r2, \
                                         int nb) {                                               \
         int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
-        if (r < r0) name##_row(w0, a, o0, r0, nb, r);                                           \
-        else if (r < r0 + r1) name##_row(w1, a, o1, r1, nb, r - r0);                            \
-        else if (r < r0 + r1 + r2) name##_row(w2, a, o2, r2, nb, r - r0 - r1);                  \
+        if (r < r0) name##_row(w0, a, o0, r0, nb, r, 0);                                        \
+        else if (r < r0 + r1) name##_row(w1, a, o1, r1, nb, r - r0, 0);                         \
+        else if (r < r0 + r1 + r2) name##_row(w2, a, o2, r2, nb, r - r0 - r1, 0);               \
     }
 
 // Q4_K × Q8_K, eight lanes per 256-block and four blocks per warp step: lane p of a
@@ -352,7 +377,7 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
 // c = p / 2) and also takes group p's minimum. Rows are 16-byte aligned (144-byte
 // blocks); activation blocks (292 bytes) are read as 4-byte words.
 // One warp per row; grid (ceil(rows / 4), tokens), 128 threads.
-__device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r) {
+__device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc) {
     int lane = threadIdx.x % WARP;
     int t = blockIdx.y;
     const u8* wr = w + (long)r * nb * 144;
@@ -382,7 +407,7 @@ __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float*
         sum += (float)(sc_lo * dlo + sc_hi * dhi) * (ldh(wb) * da) - (float)msum * (ldh(wb + 2) * da);
     }
     sum = warp_sum(sum);
-    if (lane == 0) out[(long)t * rows + r] = sum;
+    if (lane == 0) put(out, (long)t * rows + r, sum, acc);
 }
 MATVEC_KERNELS(matvec_q4_k)
 
@@ -399,7 +424,7 @@ __device__ __forceinline__ int ld4_2(const u8* p) {
 // 16-weight halves take scales 8(p/4) + 2(p%4) and + 1. The eight lanes' integer sums
 // are added exactly (shuffles) before the block's one float product. Blocks (210
 // bytes) are 2-byte aligned; activation blocks (292 bytes) 4-byte aligned.
-__device__ __forceinline__ void matvec_q6_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r) {
+__device__ __forceinline__ void matvec_q6_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc) {
     int lane = threadIdx.x % WARP;
     int t = blockIdx.y;
     const u8* wr = w + (long)r * nb * 210;
@@ -434,7 +459,7 @@ __device__ __forceinline__ void matvec_q6_k_row(const u8* w, const u8* a, float*
         if (b < nb && p == 0) sum += (float)part * (ldh(wr + (long)b * 210 + 208) * ldf(at + (long)b * 292));
     }
     sum = warp_sum(sum);
-    if (lane == 0) out[(long)t * rows + r] = sum;
+    if (lane == 0) put(out, (long)t * rows + r, sum, acc);
 }
 MATVEC_KERNELS(matvec_q6_k)
 
@@ -442,7 +467,7 @@ MATVEC_KERNELS(matvec_q6_k)
 // quant bytes 4p..4p+3 (weights 4p + i in the low nibbles, 16 + 4p + i in the high);
 // lane 0 of each block adds the minimum's term. Blocks (20 and 36 bytes) are 4-byte
 // aligned. One warp per row; grid (ceil(rows / 4), tokens), 128 threads.
-__device__ __forceinline__ void matvec_q4_1_row(const u8* w, const u8* a, float* out, int rows, int nb, int r) {
+__device__ __forceinline__ void matvec_q4_1_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc) {
     int lane = threadIdx.x % WARP;
     int t = blockIdx.y;
     const u8* wr = w + (long)r * nb * 20;
@@ -460,14 +485,14 @@ __device__ __forceinline__ void matvec_q4_1_row(const u8* w, const u8* a, float*
         if (p == 0) mins += ldh(wb + 2) * ldh(ab + 2);
     }
     float total = warp_sum(sum) + warp_sum(mins);
-    if (lane == 0) out[(long)t * rows + r] = total;
+    if (lane == 0) put(out, (long)t * rows + r, total, acc);
 }
 MATVEC_KERNELS(matvec_q4_1)
 
 // Q5_0 × Q8_0, four lanes per 32-block and eight blocks per warp step: lane p takes
 // weights 4p + i and 16 + 4p + i, their fifth bits from qh; codes are offset by -16 into
 // signed bytes. Blocks (22 and 34 bytes) are 2-byte aligned.
-__device__ __forceinline__ void matvec_q5_0_row(const u8* w, const u8* a, float* out, int rows, int nb, int r) {
+__device__ __forceinline__ void matvec_q5_0_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc) {
     int lane = threadIdx.x % WARP;
     int t = blockIdx.y;
     const u8* wr = w + (long)r * nb * 22;
@@ -494,7 +519,7 @@ __device__ __forceinline__ void matvec_q5_0_row(const u8* w, const u8* a, float*
         sum += (float)isum * (ldh(wb) * ldh(ab));
     }
     sum = warp_sum(sum);
-    if (lane == 0) out[(long)t * rows + r] = sum;
+    if (lane == 0) put(out, (long)t * rows + r, sum, acc);
 }
 MATVEC_KERNELS(matvec_q5_0)
 
@@ -508,7 +533,7 @@ __device__ __forceinline__ void q8_words(const u8* blk, int* out) {
 
 // Q8_0 × Q8_0, a lane per block: the warp reads 32 consecutive blocks (1088 bytes)
 // with 16-bit loads. One warp per row; grid (ceil(rows / 4), tokens), 128 threads.
-__device__ __forceinline__ void matvec_q8_0_row(const u8* w, const u8* a, float* out, int rows, int nb, int r) {
+__device__ __forceinline__ void matvec_q8_0_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc) {
     int lane = threadIdx.x % WARP;
     int t = blockIdx.y;
     const u8* wr = w + (long)r * nb * 34;
@@ -527,7 +552,7 @@ __device__ __forceinline__ void matvec_q8_0_row(const u8* w, const u8* a, float*
         sum += (float)isum * (dw * dy);
     }
     sum = warp_sum(sum);
-    if (lane == 0) out[(long)t * rows + r] = sum;
+    if (lane == 0) put(out, (long)t * rows + r, sum, acc);
 }
 MATVEC_KERNELS(matvec_q8_0)
 
@@ -606,23 +631,39 @@ extern "C" __global__ void embed(int type, const u8* table, const unsigned int* 
 // ---------------------------------------------------------------------------------
 // Row operations.
 
-// RMSNorm of each group of n values (a row, or a head): one CTA of 256 threads per
-// group; the sum of squares in f64 as the CPU engine sums it. In place when x == out
-// (each element is read by the thread that writes it, after the reduction).
-__device__ void rms_norm_group(const float* x, const float* w, float* out, int n, float eps) {
+// The RMSNorm scale 1/sqrt(mean(x²) + eps) of the n values at xg, computed by the
+// whole CTA (blockDim.x a multiple of 32, at most 256): each thread's squares summed in
+// f64, then the warps' sums in order, as the CPU engine sums them in f64. With n ≤
+// blockDim.x every thread holds at most one value, so the sum (and the scale) is the
+// same for any such CTA size.
+__device__ float rms_finish(double s, int n, float eps) {
     __shared__ double part[8];
-    const float* xg = x + (long)blockIdx.x * n;
-    float* og = out + (long)blockIdx.x * n;
-    double s = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) s += (double)xg[i] * (double)xg[i];
     for (int o = WARP / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    __syncthreads();  // part may still be read by a previous call
     if (threadIdx.x % WARP == 0) part[threadIdx.x / WARP] = s;
     __syncthreads();
     double total = 0.0;
     for (int i = 0; i < (int)(blockDim.x / WARP); i++) total += part[i];
     float mean = (float)(total / (double)n);
-    float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
-    for (int i = threadIdx.x; i < n; i += blockDim.x) og[i] = __fmul_rn(__fmul_rn(xg[i], scale), w[i]);
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+}
+
+__device__ float rms_scale(const float* xg, int n, float eps) {
+    double s = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += (double)xg[i] * (double)xg[i];
+    return rms_finish(s, n, eps);
+}
+
+__device__ __forceinline__ float normed(float x, float scale, float w) { return __fmul_rn(__fmul_rn(x, scale), w); }
+
+// RMSNorm of each group of n values (a row, or a head): one CTA of 256 threads per
+// group. In place when x == out (each element is read by the thread that writes it,
+// after the reduction).
+__device__ void rms_norm_group(const float* x, const float* w, float* out, int n, float eps) {
+    const float* xg = x + (long)blockIdx.x * n;
+    float* og = out + (long)blockIdx.x * n;
+    float scale = rms_scale(xg, n, eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) og[i] = normed(xg[i], scale, w[i]);
 }
 
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int n, float eps) {
@@ -633,21 +674,99 @@ extern "C" __global__ void rms_norm_inplace(float* x, const float* w, int n, flo
     rms_norm_group(x, w, x, n, eps);
 }
 
-// RoPE on the first `dims` values of each head: pairs (2i, 2i+1), or (i, i + dims/2)
-// for NeoX. theta = pos · theta_scale^i by repeated multiplication, as ggml builds it.
-// grid (heads per row, rows), dims/2 threads.
-extern "C" __global__ void rope(float* x, const unsigned int* positions, int width, int head_dim, int dims, float theta_scale, int neox) {
-    int i = threadIdx.x, head = blockIdx.x, row = blockIdx.y;
+// x += rms_norm(o) · w per row of n (Gemma's post-norms and the residual add in one
+// pass, the same two roundings as apart); grid (rows), 256 threads.
+extern "C" __global__ void rms_norm_add(const float* o, const float* w, float* x, int n, float eps) {
+    const float* og = o + (long)blockIdx.x * n;
+    float* xg = x + (long)blockIdx.x * n;
+    float scale = rms_scale(og, n, eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) xg[i] = __fadd_rn(xg[i], normed(og[i], scale, w[i]));
+}
+
+// One normalized value of rms_norm_quantize quantized: element i of the row, in the
+// 256-element step j.
+__device__ __forceinline__ void norm_quantize_at(float v, u8* out, int n, int i, int j, int kind) {
+    if (kind == 2) {
+        q8_k_block(v, out + ((long)blockIdx.x * (n / 256) + j) * 292);
+    } else if (256 * j + (threadIdx.x / WARP) * WARP < n) {  // whole warps: n is a multiple of 32
+        q8_32_block(v, out + ((long)blockIdx.x * (n / 32) + i / 32) * (kind == 1 ? 36 : 34), kind);
+    }
+}
+
+// A row's RMSNorm quantized for a matrix product, the normalized row never stored:
+// kind 0 Q8_0, 1 Q8_1 (a warp per 32-block), 2 Q8_K (the CTA per 256-block, n a
+// multiple of 256). Rows of up to 2,048 values are read once, into registers, before
+// the reduction. grid (rows), 256 threads.
+extern "C" __global__ void rms_norm_quantize(const float* x, const float* w, u8* out, int n, float eps, int kind) {
+    const int R = 8;
+    const float* xg = x + (long)blockIdx.x * n;
+    int t = threadIdx.x;
+    if (n > 256 * R) {
+        float scale = rms_scale(xg, n, eps);
+        for (int j = 0; 256 * j < n; j++) {
+            int i = 256 * j + t;
+            norm_quantize_at(i < n ? normed(xg[i], scale, w[i]) : 0.0f, out, n, i, j, kind);
+        }
+        return;
+    }
+    float xv[R], wv[R];
+    double s = 0.0;
+#pragma unroll
+    for (int j = 0; j < R; j++) {
+        int i = 256 * j + t;
+        xv[j] = i < n ? xg[i] : 0.0f;
+        wv[j] = i < n ? w[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < R; j++)
+        if (256 * j + t < n) s += (double)xv[j] * (double)xv[j];
+    float scale = rms_finish(s, n, eps);
+#pragma unroll
+    for (int j = 0; j < R; j++)
+        if (256 * j < n) norm_quantize_at(normed(xv[j], scale, wv[j]), out, n, 256 * j + t, j, kind);
+}
+
+// RoPE on the first `dims` values of a head h: pairs (2i, 2i+1), or (i, i + dims/2)
+// for NeoX; thread i < dims/2 rotates pair i. theta = pos · theta_scale^i by repeated
+// multiplication, as ggml builds it.
+__device__ __forceinline__ void rope_pair(float* h, unsigned int pos, int dims, float theta_scale, int neox) {
+    int i = threadIdx.x;
     if (i >= dims / 2) return;
-    float theta = (float)positions[row];
+    float theta = (float)pos;
     for (int k = 0; k < i; k++) theta = __fmul_rn(theta, theta_scale);
     float s, c;
     sincosf(theta, &s, &c);
-    float* h = x + (long)row * width + head * head_dim;
     int a = neox ? i : 2 * i, b = neox ? i + dims / 2 : 2 * i + 1;
     float x0 = h[a], x1 = h[b];
     h[a] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
     h[b] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+}
+
+// grid (heads per row, rows), dims/2 threads.
+extern "C" __global__ void rope(float* x, const unsigned int* positions, int width, int head_dim, int dims, float theta_scale, int neox) {
+    rope_pair(x + (long)blockIdx.y * width + blockIdx.x * head_dim, positions[blockIdx.y], dims, theta_scale, neox);
+}
+
+// Queries and keys made ready for attention in one launch: each head of q (n_q heads)
+// and of k is RMS-normed where its norm weights are given (Gemma's QK-norm), rotated,
+// and the queries scaled where q_scale ≠ 0 — each step the arithmetic of its own
+// kernel. grid (n_q + n_k heads, rows), head_dim rounded up to a warp threads (≤ 256).
+extern "C" __global__ void qk_rope(float* q, float* k, const float* q_norm, const float* k_norm, const unsigned int* positions,
+                                   int n_q, int n_k, int head_dim, int dims, float theta_scale, int neox, float eps, float q_scale) {
+    int head = blockIdx.x, row = blockIdx.y, t = threadIdx.x;
+    bool is_q = head < n_q;
+    float* h = is_q ? q + ((long)row * n_q + head) * head_dim : k + ((long)row * n_k + head - n_q) * head_dim;
+    const float* w = is_q ? q_norm : k_norm;
+    if (w) {
+        float scale = rms_scale(h, head_dim, eps);
+        if (t < head_dim) h[t] = normed(h[t], scale, w[t]);
+        __syncthreads();
+    }
+    rope_pair(h, positions[row], dims, theta_scale, neox);
+    if (is_q && q_scale != 0.0f) {
+        __syncthreads();
+        if (t < head_dim) h[t] = __fmul_rn(h[t], q_scale);
+    }
 }
 
 extern "C" __global__ void scale(float* x, long n, float s) {
@@ -677,12 +796,9 @@ __device__ __forceinline__ float exp_approx(float x) {
     return __fmul_rn(e, __int_as_float(((int)n + 127) << 23));
 }
 
-// gate = act(gate) · up; act 0: SiLU x / (1 + e^-x), 1: GELU (tanh approximation) as
+// act(g) · u; act 0: SiLU x / (1 + e^-x), 1: GELU (tanh approximation) as
 // x / (1 + e^(-2u)), u = sqrt(2/pi)·x·(1 + 0.044715·x²).
-extern "C" __global__ void glu(float* gate, const float* up, long n, int act) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float g = gate[i];
+__device__ float glu_value(float g, float u, int act) {
     float a;
     if (act == 0) {
         a = __fdiv_rn(g, __fadd_rn(1.0f, exp_approx(-g)));
@@ -690,7 +806,13 @@ extern "C" __global__ void glu(float* gate, const float* up, long n, int act) {
         float inner = __fmul_rn(__fmul_rn(0.7978846f, g), __fadd_rn(1.0f, __fmul_rn(__fmul_rn(0.044715f, g), g)));
         a = __fdiv_rn(g, __fadd_rn(1.0f, exp_approx(__fmul_rn(-2.0f, inner))));
     }
-    gate[i] = __fmul_rn(a, up[i]);
+    return __fmul_rn(a, u);
+}
+
+// gate = act(gate) · up.
+extern "C" __global__ void glu(float* gate, const float* up, long n, int act) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) gate[i] = glu_value(gate[i], up[i], act);
 }
 
 // out row i = x row rows[i].
@@ -733,6 +855,7 @@ __device__ void attend(const float* q, const u16* kc, const u16* vc, float* out,
     __shared__ float sq[Q][MAX_HEAD_DIM];
     __shared__ float sp[Q][CHUNK];
     __shared__ float red[Q][CHUNK];
+    __shared__ __align__(16) u16 sv[CHUNK][MAX_HEAD_DIM];
     const int per = MAX_HEAD_DIM / CHUNK;
     int h = blockIdx.x, t = threadIdx.x, i0 = blockIdx.y * Q;
     int nq = min(Q, rows - i0);
@@ -767,13 +890,47 @@ __device__ void attend(const float* q, const u16* kc, const u16* vc, float* out,
         int p = c * CHUNK + t;
         float s[Q];
         for (int iq = 0; iq < Q; iq++) s[iq] = NEG_INF;
+        // The chunk's value rows into shared memory, thread t taking key t's row, so
+        // that their loads are in flight together (read after the reductions below).
+        if (p >= ulo && p <= uhi) {
+            const u16* vr = vh + (long)(p % slots) * head_dim;
+            if (head_dim % 8 == 0) {
+#pragma unroll 8
+                for (int d8 = 0; d8 < head_dim / 8; d8++) ((uint4*)sv[t])[d8] = ((const uint4*)vr)[d8];
+            } else {
+                for (int d = 0; d < head_dim; d++) sv[t][d] = vr[d];
+            }
+        }
         if (p >= ulo && p <= uhi) {
             const u16* kr = kh + (long)(p % slots) * head_dim;
             float dot[Q];
             for (int iq = 0; iq < Q; iq++) dot[iq] = 0.0f;
-            for (int d = 0; d < head_dim; d++) {
-                float kd = h2f(kr[d]);
-                for (int iq = 0; iq < Q; iq++) dot[iq] = __fadd_rn(dot[iq], __fmul_rn(sq[iq][d], kd));
+            if (head_dim % 8 == 0) {
+                // The key row in 16-byte loads, eight at a time in flight; the sums in
+                // the order of d as below.
+                const uint4* kr4 = (const uint4*)kr;
+                for (int d8 = 0; d8 < head_dim / 8; d8 += 8) {
+                    uint4 w[8];
+#pragma unroll
+                    for (int u = 0; u < 8; u++)
+                        if (d8 + u < head_dim / 8) w[u] = kr4[d8 + u];
+#pragma unroll
+                    for (int u = 0; u < 8; u++) {
+                        if (d8 + u >= head_dim / 8) break;
+                        unsigned int hw[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+                        for (int e = 0; e < 8; e++) {
+                            float kd = h2f((u16)(hw[e / 2] >> (16 * (e % 2))));
+                            int d = 8 * (d8 + u) + e;
+                            for (int iq = 0; iq < Q; iq++) dot[iq] = __fadd_rn(dot[iq], __fmul_rn(sq[iq][d], kd));
+                        }
+                    }
+                }
+            } else {
+                for (int d = 0; d < head_dim; d++) {
+                    float kd = h2f(kr[d]);
+                    for (int iq = 0; iq < Q; iq++) dot[iq] = __fadd_rn(dot[iq], __fmul_rn(sq[iq][d], kd));
+                }
             }
             for (int iq = 0; iq < Q; iq++)
                 if (on[iq] && p >= lo[iq] && p <= hi[iq]) s[iq] = __fmul_rn(dot[iq], scale);
@@ -811,8 +968,9 @@ __device__ void attend(const float* q, const u16* kc, const u16* vc, float* out,
             if (d >= head_dim) break;
             float cacc[Q];
             for (int iq = 0; iq < Q; iq++) cacc[iq] = 0.0f;
+#pragma unroll 4
             for (int pp = ulo; pp <= uhi; pp++) {
-                float vd = h2f(vh[(long)(pp % slots) * head_dim + d]);
+                float vd = h2f(sv[pp - c * CHUNK][d]);
                 for (int iq = 0; iq < Q; iq++)
                     if (pp >= lo[iq] && pp <= hi[iq]) cacc[iq] = __fmaf_rn(sp[iq][pp - c * CHUNK], vd, cacc[iq]);
             }

@@ -6,14 +6,14 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use astra_engine::backend::{Activation, Backend, Rope, SeqRows};
+use astra_engine::backend::{Activation, Backend, Input, Rope, SeqRows};
 use astra_engine::weights::MatRef;
 use astra_engine::attention::{KvLayout, LayerSlots, CHUNK};
 use astra_engine::EngineError;
 use astra_gguf::{GgmlType, GgufFile};
 use astra_quant::ActType;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::nvrtc;
 
@@ -35,6 +35,9 @@ struct Kernels {
     embed: CudaFunction,
     rms_norm: CudaFunction,
     rms_norm_inplace: CudaFunction,
+    rms_norm_add: CudaFunction,
+    rms_norm_quantize: CudaFunction,
+    qk_rope: CudaFunction,
     rope: CudaFunction,
     scale: CudaFunction,
     add: CudaFunction,
@@ -165,6 +168,9 @@ impl CudaBackend {
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
             rms_norm_inplace: f("rms_norm_inplace")?,
+            rms_norm_add: f("rms_norm_add")?,
+            rms_norm_quantize: f("rms_norm_quantize")?,
+            qk_rope: f("qk_rope")?,
             rope: f("rope")?,
             scale: f("scale")?,
             add: f("add")?,
@@ -199,10 +205,11 @@ impl CudaBackend {
         self.stream.clone_htod(v).expect("CUDA upload")
     }
 
-    /// Quantizes `x`'s rows for the activation type `act` into `scratch`, grown if it
-    /// is too small; `false` (nothing launched) where it would have to grow during a
-    /// capture.
-    fn quantize(&self, x: &GpuTensor, act: ActType, scratch: &mut Scratch) -> bool {
+    /// Makes `input`'s rows, quantized for the activation type `act`, in `scratch`
+    /// (grown if too small); `false` (nothing launched) where it would have to grow
+    /// during a capture. Norm and gated product are computed inside the quantization.
+    fn quantize(&self, input: &Input<'_, Self>, act: ActType, scratch: &mut Scratch) -> bool {
+        let x = input_rows(input);
         let row_bytes = act.row_bytes(x.width).expect("a whole number of blocks");
         let need = row_bytes * x.rows;
         if scratch.buf.as_ref().is_none_or(|b| b.len() < need) {
@@ -216,18 +223,39 @@ impl CudaBackend {
         }
         let out = scratch.buf.as_mut().expect("just made");
         let (cols, rows) = (x.width as i32, x.rows as u32);
+        if let Input::Normed { w, eps, .. } = input {
+            let kind = match act {
+                ActType::Q8_0 => 0i32,
+                ActType::Q8_1 => 1,
+                ActType::Q8K => 2,
+                ActType::F32 => unreachable!("float weights are not uploaded to this backend"),
+            };
+            let cfg = LaunchConfig { grid_dim: (rows, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+            let mut b = self.stream.launch_builder(&self.k.rms_norm_quantize);
+            b.arg(&x.buf).arg(*w).arg(out).arg(&cols).arg(eps).arg(&kind);
+            self.launch(b, cfg);
+            return true;
+        }
+        // The gated product's second operand and activation, or none.
+        let (up, glu) = match input {
+            Input::Glu { up, act, .. } => {
+                let (ptr, _sync) = up.buf.device_ptr(&self.stream);
+                (ptr, glu_code(*act))
+            }
+            _ => (0u64, 0i32),
+        };
         match act {
             ActType::Q8_0 | ActType::Q8_1 => {
                 let with_sum = i32::from(act == ActType::Q8_1);
                 let cfg = LaunchConfig { grid_dim: (x.width as u32 / 32, rows, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
                 let mut b = self.stream.launch_builder(&self.k.quantize_q8_32);
-                b.arg(&x.buf).arg(out).arg(&cols).arg(&with_sum);
+                b.arg(&x.buf).arg(out).arg(&cols).arg(&with_sum).arg(&up).arg(&glu);
                 self.launch(b, cfg);
             }
             ActType::Q8K => {
                 let cfg = LaunchConfig { grid_dim: (x.width as u32 / 256, rows, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
                 let mut b = self.stream.launch_builder(&self.k.quantize_q8_k);
-                b.arg(&x.buf).arg(out).arg(&cols);
+                b.arg(&x.buf).arg(out).arg(&cols).arg(&up).arg(&glu);
                 self.launch(b, cfg);
             }
             ActType::F32 => unreachable!("float weights are not uploaded to this backend"),
@@ -251,6 +279,22 @@ impl CudaBackend {
 /// The ggml type id the kernels switch on.
 fn type_code(ty: GgmlType) -> i32 {
     ty as i32
+}
+
+/// The tensor an [`Input`] makes its rows from (their count and width).
+fn input_rows<'a>(input: &'a Input<'_, CudaBackend>) -> &'a GpuTensor {
+    match input {
+        Input::Rows(x) | Input::Normed { x, .. } => x,
+        Input::Glu { gate, .. } => gate,
+    }
+}
+
+/// The kernels' code for a gated product's activation.
+fn glu_code(act: Activation) -> i32 {
+    match act {
+        Activation::Silu => 0,
+        Activation::GeluTanh => 1,
+    }
 }
 
 /// The matrix kernels' launch: a warp per output row (four per block of 128 threads),
@@ -367,19 +411,27 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, x: &GpuTensor, outs: &mut [(&GpuMatrix, &mut GpuTensor)]) {
+        self.product(Input::Rows(x), outs, None);
+    }
+
+    fn product(&self, input: Input<'_, Self>, outs: &mut [(&GpuMatrix, &mut GpuTensor)], mut add_to: Option<&mut GpuTensor>) {
+        assert!(add_to.is_none() || outs.len() == 1, "a residual add takes one matrix");
+        let tokens = input_rows(&input).rows;
         let mut scratch = self.acts.lock().expect("scratch lock");
         let mut quantized: Option<ActType> = None;
         let mut i = 0;
         while i < outs.len() {
             let w = outs[i].0;
             if quantized != Some(w.act) {
-                if !self.quantize(x, w.act, &mut scratch) {
+                if !self.quantize(&input, w.act, &mut scratch) {
                     return;
                 }
                 quantized = Some(w.act);
             }
             let acts = scratch.buf.as_ref().expect("quantized above");
             let nb = (w.cols / w.ty.block_elems() as usize) as i32;
+            // With a residual, the product is added to it in place.
+            let acc = i32::from(add_to.is_some());
             // Warp-cooperative kernels where there is one; a lane per block otherwise.
             let special = match w.ty {
                 GgmlType::Q4_K => Some(&self.k.matvec_q4_k),
@@ -392,9 +444,13 @@ impl Backend for CudaBackend {
             let Some((one, three)) = special else {
                 let (wbytes, abytes) = (w.ty.block_bytes() as i32, w.act.ggml_type().block_bytes() as i32);
                 let (ty, rows) = (type_code(w.ty), w.rows as i32);
-                let cfg = matvec_grid(w.rows, x.rows);
+                let cfg = matvec_grid(w.rows, tokens);
+                let out = match add_to.as_deref_mut() {
+                    Some(r) => &mut r.buf,
+                    None => &mut outs[i].1.buf,
+                };
                 let mut b = self.stream.launch_builder(&self.k.matvec);
-                b.arg(&ty).arg(&w.data).arg(acts).arg(&mut outs[i].1.buf).arg(&rows).arg(&nb).arg(&wbytes).arg(&abytes);
+                b.arg(&ty).arg(&w.data).arg(acts).arg(out).arg(&rows).arg(&nb).arg(&wbytes).arg(&abytes).arg(&acc);
                 self.launch(b, cfg);
                 i += 1;
                 continue;
@@ -404,16 +460,20 @@ impl Backend for CudaBackend {
             let n = outs[i..].iter().take(3).take_while(|(m, _)| m.ty == w.ty && m.cols == w.cols).count();
             if n == 1 {
                 let rows = w.rows as i32;
-                let cfg = matvec_grid(w.rows, x.rows);
+                let cfg = matvec_grid(w.rows, tokens);
+                let out = match add_to.as_deref_mut() {
+                    Some(r) => &mut r.buf,
+                    None => &mut outs[i].1.buf,
+                };
                 let mut b = self.stream.launch_builder(one);
-                b.arg(&w.data).arg(acts).arg(&mut outs[i].1.buf).arg(&rows).arg(&nb);
+                b.arg(&w.data).arg(acts).arg(out).arg(&rows).arg(&nb).arg(&acc);
                 self.launch(b, cfg);
                 i += 1;
                 continue;
             }
             let group = &mut outs[i..i + n];
             let rows: Vec<i32> = (0..3).map(|j| group.get(j).map_or(0, |(m, _)| m.rows as i32)).collect();
-            let cfg = matvec_grid(rows.iter().map(|&r| r as usize).sum(), x.rows);
+            let cfg = matvec_grid(rows.iter().map(|&r| r as usize).sum(), tokens);
             // With two matrices the third slot repeats the second's pointers; it has no
             // rows, so they are never used.
             let weights: Vec<&CudaSlice<u8>> = (0..3).map(|j| &group[j.min(n - 1)].0.data).collect();
@@ -429,6 +489,44 @@ impl Backend for CudaBackend {
             self.launch(b, cfg);
             i += n;
         }
+    }
+
+    fn norm_add(&self, o: &mut GpuTensor, w: &CudaSlice<f32>, eps: f32, x: &mut GpuTensor) {
+        if w.len() != o.width {
+            // Per-head groups: as composed.
+            self.rms_norm_groups(o, w, eps);
+            self.add(x, o);
+            return;
+        }
+        let n = o.width as i32;
+        let cfg = LaunchConfig { grid_dim: (o.rows as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.k.rms_norm_add);
+        b.arg(&o.buf).arg(w).arg(&mut x.buf).arg(&n).arg(&eps);
+        self.launch(b, cfg);
+    }
+
+    fn qk_rope(
+        &self,
+        q: &mut GpuTensor,
+        k: &mut GpuTensor,
+        norms: (Option<&CudaSlice<f32>>, Option<&CudaSlice<f32>>),
+        eps: f32,
+        head_dim: usize,
+        positions: &CudaSlice<u32>,
+        r: Rope,
+        q_scale: Option<f32>,
+    ) {
+        let ptr = |v: Option<&CudaSlice<f32>>| v.map_or(0u64, |v| v.device_ptr(&self.stream).0);
+        let (qn, kn) = (ptr(norms.0), ptr(norms.1));
+        let theta_scale = r.base.powf(-2.0 / r.dims as f32);
+        let (n_q, n_k) = ((q.width / head_dim) as i32, (k.width / head_dim) as i32);
+        let (hd, dims, neox, qs) = (head_dim as i32, r.dims as i32, i32::from(r.neox), q_scale.unwrap_or(0.0));
+        let threads = (head_dim as u32).div_ceil(32) * 32;
+        let cfg = LaunchConfig { grid_dim: ((n_q + n_k) as u32, q.rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.k.qk_rope);
+        b.arg(&mut q.buf).arg(&mut k.buf).arg(&qn).arg(&kn).arg(positions);
+        b.arg(&n_q).arg(&n_k).arg(&hd).arg(&dims).arg(&theta_scale).arg(&neox).arg(&eps).arg(&qs);
+        self.launch(b, cfg);
     }
 
     fn ids(&self, v: &[u32]) -> CudaSlice<u32> {
@@ -465,10 +563,7 @@ impl Backend for CudaBackend {
 
     fn glu(&self, gate: &mut GpuTensor, up: &GpuTensor, act: Activation) {
         let n = (gate.rows * gate.width) as i64;
-        let a = match act {
-            Activation::Silu => 0i32,
-            Activation::GeluTanh => 1,
-        };
+        let a = glu_code(act);
         let mut b = self.stream.launch_builder(&self.k.glu);
         b.arg(&mut gate.buf).arg(&up.buf).arg(&n).arg(&a);
         self.launch(b, grid_for(n as usize));
@@ -562,7 +657,7 @@ mod tests {
         let t = gpu.tensor_from(&x, cols);
         for act in [ActType::Q8_0, ActType::Q8_1, ActType::Q8K] {
             let mut scratch = Scratch { buf: None, generation: 0 };
-            assert!(gpu.quantize(&t, act, &mut scratch));
+            assert!(gpu.quantize(&Input::Rows(&t), act, &mut scratch));
             let rb = act.row_bytes(cols).unwrap();
             let mut got = gpu.stream.clone_dtoh(scratch.buf.as_ref().unwrap()).unwrap();
             got.truncate(3 * rb);

@@ -36,6 +36,17 @@ pub struct Rope {
     pub neox: bool,
 }
 
+/// The rows a matrix product takes, made by the steps before it that a backend may
+/// fuse into the product ([`Backend::product`]).
+pub enum Input<'a, B: Backend> {
+    /// The rows of a tensor.
+    Rows(&'a B::Tensor),
+    /// `rms_norm(x) · w`, which a backend may write to `normed` or not at all.
+    Normed { x: &'a B::Tensor, w: &'a B::Vector, eps: f32, normed: &'a mut B::Tensor },
+    /// `act(gate) · up`, which a backend may write over `gate` or not at all.
+    Glu { gate: &'a mut B::Tensor, up: &'a B::Tensor, act: Activation },
+}
+
 /// One sequence's part of a batch: rows `rows` of the batch's tensors are its tokens at
 /// positions `pos`, `pos + 1`, …, and `kv` is its cache.
 pub struct SeqRows<'a, K> {
@@ -121,6 +132,64 @@ pub trait Backend: Send + Sync + Sized + 'static {
         scale: f32,
         out: &mut Self::Tensor,
     );
+
+    /// A matrix product with the steps around it, which a backend may fuse: the rows
+    /// `input` makes, times each matrix of `outs`; with `add_to` (one matrix only) the
+    /// product is added to that tensor (the residual) and `outs`' tensor is left as
+    /// scratch. As composed from the ops above, with the same results.
+    fn product(&self, input: Input<'_, Self>, outs: &mut [(&Self::Matrix, &mut Self::Tensor)], add_to: Option<&mut Self::Tensor>) {
+        let x: &Self::Tensor = match input {
+            Input::Rows(x) => x,
+            Input::Normed { x, w, eps, normed } => {
+                self.rms_norm(x, w, eps, normed);
+                normed
+            }
+            Input::Glu { gate, up, act } => {
+                self.glu(gate, up, act);
+                gate
+            }
+        };
+        self.matmul(x, outs);
+        if let Some(residual) = add_to {
+            let [(_, out)] = outs else { panic!("a residual add takes one matrix") };
+            self.add(residual, out);
+        }
+    }
+
+    /// `x += rms_norm(o) · w` per row (a post-norm and the residual add); `o` may be
+    /// normed in place.
+    fn norm_add(&self, o: &mut Self::Tensor, w: &Self::Vector, eps: f32, x: &mut Self::Tensor) {
+        self.rms_norm_groups(o, w, eps);
+        self.add(x, o);
+    }
+
+    /// Queries and keys made ready for attention: each head RMS-normed where norm
+    /// weights are given, rotated at its row's position, and the queries scaled by
+    /// `q_scale` where given.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_rope(
+        &self,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        norms: (Option<&Self::Vector>, Option<&Self::Vector>),
+        eps: f32,
+        head_dim: usize,
+        positions: &Self::Ids,
+        rope: Rope,
+        q_scale: Option<f32>,
+    ) {
+        if let Some(n) = norms.0 {
+            self.rms_norm_groups(q, n, eps);
+        }
+        self.rope(q, head_dim, positions, rope);
+        if let Some(n) = norms.1 {
+            self.rms_norm_groups(k, n, eps);
+        }
+        self.rope(k, head_dim, positions, rope);
+        if let Some(s) = q_scale {
+            self.scale(q, s);
+        }
+    }
 
     /// Runs `launches`, recording them as a graph where the backend can replay one: the
     /// work is done either way. `None` where nothing was recorded (the CPU backend, or a

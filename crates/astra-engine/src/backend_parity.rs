@@ -9,7 +9,7 @@ use std::sync::Arc;
 use astra_gguf::{GgmlType, GgufFile, GgufWriter, TensorSource};
 
 use crate::attention::KvLayout;
-use crate::backend::{Activation, Backend, Rope, SeqRows};
+use crate::backend::{Activation, Backend, Input, Rope, SeqRows};
 use crate::config::{Arch, Config};
 use crate::weights::MatRef;
 use crate::EngineError;
@@ -97,6 +97,11 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
     let tokens = 3;
     let x = rng.vec(tokens * COLS);
     let (xa, xb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+    let wv = rng.vec(COLS);
+    let (wa, wb) = (a.vector(&wv)?, b.vector(&wv)?);
+    let y = rng.vec(tokens * COLS);
+    let (ya, yb) = (a.tensor_from(&y, COLS), b.tensor_from(&y, COLS));
+    let residual = rng.vec(tokens * ROWS);
     for ty in TYPES {
         let m = MatRef::locate(&file, &format!("w.{}", ty.name()))?;
         let (ma, mb) = (a.matrix(&file, &m)?, b.matrix(&file, &m)?);
@@ -104,14 +109,22 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
         a.matmul(&xa, &mut [(&ma, &mut oa)]);
         b.matmul(&xb, &mut [(&mb, &mut ob)]);
         out.push(report(format!("matmul {}", ty.name()), &a.read(&oa), &b.read(&ob)));
+        // The product's fused forms: normed rows; gated rows added to a residual.
+        let (mut sa, mut sb) = (a.tensor(tokens, COLS), b.tensor(tokens, COLS));
+        a.product(Input::Normed { x: &xa, w: &wa, eps: 1e-6, normed: &mut sa }, &mut [(&ma, &mut oa)], None);
+        b.product(Input::Normed { x: &xb, w: &wb, eps: 1e-6, normed: &mut sb }, &mut [(&mb, &mut ob)], None);
+        out.push(report(format!("rms_norm, matmul {}", ty.name()), &a.read(&oa), &b.read(&ob)));
+        let (mut ga, mut gb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+        let (mut ra, mut rb) = (a.tensor_from(&residual, ROWS), b.tensor_from(&residual, ROWS));
+        a.product(Input::Glu { gate: &mut ga, up: &ya, act: Activation::GeluTanh }, &mut [(&ma, &mut oa)], Some(&mut ra));
+        b.product(Input::Glu { gate: &mut gb, up: &yb, act: Activation::GeluTanh }, &mut [(&mb, &mut ob)], Some(&mut rb));
+        out.push(report(format!("glu, matmul {}, add", ty.name()), &a.read(&ra), &b.read(&rb)));
         let ids = [0u32, 5, ROWS as u32 - 1];
         let (mut ea, mut eb) = (a.tensor(3, COLS), b.tensor(3, COLS));
         a.embed(&ma, &a.ids(&ids), Some(1.5), &mut ea);
         b.embed(&mb, &b.ids(&ids), Some(1.5), &mut eb);
         out.push(report(format!("embed {}", ty.name()), &a.read(&ea), &b.read(&eb)));
     }
-    let wv = rng.vec(COLS);
-    let (wa, wb) = (a.vector(&wv)?, b.vector(&wv)?);
     let (mut na, mut nb) = (a.tensor(tokens, COLS), b.tensor(tokens, COLS));
     a.rms_norm(&xa, &wa, 1e-6, &mut na);
     b.rms_norm(&xb, &wb, 1e-6, &mut nb);
@@ -129,14 +142,27 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
         b.rope(&mut rb, 64, &b.ids(&[0, 7, 1000]), rope);
         out.push(report(if neox { "rope neox" } else { "rope" }, &a.read(&ra), &b.read(&rb)));
     }
-    let y = rng.vec(tokens * COLS);
-    let (ya, yb) = (a.tensor_from(&y, COLS), b.tensor_from(&y, COLS));
     for act in [Activation::Silu, Activation::GeluTanh] {
         let (mut pa, mut pb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
         a.glu(&mut pa, &ya, act);
         b.glu(&mut pb, &yb, act);
         out.push(report(format!("glu {act:?}"), &a.read(&pa), &b.read(&pb)));
     }
+    // Queries (eight heads) and keys (two) normed per head, rotated, queries scaled.
+    let kx = rng.vec(tokens * 128);
+    let (mut qa, mut qb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+    let (mut ka, mut kb) = (a.tensor_from(&kx, 128), b.tensor_from(&kx, 128));
+    let rope = Rope { dims: 64, base: 10000.0, neox: true };
+    let (pa, pb) = (a.ids(&[3, 70, 2000]), b.ids(&[3, 70, 2000]));
+    a.qk_rope(&mut qa, &mut ka, (Some(&ha), Some(&ha)), 1e-6, 64, &pa, rope, Some(0.125));
+    b.qk_rope(&mut qb, &mut kb, (Some(&hb), Some(&hb)), 1e-6, 64, &pb, rope, Some(0.125));
+    out.push(report("qk_rope, queries", &a.read(&qa), &b.read(&qb)));
+    out.push(report("qk_rope, keys", &a.read(&ka), &b.read(&kb)));
+    let (mut oa, mut ob) = (a.tensor_from(&y, COLS), b.tensor_from(&y, COLS));
+    let (mut sa, mut sb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+    a.norm_add(&mut oa, &wa, 1e-6, &mut sa);
+    b.norm_add(&mut ob, &wb, 1e-6, &mut sb);
+    out.push(report("rms_norm, add", &a.read(&sa), &b.read(&sb)));
     let (mut sa, mut sb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
     a.add(&mut sa, &ya);
     b.add(&mut sb, &yb);

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use astra_gguf::GgufFile;
 
 use crate::attention::KvLayout;
-use crate::backend::{Activation, Backend, Rope, SeqRows};
+use crate::backend::{Activation, Backend, Input, Rope, SeqRows};
 use crate::config::{Arch, Config};
 use crate::cpu::CpuBackend;
 use crate::weights::Weights;
@@ -335,8 +335,7 @@ impl<B: Backend> Model<B> {
     /// The output norm and matrix: `logits` of the rows of `x`.
     fn head(&self, x: &B::Tensor, normed: &mut B::Tensor, logits: &mut B::Tensor) {
         let (be, w) = (&self.backend, &self.weights);
-        be.rms_norm(x, &w.output_norm, self.cfg.rms_eps, normed);
-        be.matmul(normed, &mut [(w.output(), logits)]);
+        be.product(Input::Normed { x, w: &w.output_norm, eps: self.cfg.rms_eps, normed }, &mut [(w.output(), logits)], None);
     }
 
     /// The embeddings of `tokens` through every layer, into `a.x`; `seqs` say which
@@ -347,42 +346,33 @@ impl<B: Backend> Model<B> {
         be.embed(&w.token_embd, tokens, cfg.embed_scale, x);
         let gemma = cfg.arch == Arch::Gemma3;
         let act = if gemma { Activation::GeluTanh } else { Activation::Silu };
+        let eps = cfg.rms_eps;
         for (l, layer) in w.layers.iter().enumerate() {
             // Attention.
-            be.rms_norm(x, &layer.attn_norm, cfg.rms_eps, xb);
-            be.matmul(xb, &mut [(&layer.wq, q), (&layer.wk, k), (&layer.wv, v)]);
+            be.product(Input::Normed { x, w: &layer.attn_norm, eps, normed: xb }, &mut [(&layer.wq, q), (&layer.wk, k), (&layer.wv, v)], None);
             let base = if cfg.layer_local[l] { cfg.rope_base_local } else { cfg.rope_base };
             let rope = Rope { dims: cfg.rope_dim, base, neox: cfg.rope_neox };
-            if let Some(n) = &layer.q_norm {
-                be.rms_norm_groups(q, n, cfg.rms_eps);
-            }
-            be.rope(q, cfg.head_dim, positions, rope);
-            if let Some(n) = &layer.k_norm {
-                be.rms_norm_groups(k, n, cfg.rms_eps);
-            }
-            be.rope(k, cfg.head_dim, positions, rope);
             // Gemma scales the queries; Llama the scores.
-            let score_scale = if gemma {
-                be.scale(q, cfg.attn_scale);
-                1.0
-            } else {
-                cfg.attn_scale
-            };
+            let (q_scale, score_scale) = if gemma { (Some(cfg.attn_scale), 1.0) } else { (None, cfg.attn_scale) };
+            be.qk_rope(q, k, (layer.q_norm.as_ref(), layer.k_norm.as_ref()), eps, cfg.head_dim, positions, rope, q_scale);
             be.attention(l, seqs, positions, q, k, v, score_scale, att);
-            be.matmul(att, &mut [(&layer.wo, o)]);
-            if let Some(n) = &layer.post_attn_norm {
-                be.rms_norm_groups(o, n, cfg.rms_eps);
+            match &layer.post_attn_norm {
+                Some(n) => {
+                    be.product(Input::Rows(att), &mut [(&layer.wo, o)], None);
+                    be.norm_add(o, n, eps, x);
+                }
+                None => be.product(Input::Rows(att), &mut [(&layer.wo, o)], Some(x)),
             }
-            be.add(x, o);
             // Feed-forward.
-            be.rms_norm(x, &layer.ffn_norm, cfg.rms_eps, xb);
-            be.matmul(xb, &mut [(&layer.w_gate, gate), (&layer.w_up, up)]);
-            be.glu(gate, up, act);
-            be.matmul(gate, &mut [(&layer.w_down, o)]);
-            if let Some(n) = &layer.post_ffn_norm {
-                be.rms_norm_groups(o, n, cfg.rms_eps);
+            be.product(Input::Normed { x, w: &layer.ffn_norm, eps, normed: xb }, &mut [(&layer.w_gate, gate), (&layer.w_up, up)], None);
+            let down = Input::Glu { gate, up, act };
+            match &layer.post_ffn_norm {
+                Some(n) => {
+                    be.product(down, &mut [(&layer.w_down, o)], None);
+                    be.norm_add(o, n, eps, x);
+                }
+                None => be.product(down, &mut [(&layer.w_down, o)], Some(x)),
             }
-            be.add(x, o);
         }
     }
 }
