@@ -87,13 +87,15 @@ __device__ __forceinline__ void q8_32_block(float v, u8* blk, int with_sum) {
     }
 }
 
-// One 256-block quantized by a CTA of 256 threads, thread t holding value t: Q8_K:
-// d(f32) qs[256] bsums[16](i16).
-__device__ void q8_k_block(float v, u8* blk) {
-    __shared__ float s_amax[8], s_val[8];
-    __shared__ int s_idx[8];
-    __shared__ int s_q[256];
-    int t = threadIdx.x;
+// One 256-block quantized by each group of 256 threads of the CTA (up to four groups),
+// thread t of a group holding value t: Q8_K: d(f32) qs[256] bsums[16](i16). Every
+// thread of the CTA calls it together (it synchronizes the CTA); a group with
+// `active` false computes along and writes nothing.
+__device__ void q8_k_block(float v, u8* blk, bool active) {
+    __shared__ float s_amax[4][8], s_val[4][8];
+    __shared__ int s_idx[4][8];
+    __shared__ int s_q[4][256];
+    int g = threadIdx.x / 256, t = threadIdx.x % 256;
     // The first element of the largest magnitude, and its value.
     float a = fabsf(v), best_v = v;
     int idx = t;
@@ -109,34 +111,36 @@ __device__ void q8_k_block(float v, u8* blk) {
     }
     __syncthreads();  // the shared arrays may still be read for the previous block
     if ((t & 31) == 0) {
-        s_amax[t / 32] = a;
-        s_idx[t / 32] = idx;
-        s_val[t / 32] = best_v;
+        s_amax[g][t / 32] = a;
+        s_idx[g][t / 32] = idx;
+        s_val[g][t / 32] = best_v;
     }
     __syncthreads();
-    float amax = s_amax[0], vmax = s_val[0];
-    int best = s_idx[0];
+    float amax = s_amax[g][0], vmax = s_val[g][0];
+    int best = s_idx[g][0];
     for (int w = 1; w < 8; w++) {
-        if (s_amax[w] > amax || (s_amax[w] == amax && s_idx[w] < best)) {
-            amax = s_amax[w];
-            best = s_idx[w];
-            vmax = s_val[w];
+        if (s_amax[g][w] > amax || (s_amax[g][w] == amax && s_idx[g][w] < best)) {
+            amax = s_amax[g][w];
+            best = s_idx[g][w];
+            vmax = s_val[g][w];
         }
     }
-    if (amax == 0.0f) {
+    bool zero = amax == 0.0f;
+    float iscale = zero ? 0.0f : __fdiv_rn(-127.0f, vmax);
+    int q = zero ? 0 : min(nearest_int(__fmul_rn(iscale, v)), 127);
+    s_q[g][t] = q;
+    __syncthreads();
+    if (!active) return;
+    if (zero) {
         blk[4 + t] = 0;
         if (t < 4) blk[t] = 0;
         if (t < 32) blk[260 + t] = 0;
         return;
     }
-    float iscale = __fdiv_rn(-127.0f, vmax);
-    int q = min(nearest_int(__fmul_rn(iscale, v)), 127);
     blk[4 + t] = (u8)(i8)q;
-    s_q[t] = q;
-    __syncthreads();
     if (t < 16) {
         int s = 0;
-        for (int j = 0; j < 16; j++) s += s_q[16 * t + j];
+        for (int j = 0; j < 16; j++) s += s_q[g][16 * t + j];
         u16 h = (u16)(i16)s;
         blk[260 + 2 * t] = h & 0xff;
         blk[261 + 2 * t] = h >> 8;
@@ -169,7 +173,7 @@ extern "C" __global__ void quantize_q8_k(const float* x, u8* out, int cols, cons
     int b = blockIdx.x, row = blockIdx.y;
     long i = (long)row * cols + b * 256 + threadIdx.x;
     float v = up ? glu_value(x[i], up[i], act) : x[i];
-    q8_k_block(v, out + ((long)row * (cols / 256) + b) * 292);
+    q8_k_block(v, out + ((long)row * (cols / 256) + b) * 292, true);
 }
 
 // ---------------------------------------------------------------------------------
@@ -352,62 +356,80 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
     return r;
 }
 
-// Each warp-cooperative matrix kernel is a row function (one warp, row r, token
-// blockIdx.y) and two launches of it: one matrix, and up to three matrices of one type
-// and width against the same activations (Q, K and V; gate and up) in one grid whose
-// blocks cover the three matrices' rows in turn. A row is computed the same way in both.
-#define MATVEC_KERNELS(name)                                                                   \
-    extern "C" __global__ void name(const u8* w, const u8* a, float* out, int rows, int nb,    \
-                                    int acc) {                                                  \
+// Each warp-cooperative matrix kernel is a row function (one warp, row r, the T
+// tokens from T·blockIdx.y on) and four launches of it: one matrix, and up to three
+// matrices of one type and width against the same activations (Q, K and V; gate and
+// up) in one grid whose blocks cover the three matrices' rows in turn; each with one
+// token per warp (decode) and with eight (prefill: a weight block is loaded once for
+// the eight). Every (row, token) sum is computed by the same lanes in the same order
+// in all four, so a result does not depend on the launch that made it.
+#define MATVEC_ENTRY(name, suffix, T)                                                          \
+    extern "C" __global__ void name##suffix(const u8* w, const u8* a, float* out, int rows,    \
+                                            int nb, int acc, int tokens) {                      \
         int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
-        if (r < rows) name##_row(w, a, out, rows, nb, r, acc);                                  \
+        if (r < rows) name##_row<T>(w, a, out, rows, nb, r, acc, tokens);                       \
     }                                                                                           \
-    extern "C" __global__ void name##_3(const u8* w0, const u8* w1, const u8* w2, const u8* a,  \
-                                        float* o0, float* o1, float* o2, int r0, int r1, int r2, \
-                                        int nb) {                                               \
+    extern "C" __global__ void name##_3##suffix(const u8* w0, const u8* w1, const u8* w2,       \
+                                                const u8* a, float* o0, float* o1, float* o2,   \
+                                                int r0, int r1, int r2, int nb, int tokens) {   \
         int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
-        if (r < r0) name##_row(w0, a, o0, r0, nb, r, 0);                                        \
-        else if (r < r0 + r1) name##_row(w1, a, o1, r1, nb, r - r0, 0);                         \
-        else if (r < r0 + r1 + r2) name##_row(w2, a, o2, r2, nb, r - r0 - r1, 0);               \
+        if (r < r0) name##_row<T>(w0, a, o0, r0, nb, r, 0, tokens);                             \
+        else if (r < r0 + r1) name##_row<T>(w1, a, o1, r1, nb, r - r0, 0, tokens);              \
+        else if (r < r0 + r1 + r2) name##_row<T>(w2, a, o2, r2, nb, r - r0 - r1, 0, tokens);    \
     }
+#define MATVEC_KERNELS(name) MATVEC_ENTRY(name, , 1) MATVEC_ENTRY(name, _8, 8)
+
+// The first token of a row function's warp and how many of its T it has.
+#define ROW_TOKENS(T)              \
+    int t0 = blockIdx.y * (T);     \
+    int nt = min((T), tokens - t0);
 
 // Q4_K × Q8_K, eight lanes per 256-block and four blocks per warp step: lane p of a
 // block loads its 16 quant bytes at once (bytes 16p..16p+15: weights 64c + 16(p%2) + i
 // in the low nibbles, group 2c, and the same + 32 in the high nibbles, group 2c + 1,
 // c = p / 2) and also takes group p's minimum. Rows are 16-byte aligned (144-byte
 // blocks); activation blocks (292 bytes) are read as 4-byte words.
-// One warp per row; grid (ceil(rows / 4), tokens), 128 threads.
-__device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc) {
+// One warp per row; grid (ceil(rows / 4), ceil(tokens / T)), 128 threads.
+template <int T>
+__device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
+    ROW_TOKENS(T)
     int lane = threadIdx.x % WARP;
-    int t = blockIdx.y;
     const u8* wr = w + (long)r * nb * 144;
-    const u8* at = a + (long)t * nb * 292;
     int p = lane % 8, c = p / 2, half = 16 * (p % 2);
-    float sum = 0.0f;
+    float sum[T];
+    for (int k = 0; k < T; k++) sum[k] = 0.0f;
 #pragma unroll 2
     for (int b = lane / 8; b < nb; b += 4) {
         const u8* wb = wr + (long)b * 144;
-        const u8* ab = at + (long)b * 292;
         int4 q = *(const int4*)(wb + 16 + 16 * p);
-        const int* ylo = (const int*)(ab + 4 + 64 * c + half);
-        const int* yhi = (const int*)(ab + 4 + 64 * c + 32 + half);
         int qw[4] = {q.x, q.y, q.z, q.w};
-        int dlo = 0, dhi = 0;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            dlo = dp4a(qw[i] & 0x0f0f0f0f, ylo[i], dlo);
-            dhi = dp4a((qw[i] >> 4) & 0x0f0f0f0f, yhi[i], dhi);
-        }
         int sc_lo, m_lo, sc_hi, m_hi, sc_p, m_p;
         scale_min_k4(2 * c, wb + 4, &sc_lo, &m_lo);
         scale_min_k4(2 * c + 1, wb + 4, &sc_hi, &m_hi);
         scale_min_k4(p, wb + 4, &sc_p, &m_p);
-        float da = ldf(ab);
-        int msum = m_p * (ldi16(ab + 260 + 4 * p) + ldi16(ab + 262 + 4 * p));
-        sum += (float)(sc_lo * dlo + sc_hi * dhi) * (ldh(wb) * da) - (float)msum * (ldh(wb + 2) * da);
+        float dw = ldh(wb), mw = ldh(wb + 2);
+#pragma unroll
+        for (int k = 0; k < T; k++) {
+            if (k >= nt) break;
+            const u8* ab = a + ((long)(t0 + k) * nb + b) * 292;
+            const int* ylo = (const int*)(ab + 4 + 64 * c + half);
+            const int* yhi = (const int*)(ab + 4 + 64 * c + 32 + half);
+            int dlo = 0, dhi = 0;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                dlo = dp4a(qw[i] & 0x0f0f0f0f, ylo[i], dlo);
+                dhi = dp4a((qw[i] >> 4) & 0x0f0f0f0f, yhi[i], dhi);
+            }
+            float da = ldf(ab);
+            int msum = m_p * (ldi16(ab + 260 + 4 * p) + ldi16(ab + 262 + 4 * p));
+            sum[k] += (float)(sc_lo * dlo + sc_hi * dhi) * (dw * da) - (float)msum * (mw * da);
+        }
     }
-    sum = warp_sum(sum);
-    if (lane == 0) put(out, (long)t * rows + r, sum, acc);
+#pragma unroll
+    for (int k = 0; k < T; k++) {
+        float total = warp_sum(sum[k]);
+        if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
+    }
 }
 MATVEC_KERNELS(matvec_q4_k)
 
@@ -424,85 +446,110 @@ __device__ __forceinline__ int ld4_2(const u8* p) {
 // 16-weight halves take scales 8(p/4) + 2(p%4) and + 1. The eight lanes' integer sums
 // are added exactly (shuffles) before the block's one float product. Blocks (210
 // bytes) are 2-byte aligned; activation blocks (292 bytes) 4-byte aligned.
-__device__ __forceinline__ void matvec_q6_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc) {
+template <int T>
+__device__ __forceinline__ void matvec_q6_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
+    ROW_TOKENS(T)
     int lane = threadIdx.x % WARP;
-    int t = blockIdx.y;
     const u8* wr = w + (long)r * nb * 210;
-    const u8* at = a + (long)t * nb * 292;
     int p = lane % 8, n = p / 4, qr = p % 4;
-    float sum = 0.0f;
+    float sum[T];
+    for (int k = 0; k < T; k++) sum[k] = 0.0f;
     // Every lane runs every step (the shuffles need the whole warp); lanes past the
     // last block contribute zero.
     for (int b0 = 0; b0 < nb; b0 += 4) {
         int b = b0 + lane / 8;
-        int part = 0;
+        int q[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int sc0 = 0, sc1 = 0;
+        float dw = 0.0f;
         if (b < nb) {
             const u8* wb = wr + (long)b * 210;
-            const u8* ab = at + (long)b * 292;
             const u8* ql = wb + 64 * n + 32 * (qr % 2);
             const u8* qh = wb + 128 + 32 * n;
-            const int* y = (const int*)(ab + 4 + 128 * n + 32 * qr);
-            int half[2] = {0, 0};
 #pragma unroll
             for (int i = 0; i < 8; i++) {
                 unsigned int lo = ((unsigned int)ld4_2(ql + 4 * i) >> (4 * (qr / 2))) & 0x0f0f0f0fu;
                 unsigned int hi = (((unsigned int)ld4_2(qh + 4 * i) >> (2 * qr)) & 0x03030303u) << 4;
-                int q = (int)__vsub4(lo | hi, 0x20202020u);
-                half[i / 4] = dp4a(q, y[i], half[i / 4]);
+                q[i] = (int)__vsub4(lo | hi, 0x20202020u);
             }
             const i8* sc = (const i8*)(wb + 192) + 8 * n + 2 * qr;
-            part = sc[0] * half[0] + sc[1] * half[1];
+            sc0 = sc[0];
+            sc1 = sc[1];
+            dw = ldh(wb + 208);
         }
-        part += __shfl_xor_sync(0xffffffffu, part, 1);
-        part += __shfl_xor_sync(0xffffffffu, part, 2);
-        part += __shfl_xor_sync(0xffffffffu, part, 4);
-        if (b < nb && p == 0) sum += (float)part * (ldh(wr + (long)b * 210 + 208) * ldf(at + (long)b * 292));
+#pragma unroll
+        for (int k = 0; k < T; k++) {
+            if (k >= nt) break;
+            int part = 0;
+            const u8* ab = a + ((long)(t0 + k) * nb + b) * 292;
+            if (b < nb) {
+                const int* y = (const int*)(ab + 4 + 128 * n + 32 * qr);
+                int half[2] = {0, 0};
+#pragma unroll
+                for (int i = 0; i < 8; i++) half[i / 4] = dp4a(q[i], y[i], half[i / 4]);
+                part = sc0 * half[0] + sc1 * half[1];
+            }
+            part += __shfl_xor_sync(0xffffffffu, part, 1);
+            part += __shfl_xor_sync(0xffffffffu, part, 2);
+            part += __shfl_xor_sync(0xffffffffu, part, 4);
+            if (b < nb && p == 0) sum[k] += (float)part * (dw * ldf(ab));
+        }
     }
-    sum = warp_sum(sum);
-    if (lane == 0) put(out, (long)t * rows + r, sum, acc);
+#pragma unroll
+    for (int k = 0; k < T; k++) {
+        float total = warp_sum(sum[k]);
+        if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
+    }
 }
 MATVEC_KERNELS(matvec_q6_k)
 
 // Q4_1 × Q8_1, four lanes per 32-block and eight blocks per warp step: lane p takes
 // quant bytes 4p..4p+3 (weights 4p + i in the low nibbles, 16 + 4p + i in the high);
 // lane 0 of each block adds the minimum's term. Blocks (20 and 36 bytes) are 4-byte
-// aligned. One warp per row; grid (ceil(rows / 4), tokens), 128 threads.
-__device__ __forceinline__ void matvec_q4_1_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc) {
+// aligned. One warp per row; grid (ceil(rows / 4), ceil(tokens / T)), 128 threads.
+template <int T>
+__device__ __forceinline__ void matvec_q4_1_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
+    ROW_TOKENS(T)
     int lane = threadIdx.x % WARP;
-    int t = blockIdx.y;
     const u8* wr = w + (long)r * nb * 20;
-    const u8* at = a + (long)t * nb * 36;
     int p = lane % 4;
-    float sum = 0.0f, mins = 0.0f;
+    float sum[T], mins[T];
+    for (int k = 0; k < T; k++) sum[k] = mins[k] = 0.0f;
 #pragma unroll 2
     for (int b = lane / 4; b < nb; b += 8) {
         const u8* wb = wr + (long)b * 20;
-        const u8* ab = at + (long)b * 36;
         int q = *(const int*)(wb + 4 + 4 * p);
-        int isum = dp4a(q & 0x0f0f0f0f, *(const int*)(ab + 4 + 4 * p), 0);
-        isum = dp4a((q >> 4) & 0x0f0f0f0f, *(const int*)(ab + 20 + 4 * p), isum);
-        sum += (float)isum * (ldh(wb) * ldh(ab));
-        if (p == 0) mins += ldh(wb + 2) * ldh(ab + 2);
+#pragma unroll
+        for (int k = 0; k < T; k++) {
+            if (k >= nt) break;
+            const u8* ab = a + ((long)(t0 + k) * nb + b) * 36;
+            int isum = dp4a(q & 0x0f0f0f0f, *(const int*)(ab + 4 + 4 * p), 0);
+            isum = dp4a((q >> 4) & 0x0f0f0f0f, *(const int*)(ab + 20 + 4 * p), isum);
+            sum[k] += (float)isum * (ldh(wb) * ldh(ab));
+            if (p == 0) mins[k] += ldh(wb + 2) * ldh(ab + 2);
+        }
     }
-    float total = warp_sum(sum) + warp_sum(mins);
-    if (lane == 0) put(out, (long)t * rows + r, total, acc);
+#pragma unroll
+    for (int k = 0; k < T; k++) {
+        float total = warp_sum(sum[k]) + warp_sum(mins[k]);
+        if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
+    }
 }
 MATVEC_KERNELS(matvec_q4_1)
 
 // Q5_0 × Q8_0, four lanes per 32-block and eight blocks per warp step: lane p takes
 // weights 4p + i and 16 + 4p + i, their fifth bits from qh; codes are offset by -16 into
 // signed bytes. Blocks (22 and 34 bytes) are 2-byte aligned.
-__device__ __forceinline__ void matvec_q5_0_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc) {
+template <int T>
+__device__ __forceinline__ void matvec_q5_0_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
+    ROW_TOKENS(T)
     int lane = threadIdx.x % WARP;
-    int t = blockIdx.y;
     const u8* wr = w + (long)r * nb * 22;
-    const u8* at = a + (long)t * nb * 34;
     int p = lane % 4;
-    float sum = 0.0f;
+    float sum[T];
+    for (int k = 0; k < T; k++) sum[k] = 0.0f;
 #pragma unroll 2
     for (int b = lane / 4; b < nb; b += 8) {
         const u8* wb = wr + (long)b * 22;
-        const u8* ab = at + (long)b * 34;
         unsigned int qh = (unsigned int)ld4_2(wb + 2);
         unsigned int q = (unsigned int)ld4_2(wb + 6 + 4 * p);
         unsigned int lo = 0, hi = 0;
@@ -514,12 +561,21 @@ __device__ __forceinline__ void matvec_q5_0_row(const u8* w, const u8* a, float*
             lo |= ((cl - 16) & 0xff) << (8 * i);
             hi |= ((ch - 16) & 0xff) << (8 * i);
         }
-        int isum = dp4a((int)lo, ld4_2(ab + 2 + 4 * p), 0);
-        isum = dp4a((int)hi, ld4_2(ab + 18 + 4 * p), isum);
-        sum += (float)isum * (ldh(wb) * ldh(ab));
+        float dw = ldh(wb);
+#pragma unroll
+        for (int k = 0; k < T; k++) {
+            if (k >= nt) break;
+            const u8* ab = a + ((long)(t0 + k) * nb + b) * 34;
+            int isum = dp4a((int)lo, ld4_2(ab + 2 + 4 * p), 0);
+            isum = dp4a((int)hi, ld4_2(ab + 18 + 4 * p), isum);
+            sum[k] += (float)isum * (dw * ldh(ab));
+        }
     }
-    sum = warp_sum(sum);
-    if (lane == 0) put(out, (long)t * rows + r, sum, acc);
+#pragma unroll
+    for (int k = 0; k < T; k++) {
+        float total = warp_sum(sum[k]);
+        if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
+    }
 }
 MATVEC_KERNELS(matvec_q5_0)
 
@@ -532,27 +588,37 @@ __device__ __forceinline__ void q8_words(const u8* blk, int* out) {
 }
 
 // Q8_0 × Q8_0, a lane per block: the warp reads 32 consecutive blocks (1088 bytes)
-// with 16-bit loads. One warp per row; grid (ceil(rows / 4), tokens), 128 threads.
-__device__ __forceinline__ void matvec_q8_0_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc) {
+// with 16-bit loads. One warp per row; grid (ceil(rows / 4), ceil(tokens / T)), 128
+// threads.
+template <int T>
+__device__ __forceinline__ void matvec_q8_0_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
+    ROW_TOKENS(T)
     int lane = threadIdx.x % WARP;
-    int t = blockIdx.y;
     const u8* wr = w + (long)r * nb * 34;
-    const u8* at = a + (long)t * nb * 34;
-    float sum = 0.0f;
+    float sum[T];
+    for (int k = 0; k < T; k++) sum[k] = 0.0f;
     for (int b = lane; b < nb; b += WARP) {
         const u8* wb = wr + (long)b * 34;
-        const u8* ab = at + (long)b * 34;
-        int x[8], y[8];
+        int x[8];
         q8_words(wb, x);
-        q8_words(ab, y);
-        int isum = 0;
+        float dw = h2f(*(const u16*)wb);
 #pragma unroll
-        for (int i = 0; i < 8; i++) isum = dp4a(x[i], y[i], isum);
-        float dw = h2f(*(const u16*)wb), dy = h2f(*(const u16*)ab);
-        sum += (float)isum * (dw * dy);
+        for (int k = 0; k < T; k++) {
+            if (k >= nt) break;
+            const u8* ab = a + ((long)(t0 + k) * nb + b) * 34;
+            int y[8];
+            q8_words(ab, y);
+            int isum = 0;
+#pragma unroll
+            for (int i = 0; i < 8; i++) isum = dp4a(x[i], y[i], isum);
+            sum[k] += (float)isum * (dw * h2f(*(const u16*)ab));
+        }
     }
-    sum = warp_sum(sum);
-    if (lane == 0) put(out, (long)t * rows + r, sum, acc);
+#pragma unroll
+    for (int k = 0; k < T; k++) {
+        float total = warp_sum(sum[k]);
+        if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
+    }
 }
 MATVEC_KERNELS(matvec_q8_0)
 
@@ -632,12 +698,12 @@ extern "C" __global__ void embed(int type, const u8* table, const unsigned int* 
 // Row operations.
 
 // The RMSNorm scale 1/sqrt(mean(x²) + eps) of the n values at xg, computed by the
-// whole CTA (blockDim.x a multiple of 32, at most 256): each thread's squares summed in
+// whole CTA (blockDim.x a multiple of 32): each thread's squares summed in
 // f64, then the warps' sums in order, as the CPU engine sums them in f64. With n ≤
 // blockDim.x every thread holds at most one value, so the sum (and the scale) is the
 // same for any such CTA size.
 __device__ float rms_finish(double s, int n, float eps) {
-    __shared__ double part[8];
+    __shared__ double part[32];
     for (int o = WARP / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     __syncthreads();  // part may still be read by a previous call
     if (threadIdx.x % WARP == 0) part[threadIdx.x / WARP] = s;
@@ -683,29 +749,33 @@ extern "C" __global__ void rms_norm_add(const float* o, const float* w, float* x
     for (int i = threadIdx.x; i < n; i += blockDim.x) xg[i] = __fadd_rn(xg[i], normed(og[i], scale, w[i]));
 }
 
-// One normalized value of rms_norm_quantize quantized: element i of the row, in the
-// 256-element step j.
-__device__ __forceinline__ void norm_quantize_at(float v, u8* out, int n, int i, int j, int kind) {
+// One normalized value of rms_norm_quantize quantized: element i = j·N + thread of the
+// row, in step j.
+template <int N>
+__device__ __forceinline__ void norm_quantize_at(float v, u8* out, int n, int j, int kind) {
+    int i = j * N + threadIdx.x;
     if (kind == 2) {
-        q8_k_block(v, out + ((long)blockIdx.x * (n / 256) + j) * 292);
-    } else if (256 * j + (threadIdx.x / WARP) * WARP < n) {  // whole warps: n is a multiple of 32
+        // Every group calls (the block synchronizes the CTA); those past the row write nothing.
+        q8_k_block(v, out + ((long)blockIdx.x * (n / 256) + min(i, n - 1) / 256) * 292, i < n);
+    } else if (i - threadIdx.x % WARP < n) {  // whole warps: n is a multiple of 32
         q8_32_block(v, out + ((long)blockIdx.x * (n / 32) + i / 32) * (kind == 1 ? 36 : 34), kind);
     }
 }
 
 // A row's RMSNorm quantized for a matrix product, the normalized row never stored:
-// kind 0 Q8_0, 1 Q8_1 (a warp per 32-block), 2 Q8_K (the CTA per 256-block, n a
-// multiple of 256). Rows of up to 2,048 values are read once, into registers, before
-// the reduction. grid (rows), 256 threads.
-extern "C" __global__ void rms_norm_quantize(const float* x, const float* w, u8* out, int n, float eps, int kind) {
+// kind 0 Q8_0, 1 Q8_1 (a warp per 32-block), 2 Q8_K (256 threads per 256-block, n a
+// multiple of 256). N threads (a multiple of 256, up to 1,024); rows of up to 8·N
+// values are read once, into registers, before the reduction. grid (rows).
+template <int N>
+__device__ void norm_quantize_row(const float* x, const float* w, u8* out, int n, float eps, int kind) {
     const int R = 8;
     const float* xg = x + (long)blockIdx.x * n;
     int t = threadIdx.x;
-    if (n > 256 * R) {
+    if (n > N * R) {
         float scale = rms_scale(xg, n, eps);
-        for (int j = 0; 256 * j < n; j++) {
-            int i = 256 * j + t;
-            norm_quantize_at(i < n ? normed(xg[i], scale, w[i]) : 0.0f, out, n, i, j, kind);
+        for (int j = 0; j * N < n; j++) {
+            int i = j * N + t;
+            norm_quantize_at<N>(i < n ? normed(xg[i], scale, w[i]) : 0.0f, out, n, j, kind);
         }
         return;
     }
@@ -713,17 +783,26 @@ extern "C" __global__ void rms_norm_quantize(const float* x, const float* w, u8*
     double s = 0.0;
 #pragma unroll
     for (int j = 0; j < R; j++) {
-        int i = 256 * j + t;
+        int i = j * N + t;
         xv[j] = i < n ? xg[i] : 0.0f;
         wv[j] = i < n ? w[i] : 0.0f;
     }
 #pragma unroll
     for (int j = 0; j < R; j++)
-        if (256 * j + t < n) s += (double)xv[j] * (double)xv[j];
+        if (j * N + t < n) s += (double)xv[j] * (double)xv[j];
     float scale = rms_finish(s, n, eps);
 #pragma unroll
     for (int j = 0; j < R; j++)
-        if (256 * j < n) norm_quantize_at(normed(xv[j], scale, wv[j]), out, n, 256 * j + t, j, kind);
+        if (j * N < n) norm_quantize_at<N>(normed(xv[j], scale, wv[j]), out, n, j, kind);
+}
+
+// 256 threads (rows up to 2,048 values held), and 1,024 for longer rows.
+extern "C" __global__ void rms_norm_quantize(const float* x, const float* w, u8* out, int n, float eps, int kind) {
+    norm_quantize_row<256>(x, w, out, n, eps, kind);
+}
+
+extern "C" __global__ void rms_norm_quantize_1024(const float* x, const float* w, u8* out, int n, float eps, int kind) {
+    norm_quantize_row<1024>(x, w, out, n, eps, kind);
 }
 
 // RoPE on the first `dims` values of a head h: pairs (2i, 2i+1), or (i, i + dims/2)
@@ -750,10 +829,21 @@ extern "C" __global__ void rope(float* x, const unsigned int* positions, int wid
 // Queries and keys made ready for attention in one launch: each head of q (n_q heads)
 // and of k is RMS-normed where its norm weights are given (Gemma's QK-norm), rotated,
 // and the queries scaled where q_scale ≠ 0 — each step the arithmetic of its own
-// kernel. grid (n_q + n_k heads, rows), head_dim rounded up to a warp threads (≤ 256).
-extern "C" __global__ void qk_rope(float* q, float* k, const float* q_norm, const float* k_norm, const unsigned int* positions,
-                                   int n_q, int n_k, int head_dim, int dims, float theta_scale, int neox, float eps, float q_scale) {
+// kernel. Where a cache is given (kc, one sequence whose rows are all of the batch's),
+// the rotated keys and the values (n_k more CTAs) are stored in it, as kv_store does.
+// grid (n_q + n_k [+ n_k], rows), head_dim rounded up to a warp threads (≤ 256).
+extern "C" __global__ void qk_rope(float* q, float* k, const float* v, const float* q_norm, const float* k_norm,
+                                   const unsigned int* positions, int n_q, int n_k, int head_dim, int dims, float theta_scale,
+                                   int neox, float eps, float q_scale, u16* kc, u16* vc, int slots) {
     int head = blockIdx.x, row = blockIdx.y, t = threadIdx.x;
+    unsigned int pos = positions[row];
+    if (head >= n_q + n_k) {
+        int g = head - n_q - n_k;
+        if (t < head_dim)
+            vc[((long)g * slots + (long)(pos % (unsigned)slots)) * head_dim + t] =
+                (u16)f2h(v[((long)row * n_k + g) * head_dim + t]);
+        return;
+    }
     bool is_q = head < n_q;
     float* h = is_q ? q + ((long)row * n_q + head) * head_dim : k + ((long)row * n_k + head - n_q) * head_dim;
     const float* w = is_q ? q_norm : k_norm;
@@ -762,10 +852,15 @@ extern "C" __global__ void qk_rope(float* q, float* k, const float* q_norm, cons
         if (t < head_dim) h[t] = normed(h[t], scale, w[t]);
         __syncthreads();
     }
-    rope_pair(h, positions[row], dims, theta_scale, neox);
+    rope_pair(h, pos, dims, theta_scale, neox);
     if (is_q && q_scale != 0.0f) {
         __syncthreads();
         if (t < head_dim) h[t] = __fmul_rn(h[t], q_scale);
+    }
+    if (!is_q && kc) {
+        __syncthreads();
+        int g = head - n_q;
+        if (t < head_dim) kc[((long)g * slots + (long)(pos % (unsigned)slots)) * head_dim + t] = (u16)f2h(h[t]);
     }
 }
 

@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use astra_engine::backend::{Activation, Backend, Input, Rope, SeqRows};
+use astra_engine::backend::{Activation, Backend, Heads, Input, Rope, SeqRows};
 use astra_engine::weights::MatRef;
 use astra_engine::attention::{KvLayout, LayerSlots, CHUNK};
 use astra_engine::EngineError;
@@ -26,17 +26,18 @@ struct Kernels {
     quantize_q8_32: CudaFunction,
     quantize_q8_k: CudaFunction,
     matvec: CudaFunction,
-    /// The warp-cooperative matrix kernels: (one matrix, up to three in one launch).
-    matvec_q4_k: (CudaFunction, CudaFunction),
-    matvec_q4_1: (CudaFunction, CudaFunction),
-    matvec_q5_0: (CudaFunction, CudaFunction),
-    matvec_q8_0: (CudaFunction, CudaFunction),
-    matvec_q6_k: (CudaFunction, CudaFunction),
+    /// The warp-cooperative matrix kernels.
+    matvec_q4_k: MatvecKernels,
+    matvec_q4_1: MatvecKernels,
+    matvec_q5_0: MatvecKernels,
+    matvec_q8_0: MatvecKernels,
+    matvec_q6_k: MatvecKernels,
     embed: CudaFunction,
     rms_norm: CudaFunction,
     rms_norm_inplace: CudaFunction,
     rms_norm_add: CudaFunction,
-    rms_norm_quantize: CudaFunction,
+    /// Norm and quantization of a row: 256 threads, and 1,024 for rows over 2,048.
+    rms_norm_quantize: (CudaFunction, CudaFunction),
     qk_rope: CudaFunction,
     rope: CudaFunction,
     scale: CudaFunction,
@@ -47,6 +48,15 @@ struct Kernels {
     /// Attention with one query row per CTA (decode) and with four (prefill).
     attention: (CudaFunction, CudaFunction),
     _module: Arc<CudaModule>,
+}
+
+/// A warp-cooperative matrix kernel's launches: one matrix, or up to three in one
+/// launch; one token per warp, or eight.
+struct MatvecKernels {
+    one: CudaFunction,
+    three: CudaFunction,
+    one_8: CudaFunction,
+    three_8: CudaFunction,
 }
 
 pub struct CudaBackend {
@@ -156,20 +166,23 @@ impl CudaBackend {
         let cubin = nvrtc::cubin_cached(name, source, &arch, driver).map_err(EngineError::Load)?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(gpu_err("loading kernels"))?;
         let f = |n: &str| module.load_function(n).map_err(gpu_err("kernel lookup"));
+        let mv = |n: &str| -> Result<MatvecKernels, EngineError> {
+            Ok(MatvecKernels { one: f(n)?, three: f(&format!("{n}_3"))?, one_8: f(&format!("{n}_8"))?, three_8: f(&format!("{n}_3_8"))? })
+        };
         let k = Kernels {
             quantize_q8_32: f("quantize_q8_32")?,
             quantize_q8_k: f("quantize_q8_k")?,
             matvec: f("matvec")?,
-            matvec_q4_k: (f("matvec_q4_k")?, f("matvec_q4_k_3")?),
-            matvec_q4_1: (f("matvec_q4_1")?, f("matvec_q4_1_3")?),
-            matvec_q5_0: (f("matvec_q5_0")?, f("matvec_q5_0_3")?),
-            matvec_q8_0: (f("matvec_q8_0")?, f("matvec_q8_0_3")?),
-            matvec_q6_k: (f("matvec_q6_k")?, f("matvec_q6_k_3")?),
+            matvec_q4_k: mv("matvec_q4_k")?,
+            matvec_q4_1: mv("matvec_q4_1")?,
+            matvec_q5_0: mv("matvec_q5_0")?,
+            matvec_q8_0: mv("matvec_q8_0")?,
+            matvec_q6_k: mv("matvec_q6_k")?,
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
             rms_norm_inplace: f("rms_norm_inplace")?,
             rms_norm_add: f("rms_norm_add")?,
-            rms_norm_quantize: f("rms_norm_quantize")?,
+            rms_norm_quantize: (f("rms_norm_quantize")?, f("rms_norm_quantize_1024")?),
             qk_rope: f("qk_rope")?,
             rope: f("rope")?,
             scale: f("scale")?,
@@ -230,8 +243,11 @@ impl CudaBackend {
                 ActType::Q8K => 2,
                 ActType::F32 => unreachable!("float weights are not uploaded to this backend"),
             };
-            let cfg = LaunchConfig { grid_dim: (rows, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-            let mut b = self.stream.launch_builder(&self.k.rms_norm_quantize);
+            // Rows longer than 2,048 values take a CTA of 1,024 threads.
+            let (f, threads) =
+                if x.width > 2048 { (&self.k.rms_norm_quantize.1, 1024) } else { (&self.k.rms_norm_quantize.0, THREADS) };
+            let cfg = LaunchConfig { grid_dim: (rows, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+            let mut b = self.stream.launch_builder(f);
             b.arg(&x.buf).arg(*w).arg(out).arg(&cols).arg(eps).arg(&kind);
             self.launch(b, cfg);
             return true;
@@ -298,7 +314,7 @@ fn glu_code(act: Activation) -> i32 {
 }
 
 /// The matrix kernels' launch: a warp per output row (four per block of 128 threads),
-/// a grid row per token.
+/// a grid row per token, or per group of tokens a warp takes.
 fn matvec_grid(rows: usize, tokens: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: ((rows as u32).div_ceil(4), tokens as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
 }
@@ -441,7 +457,7 @@ impl Backend for CudaBackend {
                 GgmlType::Q6_K => Some(&self.k.matvec_q6_k),
                 _ => None,
             };
-            let Some((one, three)) = special else {
+            let Some(kernels) = special else {
                 let (wbytes, abytes) = (w.ty.block_bytes() as i32, w.act.ggml_type().block_bytes() as i32);
                 let (ty, rows) = (type_code(w.ty), w.rows as i32);
                 let cfg = matvec_grid(w.rows, tokens);
@@ -455,25 +471,33 @@ impl Backend for CudaBackend {
                 i += 1;
                 continue;
             };
+            // Eight tokens per warp for a batch (a row's sums are the same either way),
+            // except Q4_1, whose kernel measured slower that way.
+            let (one, three, per_warp) = if tokens > 1 && w.ty != GgmlType::Q4_1 {
+                (&kernels.one_8, &kernels.three_8, 8)
+            } else {
+                (&kernels.one, &kernels.three, 1)
+            };
+            let toks = tokens as i32;
             // The following matrices of the same type and width (Q, K, V; gate, up) go
             // in the same launch, up to three.
             let n = outs[i..].iter().take(3).take_while(|(m, _)| m.ty == w.ty && m.cols == w.cols).count();
             if n == 1 {
                 let rows = w.rows as i32;
-                let cfg = matvec_grid(w.rows, tokens);
+                let cfg = matvec_grid(w.rows, tokens.div_ceil(per_warp));
                 let out = match add_to.as_deref_mut() {
                     Some(r) => &mut r.buf,
                     None => &mut outs[i].1.buf,
                 };
                 let mut b = self.stream.launch_builder(one);
-                b.arg(&w.data).arg(acts).arg(out).arg(&rows).arg(&nb).arg(&acc);
+                b.arg(&w.data).arg(acts).arg(out).arg(&rows).arg(&nb).arg(&acc).arg(&toks);
                 self.launch(b, cfg);
                 i += 1;
                 continue;
             }
             let group = &mut outs[i..i + n];
             let rows: Vec<i32> = (0..3).map(|j| group.get(j).map_or(0, |(m, _)| m.rows as i32)).collect();
-            let cfg = matvec_grid(rows.iter().map(|&r| r as usize).sum(), tokens);
+            let cfg = matvec_grid(rows.iter().map(|&r| r as usize).sum(), tokens.div_ceil(per_warp));
             // With two matrices the third slot repeats the second's pointers; it has no
             // rows, so they are never used.
             let weights: Vec<&CudaSlice<u8>> = (0..3).map(|j| &group[j.min(n - 1)].0.data).collect();
@@ -485,7 +509,7 @@ impl Backend for CudaBackend {
             let mut b = self.stream.launch_builder(three);
             b.arg(weights[0]).arg(weights[1]).arg(weights[2]).arg(acts);
             b.arg(&outs_ptr[0]).arg(&outs_ptr[1]).arg(&outs_ptr[2]);
-            b.arg(&rows[0]).arg(&rows[1]).arg(&rows[2]).arg(&nb);
+            b.arg(&rows[0]).arg(&rows[1]).arg(&rows[2]).arg(&nb).arg(&toks);
             self.launch(b, cfg);
             i += n;
         }
@@ -505,28 +529,43 @@ impl Backend for CudaBackend {
         self.launch(b, cfg);
     }
 
-    fn qk_rope(
+    fn prepare_attention(
         &self,
+        layer: usize,
+        seqs: &mut [SeqRows<'_, GpuKv>],
+        positions: &CudaSlice<u32>,
         q: &mut GpuTensor,
         k: &mut GpuTensor,
-        norms: (Option<&CudaSlice<f32>>, Option<&CudaSlice<f32>>),
-        eps: f32,
-        head_dim: usize,
-        positions: &CudaSlice<u32>,
-        r: Rope,
-        q_scale: Option<f32>,
+        v: &GpuTensor,
+        heads: &Heads<'_, CudaSlice<f32>>,
     ) {
         let ptr = |v: Option<&CudaSlice<f32>>| v.map_or(0u64, |v| v.device_ptr(&self.stream).0);
-        let (qn, kn) = (ptr(norms.0), ptr(norms.1));
+        let (qn, kn) = (ptr(heads.q_norm), ptr(heads.k_norm));
+        let r = heads.rope;
         let theta_scale = r.base.powf(-2.0 / r.dims as f32);
-        let (n_q, n_k) = ((q.width / head_dim) as i32, (k.width / head_dim) as i32);
-        let (hd, dims, neox, qs) = (head_dim as i32, r.dims as i32, i32::from(r.neox), q_scale.unwrap_or(0.0));
-        let threads = (head_dim as u32).div_ceil(32) * 32;
-        let cfg = LaunchConfig { grid_dim: ((n_q + n_k) as u32, q.rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        let hd = heads.head_dim;
+        let (n_q, n_k) = ((q.width / hd) as i32, (k.width / hd) as i32);
+        let (hdi, dims, neox, qs, eps) = (hd as i32, r.dims as i32, i32::from(r.neox), heads.q_scale.unwrap_or(0.0), heads.eps);
+        // One sequence: its keys and values are stored by the same launch.
+        let store = match seqs {
+            [s] if s.rows == (0..q.rows) => {
+                let l = &mut s.kv.layers[layer];
+                Some((l.k.device_ptr_mut(&self.stream).0, l.v.device_ptr_mut(&self.stream).0, l.slots as i32))
+            }
+            _ => None,
+        };
+        let (kc, vc, slots) = store.unwrap_or((0, 0, 0));
+        let ctas = n_q + n_k + if store.is_some() { n_k } else { 0 };
+        let threads = (hd as u32).div_ceil(32) * 32;
+        let cfg = LaunchConfig { grid_dim: (ctas as u32, q.rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.k.qk_rope);
-        b.arg(&mut q.buf).arg(&mut k.buf).arg(&qn).arg(&kn).arg(positions);
-        b.arg(&n_q).arg(&n_k).arg(&hd).arg(&dims).arg(&theta_scale).arg(&neox).arg(&eps).arg(&qs);
+        b.arg(&mut q.buf).arg(&mut k.buf).arg(&v.buf).arg(&qn).arg(&kn).arg(positions);
+        b.arg(&n_q).arg(&n_k).arg(&hdi).arg(&dims).arg(&theta_scale).arg(&neox).arg(&eps).arg(&qs);
+        b.arg(&kc).arg(&vc).arg(&slots);
         self.launch(b, cfg);
+        if store.is_none() {
+            self.kv_store(layer, seqs, positions, k, v);
+        }
     }
 
     fn ids(&self, v: &[u32]) -> CudaSlice<u32> {
@@ -569,31 +608,30 @@ impl Backend for CudaBackend {
         self.launch(b, grid_for(n as usize));
     }
 
-    fn attention(
-        &self,
-        layer: usize,
-        seqs: &mut [SeqRows<'_, GpuKv>],
-        positions: &CudaSlice<u32>,
-        q: &GpuTensor,
-        k: &GpuTensor,
-        v: &GpuTensor,
-        scale: f32,
-        out: &mut GpuTensor,
-    ) {
+    fn kv_store(&self, layer: usize, seqs: &mut [SeqRows<'_, GpuKv>], positions: &CudaSlice<u32>, k: &GpuTensor, v: &GpuTensor) {
         for s in seqs.iter_mut() {
             let kv = &mut *s.kv;
-            let (n_head, group, hd, kv_dim) = (kv.n_head, kv.n_head / kv.n_head_kv, kv.head_dim, kv.n_head_kv * kv.head_dim);
+            let (hd, kv_dim) = (kv.head_dim, kv.n_head_kv * kv.head_dim);
             let l = &mut kv.layers[layer];
             // Positions are read on the device, so a replayed graph follows them.
             let (row0, slots) = (s.rows.start as i32, l.slots as i32);
-            let n = s.rows.len() as u32;
-            let cfg = LaunchConfig { grid_dim: (kv.n_head_kv as u32, n, 1), block_dim: (hd as u32, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig { grid_dim: (kv.n_head_kv as u32, s.rows.len() as u32, 1), block_dim: (hd as u32, 1, 1), shared_mem_bytes: 0 };
             let (kd, hdi) = (kv_dim as i32, hd as i32);
             let mut b = self.stream.launch_builder(&self.k.kv_store);
             b.arg(&k.buf).arg(&v.buf).arg(&mut l.k).arg(&mut l.v).arg(&row0).arg(positions).arg(&slots).arg(&kd).arg(&hdi);
             self.launch(b, cfg);
+        }
+    }
+
+    fn attention(&self, layer: usize, seqs: &mut [SeqRows<'_, GpuKv>], positions: &CudaSlice<u32>, q: &GpuTensor, scale: f32, out: &mut GpuTensor) {
+        for s in seqs.iter_mut() {
+            let kv = &mut *s.kv;
+            let (n_head, group, hd) = (kv.n_head, kv.n_head / kv.n_head_kv, kv.head_dim);
+            let l = &kv.layers[layer];
+            let (row0, slots) = (s.rows.start as i32, l.slots as i32);
+            let n = s.rows.len() as u32;
             let window = l.window.map_or(0, |w| w as i32);
-            let (nh, grp) = (n_head as i32, group as i32);
+            let (nh, grp, hdi) = (n_head as i32, group as i32, hd as i32);
             // A row's result is the same whichever kernel runs it (astra.cu, `attend`).
             let (f, per_cta) = if n == 1 { (&self.k.attention.0, 1) } else { (&self.k.attention.1, 4) };
             let cfg = LaunchConfig { grid_dim: (n_head as u32, n.div_ceil(per_cta), 1), block_dim: (CHUNK as u32, 1, 1), shared_mem_bytes: 0 };

@@ -47,6 +47,19 @@ pub enum Input<'a, B: Backend> {
     Glu { gate: &'a mut B::Tensor, up: &'a B::Tensor, act: Activation },
 }
 
+/// How a layer's query and key heads are made ready for attention
+/// ([`Backend::prepare_attention`]).
+pub struct Heads<'a, V> {
+    pub head_dim: usize,
+    /// Per-head RMSNorm weights of queries and keys (Gemma's QK-norm), with `eps`.
+    pub q_norm: Option<&'a V>,
+    pub k_norm: Option<&'a V>,
+    pub eps: f32,
+    pub rope: Rope,
+    /// A factor applied to the queries (Gemma scales queries rather than scores).
+    pub q_scale: Option<f32>,
+}
+
 /// One sequence's part of a batch: rows `rows` of the batch's tensors are its tokens at
 /// positions `pos`, `pos + 1`, …, and `kv` is its cache.
 pub struct SeqRows<'a, K> {
@@ -114,12 +127,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor);
     /// `gate = act(gate) · up`.
     fn glu(&self, gate: &mut Self::Tensor, up: &Self::Tensor, act: Activation);
-    /// Stores each sequence's keys and values of `layer` (rows of `k`, `v`) in its cache,
-    /// then writes to `out` the attention of its queries (rows of `q`, heads of
-    /// `cfg.head_dim`) over its cached positions: causal, within the layer's window,
-    /// scores scaled by `scale`. `positions` holds every row's position (for a
-    /// sequence's rows `pos`, `pos + 1`, …): a backend may read them there rather than
-    /// from [`SeqRows::pos`], so that a replayed [`Backend::Graph`] follows them.
+    /// Stores each sequence's keys and values of `layer` (rows of `k`, `v`) in its cache.
+    /// `positions` holds every row's position (for a sequence's rows `pos`, `pos + 1`,
+    /// …): a backend may read them there rather than from [`SeqRows::pos`], so that a
+    /// replayed [`Backend::Graph`] follows them.
+    fn kv_store(&self, layer: usize, seqs: &mut [SeqRows<'_, Self::KvCache>], positions: &Self::Ids, k: &Self::Tensor, v: &Self::Tensor);
+    /// Writes to `out` the attention of each sequence's queries (rows of `q`, heads of
+    /// `cfg.head_dim`) over its cached positions of `layer`: causal, within the layer's
+    /// window, scores scaled by `scale`. `positions` as for [`Backend::kv_store`].
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -127,8 +142,6 @@ pub trait Backend: Send + Sync + Sized + 'static {
         seqs: &mut [SeqRows<'_, Self::KvCache>],
         positions: &Self::Ids,
         q: &Self::Tensor,
-        k: &Self::Tensor,
-        v: &Self::Tensor,
         scale: f32,
         out: &mut Self::Tensor,
     );
@@ -163,32 +176,32 @@ pub trait Backend: Send + Sync + Sized + 'static {
         self.add(x, o);
     }
 
-    /// Queries and keys made ready for attention: each head RMS-normed where norm
-    /// weights are given, rotated at its row's position, and the queries scaled by
-    /// `q_scale` where given.
+    /// Queries and keys made ready for attention — each head RMS-normed where `heads`
+    /// has norm weights, rotated at its row's position, the queries scaled where it says
+    /// — and the keys and values stored in each sequence's cache of `layer`.
     #[allow(clippy::too_many_arguments)]
-    fn qk_rope(
+    fn prepare_attention(
         &self,
+        layer: usize,
+        seqs: &mut [SeqRows<'_, Self::KvCache>],
+        positions: &Self::Ids,
         q: &mut Self::Tensor,
         k: &mut Self::Tensor,
-        norms: (Option<&Self::Vector>, Option<&Self::Vector>),
-        eps: f32,
-        head_dim: usize,
-        positions: &Self::Ids,
-        rope: Rope,
-        q_scale: Option<f32>,
+        v: &Self::Tensor,
+        heads: &Heads<'_, Self::Vector>,
     ) {
-        if let Some(n) = norms.0 {
-            self.rms_norm_groups(q, n, eps);
+        if let Some(n) = heads.q_norm {
+            self.rms_norm_groups(q, n, heads.eps);
         }
-        self.rope(q, head_dim, positions, rope);
-        if let Some(n) = norms.1 {
-            self.rms_norm_groups(k, n, eps);
+        self.rope(q, heads.head_dim, positions, heads.rope);
+        if let Some(n) = heads.k_norm {
+            self.rms_norm_groups(k, n, heads.eps);
         }
-        self.rope(k, head_dim, positions, rope);
-        if let Some(s) = q_scale {
+        self.rope(k, heads.head_dim, positions, heads.rope);
+        if let Some(s) = heads.q_scale {
             self.scale(q, s);
         }
+        self.kv_store(layer, seqs, positions, k, v);
     }
 
     /// Runs `launches`, recording them as a graph where the backend can replay one: the

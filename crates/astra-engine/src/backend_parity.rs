@@ -9,7 +9,7 @@ use std::sync::Arc;
 use astra_gguf::{GgmlType, GgufFile, GgufWriter, TensorSource};
 
 use crate::attention::KvLayout;
-use crate::backend::{Activation, Backend, Input, Rope, SeqRows};
+use crate::backend::{Activation, Backend, Heads, Input, Rope, SeqRows};
 use crate::config::{Arch, Config};
 use crate::weights::MatRef;
 use crate::EngineError;
@@ -148,16 +148,7 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
         b.glu(&mut pb, &yb, act);
         out.push(report(format!("glu {act:?}"), &a.read(&pa), &b.read(&pb)));
     }
-    // Queries (eight heads) and keys (two) normed per head, rotated, queries scaled.
-    let kx = rng.vec(tokens * 128);
-    let (mut qa, mut qb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
-    let (mut ka, mut kb) = (a.tensor_from(&kx, 128), b.tensor_from(&kx, 128));
-    let rope = Rope { dims: 64, base: 10000.0, neox: true };
-    let (pa, pb) = (a.ids(&[3, 70, 2000]), b.ids(&[3, 70, 2000]));
-    a.qk_rope(&mut qa, &mut ka, (Some(&ha), Some(&ha)), 1e-6, 64, &pa, rope, Some(0.125));
-    b.qk_rope(&mut qb, &mut kb, (Some(&hb), Some(&hb)), 1e-6, 64, &pb, rope, Some(0.125));
-    out.push(report("qk_rope, queries", &a.read(&qa), &b.read(&qb)));
-    out.push(report("qk_rope, keys", &a.read(&ka), &b.read(&kb)));
+    out.extend(compare_prepare_attention(a, b, (&ha, &hb), &mut rng)?);
     let (mut oa, mut ob) = (a.tensor_from(&y, COLS), b.tensor_from(&y, COLS));
     let (mut sa, mut sb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
     a.norm_add(&mut oa, &wa, 1e-6, &mut sa);
@@ -173,6 +164,31 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
     out.push(report("gather", &a.read(&ta), &b.read(&tb)));
     out.extend(compare_attention(a, b, &mut rng)?);
     let _ = std::fs::remove_file(&path);
+    Ok(out)
+}
+
+/// Queries (four heads) and keys (two) normed per head, rotated and the queries
+/// scaled; the keys and values stored, and read back through attention.
+fn compare_prepare_attention<A: Backend, B: Backend>(a: &A, b: &B, norm: (&A::Vector, &B::Vector), rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
+    let cfg = attention_config();
+    let (qd, kd, n) = (cfg.q_dim(), cfg.kv_dim(), 3);
+    let layout = KvLayout::new(&cfg, 64, 8);
+    let (mut ca, mut cb) = (a.kv_cache(&layout)?, b.kv_cache(&layout)?);
+    let (q, k, v) = (rng.vec(n * qd), rng.vec(n * kd), rng.vec(n * kd));
+    let (mut qa, mut qb) = (a.tensor_from(&q, qd), b.tensor_from(&q, qd));
+    let (mut ka, mut kb) = (a.tensor_from(&k, kd), b.tensor_from(&k, kd));
+    let (va, vb) = (a.tensor_from(&v, kd), b.tensor_from(&v, kd));
+    let (pa, pb) = (a.ids(&[0, 1, 2]), b.ids(&[0, 1, 2]));
+    let rope = Rope { dims: 64, base: 10000.0, neox: true };
+    let heads_a = Heads { head_dim: 64, q_norm: Some(norm.0), k_norm: Some(norm.0), eps: 1e-6, rope, q_scale: Some(0.125) };
+    let heads_b = Heads { head_dim: 64, q_norm: Some(norm.1), k_norm: Some(norm.1), eps: 1e-6, rope, q_scale: Some(0.125) };
+    a.prepare_attention(1, &mut [SeqRows { kv: &mut ca, rows: 0..n, pos: 0 }], &pa, &mut qa, &mut ka, &va, &heads_a);
+    b.prepare_attention(1, &mut [SeqRows { kv: &mut cb, rows: 0..n, pos: 0 }], &pb, &mut qb, &mut kb, &vb, &heads_b);
+    let mut out = vec![report("prepare attention, queries", &a.read(&qa), &b.read(&qb)), report("prepare attention, keys", &a.read(&ka), &b.read(&kb))];
+    let (mut oa, mut ob) = (a.tensor(n, qd), b.tensor(n, qd));
+    a.attention(1, &mut [SeqRows { kv: &mut ca, rows: 0..n, pos: 0 }], &pa, &qa, 1.0, &mut oa);
+    b.attention(1, &mut [SeqRows { kv: &mut cb, rows: 0..n, pos: 0 }], &pb, &qb, 1.0, &mut ob);
+    out.push(report("prepare attention, stored keys and values", &a.read(&oa), &b.read(&ob)));
     Ok(out)
 }
 
@@ -193,8 +209,10 @@ fn compare_attention<A: Backend, B: Backend>(a: &A, b: &B, rng: &mut Rng) -> Res
             let (mut oa, mut ob) = (a.tensor(n, qd), b.tensor(n, qd));
             let positions: Vec<u32> = (pos as u32..(pos + n) as u32).collect();
             let (pa, pb) = (a.ids(&positions), b.ids(&positions));
-            a.attention(layer, &mut [SeqRows { kv: &mut ka, rows: 0..n, pos }], &pa, &qa, &kta, &va, 0.125, &mut oa);
-            b.attention(layer, &mut [SeqRows { kv: &mut kb, rows: 0..n, pos }], &pb, &qb, &ktb, &vb, 0.125, &mut ob);
+            a.kv_store(layer, &mut [SeqRows { kv: &mut ka, rows: 0..n, pos }], &pa, &kta, &va);
+            b.kv_store(layer, &mut [SeqRows { kv: &mut kb, rows: 0..n, pos }], &pb, &ktb, &vb);
+            a.attention(layer, &mut [SeqRows { kv: &mut ka, rows: 0..n, pos }], &pa, &qa, 0.125, &mut oa);
+            b.attention(layer, &mut [SeqRows { kv: &mut kb, rows: 0..n, pos }], &pb, &qb, 0.125, &mut ob);
             let kind = if layer == 0 { "window 40" } else { "global" };
             out.push(report(format!("attention {kind}, {n} at {pos}"), &a.read(&oa), &b.read(&ob)));
         }

@@ -169,23 +169,19 @@ impl Backend for CpuBackend {
         crate::ops::glu(&mut gate.data, &up.data, act == Activation::GeluTanh);
     }
 
-    fn attention(
-        &self,
-        layer: usize,
-        seqs: &mut [SeqRows<'_, KvCache>],
-        _positions: &Vec<u32>,
-        q: &CpuTensor,
-        k: &CpuTensor,
-        v: &CpuTensor,
-        scale: f32,
-        out: &mut CpuTensor,
-    ) {
-        let (qw, kw) = (q.width, k.width);
+    fn kv_store(&self, layer: usize, seqs: &mut [SeqRows<'_, KvCache>], _positions: &Vec<u32>, k: &CpuTensor, v: &CpuTensor) {
+        let kw = k.width;
         for s in seqs.iter_mut() {
-            let rows = s.rows.clone();
-            for (i, r) in rows.clone().enumerate() {
+            for (i, r) in s.rows.clone().enumerate() {
                 s.kv.store(layer, s.pos + i, &k.data[r * kw..(r + 1) * kw], &v.data[r * kw..(r + 1) * kw]);
             }
+        }
+    }
+
+    fn attention(&self, layer: usize, seqs: &mut [SeqRows<'_, KvCache>], _positions: &Vec<u32>, q: &CpuTensor, scale: f32, out: &mut CpuTensor) {
+        let qw = q.width;
+        for s in seqs.iter_mut() {
+            let rows = s.rows.clone();
             let (q, o) = (&q.data[rows.start * qw..rows.end * qw], &mut out.data[rows.start * qw..rows.end * qw]);
             s.kv.layer(layer, scale).attend(&self.pool, q, s.pos, o);
         }

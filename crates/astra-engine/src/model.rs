@@ -9,7 +9,7 @@ use std::sync::Arc;
 use astra_gguf::GgufFile;
 
 use crate::attention::KvLayout;
-use crate::backend::{Activation, Backend, Input, Rope, SeqRows};
+use crate::backend::{Activation, Backend, Heads, Input, Rope, SeqRows};
 use crate::config::{Arch, Config};
 use crate::cpu::CpuBackend;
 use crate::weights::Weights;
@@ -354,8 +354,9 @@ impl<B: Backend> Model<B> {
             let rope = Rope { dims: cfg.rope_dim, base, neox: cfg.rope_neox };
             // Gemma scales the queries; Llama the scores.
             let (q_scale, score_scale) = if gemma { (Some(cfg.attn_scale), 1.0) } else { (None, cfg.attn_scale) };
-            be.qk_rope(q, k, (layer.q_norm.as_ref(), layer.k_norm.as_ref()), eps, cfg.head_dim, positions, rope, q_scale);
-            be.attention(l, seqs, positions, q, k, v, score_scale, att);
+            let heads = Heads { head_dim: cfg.head_dim, q_norm: layer.q_norm.as_ref(), k_norm: layer.k_norm.as_ref(), eps, rope, q_scale };
+            be.prepare_attention(l, seqs, positions, q, k, v, &heads);
+            be.attention(l, seqs, positions, q, score_scale, att);
             match &layer.post_attn_norm {
                 Some(n) => {
                     be.product(Input::Rows(att), &mut [(&layer.wo, o)], None);
