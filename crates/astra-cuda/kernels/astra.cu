@@ -12,6 +12,19 @@ typedef unsigned short u16;
 typedef short i16;
 
 #define WARP 32
+
+// Every kernel starts here. In the variant compiled with ASTRA_PDL (the kernels of
+// recorded decode steps, launched as programmatic dependents of the kernel before
+// them: launch.rs), it waits for that kernel's completion and memory before reading
+// anything, and at once lets the next kernel be scheduled; in the other, nothing (the
+// instructions cost time in grids of many small CTAs even where no launch depends).
+#if defined(ASTRA_PDL) && __CUDA_ARCH__ >= 900
+#define PDL_START                                              \
+    asm volatile("griddepcontrol.wait;" ::: "memory");         \
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#else
+#define PDL_START
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 
 __device__ __forceinline__ float h2f(u16 h) {
@@ -162,6 +175,7 @@ __device__ float glu_value(float g, float u, int act);
 
 // One warp per 32-block; grid (blocks per row, rows).
 extern "C" __global__ void quantize_q8_32(const float* x, u8* out, int cols, int with_sum, const float* up, int act) {
+    PDL_START
     int b = blockIdx.x, row = blockIdx.y, lane = threadIdx.x;
     long i = (long)row * cols + b * 32 + lane;
     float v = up ? glu_value(x[i], up[i], act) : x[i];
@@ -170,6 +184,7 @@ extern "C" __global__ void quantize_q8_32(const float* x, u8* out, int cols, int
 
 // One 256-thread CTA per 256-block; grid (blocks per row, rows).
 extern "C" __global__ void quantize_q8_k(const float* x, u8* out, int cols, const float* up, int act) {
+    PDL_START
     int b = blockIdx.x, row = blockIdx.y;
     long i = (long)row * cols + b * 256 + threadIdx.x;
     float v = up ? glu_value(x[i], up[i], act) : x[i];
@@ -325,6 +340,7 @@ __device__ __forceinline__ void put(float* out, long i, float v, int acc) {
 // out[t * rows + r] = Σ_b block(w[r][b], a[t][b]): one warp per weight row, lanes over
 // its blocks; grid (ceil(rows / 4), tokens), 128 threads.
 extern "C" __global__ void matvec(int type, const u8* w, const u8* a, float* out, int rows, int nb, int wbytes, int abytes, int acc) {
+    PDL_START
     int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     int r = blockIdx.x * 4 + warp;
     int t = blockIdx.y;
@@ -366,12 +382,14 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
 #define MATVEC_ENTRY(name, suffix, T)                                                          \
     extern "C" __global__ void name##suffix(const u8* w, const u8* a, float* out, int rows,    \
                                             int nb, int acc, int tokens) {                      \
+        PDL_START                                                                               \
         int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
         if (r < rows) name##_row<T>(w, a, out, rows, nb, r, acc, tokens);                       \
     }                                                                                           \
     extern "C" __global__ void name##_3##suffix(const u8* w0, const u8* w1, const u8* w2,       \
                                                 const u8* a, float* o0, float* o1, float* o2,   \
                                                 int r0, int r1, int r2, int nb, int tokens) {   \
+        PDL_START                                                                               \
         int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
         if (r < r0) name##_row<T>(w0, a, o0, r0, nb, r, 0, tokens);                             \
         else if (r < r0 + r1) name##_row<T>(w1, a, o1, r1, nb, r - r0, 0, tokens);              \
@@ -687,6 +705,7 @@ __device__ float dequant_one(int type, const u8* row, int k) {
 
 // out[i] = dequantize(table row tokens[i]) · scale; grid (ceil(cols / 256), tokens).
 extern "C" __global__ void embed(int type, const u8* table, const unsigned int* tokens, float* out, int cols, long row_bytes, float scale, int scaled) {
+    PDL_START
     int k = blockIdx.x * blockDim.x + threadIdx.x;
     int i = blockIdx.y;
     if (k >= cols) return;
@@ -733,16 +752,19 @@ __device__ void rms_norm_group(const float* x, const float* w, float* out, int n
 }
 
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int n, float eps) {
+    PDL_START
     rms_norm_group(x, w, out, n, eps);
 }
 
 extern "C" __global__ void rms_norm_inplace(float* x, const float* w, int n, float eps) {
+    PDL_START
     rms_norm_group(x, w, x, n, eps);
 }
 
 // x += rms_norm(o) · w per row of n (Gemma's post-norms and the residual add in one
 // pass, the same two roundings as apart); grid (rows), 256 threads.
 extern "C" __global__ void rms_norm_add(const float* o, const float* w, float* x, int n, float eps) {
+    PDL_START
     const float* og = o + (long)blockIdx.x * n;
     float* xg = x + (long)blockIdx.x * n;
     float scale = rms_scale(og, n, eps);
@@ -798,10 +820,12 @@ __device__ void norm_quantize_row(const float* x, const float* w, u8* out, int n
 
 // 256 threads (rows up to 2,048 values held), and 1,024 for longer rows.
 extern "C" __global__ void rms_norm_quantize(const float* x, const float* w, u8* out, int n, float eps, int kind) {
+    PDL_START
     norm_quantize_row<256>(x, w, out, n, eps, kind);
 }
 
 extern "C" __global__ void rms_norm_quantize_1024(const float* x, const float* w, u8* out, int n, float eps, int kind) {
+    PDL_START
     norm_quantize_row<1024>(x, w, out, n, eps, kind);
 }
 
@@ -823,6 +847,7 @@ __device__ __forceinline__ void rope_pair(float* h, unsigned int pos, int dims, 
 
 // grid (heads per row, rows), dims/2 threads.
 extern "C" __global__ void rope(float* x, const unsigned int* positions, int width, int head_dim, int dims, float theta_scale, int neox) {
+    PDL_START
     rope_pair(x + (long)blockIdx.y * width + blockIdx.x * head_dim, positions[blockIdx.y], dims, theta_scale, neox);
 }
 
@@ -835,6 +860,7 @@ extern "C" __global__ void rope(float* x, const unsigned int* positions, int wid
 extern "C" __global__ void qk_rope(float* q, float* k, const float* v, const float* q_norm, const float* k_norm,
                                    const unsigned int* positions, int n_q, int n_k, int head_dim, int dims, float theta_scale,
                                    int neox, float eps, float q_scale, u16* kc, u16* vc, int slots) {
+    PDL_START
     int head = blockIdx.x, row = blockIdx.y, t = threadIdx.x;
     unsigned int pos = positions[row];
     if (head >= n_q + n_k) {
@@ -865,11 +891,13 @@ extern "C" __global__ void qk_rope(float* q, float* k, const float* v, const flo
 }
 
 extern "C" __global__ void scale(float* x, long n, float s) {
+    PDL_START
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = __fmul_rn(x[i], s);
 }
 
 extern "C" __global__ void add(float* x, const float* y, long n) {
+    PDL_START
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = __fadd_rn(x[i], y[i]);
 }
@@ -906,12 +934,14 @@ __device__ float glu_value(float g, float u, int act) {
 
 // gate = act(gate) · up.
 extern "C" __global__ void glu(float* gate, const float* up, long n, int act) {
+    PDL_START
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) gate[i] = glu_value(gate[i], up[i], act);
 }
 
 // out row i = x row rows[i].
 extern "C" __global__ void gather(const float* x, const unsigned int* rows, float* out, int width) {
+    PDL_START
     int k = blockIdx.x * blockDim.x + threadIdx.x;
     int i = blockIdx.y;
     if (k < width) out[(long)i * width + k] = x[(long)rows[i] * width + k];
@@ -926,6 +956,7 @@ extern "C" __global__ void gather(const float* x, const unsigned int* rows, floa
 // grid (kv_heads, n), head_dim threads.
 extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16* vc, int row0, const unsigned int* positions,
                                     int slots, int kv_dim, int head_dim) {
+    PDL_START
     int d = threadIdx.x, g = blockIdx.x, i = blockIdx.y;
     long src = (long)(row0 + i) * kv_dim + g * head_dim + d;
     long dst = ((long)g * slots + (long)(positions[row0 + i] % (unsigned)slots)) * head_dim + d;
@@ -1092,11 +1123,13 @@ __device__ void attend(const float* q, const u16* kc, const u16* vc, float* out,
 // positions[row0], positions[row0] + 1, …
 extern "C" __global__ void attention(const float* q, const u16* kc, const u16* vc, float* out, int row0, const unsigned int* positions,
                                      int rows, int slots, int window, int n_head, int group, int head_dim, float scale) {
+    PDL_START
     attend<1>(q, kc, vc, out, row0, (int)positions[row0], rows, slots, window, n_head, group, head_dim, scale);
 }
 
 // Four query rows per CTA (prefill); grid (n_head, ceil(rows / 4)).
 extern "C" __global__ void attention_4(const float* q, const u16* kc, const u16* vc, float* out, int row0, const unsigned int* positions,
                                        int rows, int slots, int window, int n_head, int group, int head_dim, float scale) {
+    PDL_START
     attend<4>(q, kc, vc, out, row0, (int)positions[row0], rows, slots, window, n_head, group, head_dim, scale);
 }

@@ -13,8 +13,9 @@ use astra_engine::EngineError;
 use astra_gguf::{GgmlType, GgufFile};
 use astra_quant::ActType;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
+use crate::launch::Args;
 use crate::nvrtc;
 
 fn gpu_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> EngineError + '_ {
@@ -50,6 +51,50 @@ struct Kernels {
     _module: Arc<CudaModule>,
 }
 
+impl Kernels {
+    /// Compiles `source` for `arch` (or takes it from the disk cache), loads it, and
+    /// writes the IQ2_S codebook into its table.
+    fn load(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, name: &str, source: &str, arch: &str, driver: i32) -> Result<Kernels, EngineError> {
+        let cubin = nvrtc::cubin_cached(name, source, arch, driver).map_err(EngineError::Load)?;
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(gpu_err("loading kernels"))?;
+        let f = |n: &str| module.load_function(n).map_err(gpu_err("kernel lookup"));
+        let mv = |n: &str| -> Result<MatvecKernels, EngineError> {
+            Ok(MatvecKernels { one: f(n)?, three: f(&format!("{n}_3"))?, one_8: f(&format!("{n}_8"))?, three_8: f(&format!("{n}_3_8"))? })
+        };
+        let k = Kernels {
+            quantize_q8_32: f("quantize_q8_32")?,
+            quantize_q8_k: f("quantize_q8_k")?,
+            matvec: f("matvec")?,
+            matvec_q4_k: mv("matvec_q4_k")?,
+            matvec_q4_1: mv("matvec_q4_1")?,
+            matvec_q5_0: mv("matvec_q5_0")?,
+            matvec_q8_0: mv("matvec_q8_0")?,
+            matvec_q6_k: mv("matvec_q6_k")?,
+            embed: f("embed")?,
+            rms_norm: f("rms_norm")?,
+            rms_norm_inplace: f("rms_norm_inplace")?,
+            rms_norm_add: f("rms_norm_add")?,
+            rms_norm_quantize: (f("rms_norm_quantize")?, f("rms_norm_quantize_1024")?),
+            qk_rope: f("qk_rope")?,
+            rope: f("rope")?,
+            scale: f("scale")?,
+            add: f("add")?,
+            glu: f("glu")?,
+            gather: f("gather")?,
+            kv_store: f("kv_store")?,
+            attention: (f("attention")?, f("attention_4")?),
+            _module: Arc::clone(&module),
+        };
+        // The IQ2_S codebook, from the one table the CPU kernels use.
+        let mut grid = module.get_global("iq2s_grid", stream).map_err(gpu_err("finding the IQ2_S table"))?;
+        // SAFETY: `iq2s_grid` is declared in astra.cu as 1024 u64s.
+        let mut grid = unsafe { grid.transmute_mut::<u64>(astra_quant::IQ2S_GRID.len()) }
+            .ok_or_else(|| EngineError::Backend("the kernels' IQ2_S table has the wrong size".into()))?;
+        stream.memcpy_htod(&astra_quant::IQ2S_GRID[..], &mut grid).map_err(gpu_err("uploading the IQ2_S table"))?;
+        Ok(k)
+    }
+}
+
 /// A warp-cooperative matrix kernel's launches: one matrix, or up to three in one
 /// launch; one token per warp, or eight.
 struct MatvecKernels {
@@ -68,6 +113,9 @@ pub struct CudaBackend {
     acts: Mutex<Scratch>,
     /// Whether decode steps are recorded as graphs (`ASTRA_CUDA_GRAPHS=0` turns it off).
     graphs: bool,
+    /// The kernels compiled to be launched as programmatic dependents of the one
+    /// before, used while a decode step is recorded; `None` where that is off.
+    k_graph: Option<Kernels>,
     /// A capture is under way: launches are recorded, not run.
     capturing: AtomicBool,
     /// Something during the capture could not be recorded; the capture is dropped.
@@ -162,53 +210,26 @@ impl CudaBackend {
         let mut driver = 0;
         // SAFETY: an out-parameter.
         let _ = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
-        let (name, source) = nvrtc::SOURCES[0];
-        let cubin = nvrtc::cubin_cached(name, source, &arch, driver).map_err(EngineError::Load)?;
-        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(gpu_err("loading kernels"))?;
-        let f = |n: &str| module.load_function(n).map_err(gpu_err("kernel lookup"));
-        let mv = |n: &str| -> Result<MatvecKernels, EngineError> {
-            Ok(MatvecKernels { one: f(n)?, three: f(&format!("{n}_3"))?, one_8: f(&format!("{n}_8"))?, three_8: f(&format!("{n}_3_8"))? })
-        };
-        let k = Kernels {
-            quantize_q8_32: f("quantize_q8_32")?,
-            quantize_q8_k: f("quantize_q8_k")?,
-            matvec: f("matvec")?,
-            matvec_q4_k: mv("matvec_q4_k")?,
-            matvec_q4_1: mv("matvec_q4_1")?,
-            matvec_q5_0: mv("matvec_q5_0")?,
-            matvec_q8_0: mv("matvec_q8_0")?,
-            matvec_q6_k: mv("matvec_q6_k")?,
-            embed: f("embed")?,
-            rms_norm: f("rms_norm")?,
-            rms_norm_inplace: f("rms_norm_inplace")?,
-            rms_norm_add: f("rms_norm_add")?,
-            rms_norm_quantize: (f("rms_norm_quantize")?, f("rms_norm_quantize_1024")?),
-            qk_rope: f("qk_rope")?,
-            rope: f("rope")?,
-            scale: f("scale")?,
-            add: f("add")?,
-            glu: f("glu")?,
-            gather: f("gather")?,
-            kv_store: f("kv_store")?,
-            attention: (f("attention")?, f("attention_4")?),
-            _module: Arc::clone(&module),
-        };
-        let device = format!("{} ({arch}, driver {driver})", ctx.name().unwrap_or_else(|_| "GPU".into()));
         // A stream of its own: the legacy default stream cannot be captured.
         let stream = ctx.new_stream().map_err(gpu_err("creating a stream"))?;
-        // The IQ2_S codebook, from the one table the CPU kernels use.
-        let mut grid = module.get_global("iq2s_grid", &stream).map_err(gpu_err("finding the IQ2_S table"))?;
-        // SAFETY: `iq2s_grid` is declared in astra.cu as 1024 u64s.
-        let mut grid = unsafe { grid.transmute_mut::<u64>(astra_quant::IQ2S_GRID.len()) }
-            .ok_or_else(|| EngineError::Backend("the kernels' IQ2_S table has the wrong size".into()))?;
-        stream.memcpy_htod(&astra_quant::IQ2S_GRID[..], &mut grid).map_err(gpu_err("uploading the IQ2_S table"))?;
+        let (name, source) = nvrtc::SOURCES[0];
+        let k = Kernels::load(&ctx, &stream, name, source, &arch, driver)?;
+        // Recorded decode steps launch each kernel as a programmatic dependent of the
+        // one before (compute capability 9.0 and up; ASTRA_CUDA_PDL=0 turns it off).
         let graphs = std::env::var("ASTRA_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let k_graph = if graphs && major >= 9 && std::env::var("ASTRA_CUDA_PDL").map_or(true, |v| v != "0") {
+            Some(Kernels::load(&ctx, &stream, name, &nvrtc::with_dependent_launch(source), &arch, driver)?)
+        } else {
+            None
+        };
+        let device = format!("{} ({arch}, driver {driver})", ctx.name().unwrap_or_else(|_| "GPU".into()));
         Ok(CudaBackend {
             stream,
             k,
             device,
             acts: Mutex::new(Scratch { buf: None, generation: 0 }),
             graphs,
+            k_graph,
             capturing: AtomicBool::new(false),
             capture_failed: AtomicBool::new(false),
         })
@@ -245,9 +266,9 @@ impl CudaBackend {
             };
             // Rows longer than 2,048 values take a CTA of 1,024 threads.
             let (f, threads) =
-                if x.width > 2048 { (&self.k.rms_norm_quantize.1, 1024) } else { (&self.k.rms_norm_quantize.0, THREADS) };
+                if x.width > 2048 { (&self.k().rms_norm_quantize.1, 1024) } else { (&self.k().rms_norm_quantize.0, THREADS) };
             let cfg = LaunchConfig { grid_dim: (rows, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-            let mut b = self.stream.launch_builder(f);
+            let mut b = Args::new(f, &self.stream);
             b.arg(&x.buf).arg(*w).arg(out).arg(&cols).arg(eps).arg(&kind);
             self.launch(b, cfg);
             return true;
@@ -264,13 +285,13 @@ impl CudaBackend {
             ActType::Q8_0 | ActType::Q8_1 => {
                 let with_sum = i32::from(act == ActType::Q8_1);
                 let cfg = LaunchConfig { grid_dim: (x.width as u32 / 32, rows, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
-                let mut b = self.stream.launch_builder(&self.k.quantize_q8_32);
+                let mut b = Args::new(&self.k().quantize_q8_32, &self.stream);
                 b.arg(&x.buf).arg(out).arg(&cols).arg(&with_sum).arg(&up).arg(&glu);
                 self.launch(b, cfg);
             }
             ActType::Q8K => {
                 let cfg = LaunchConfig { grid_dim: (x.width as u32 / 256, rows, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-                let mut b = self.stream.launch_builder(&self.k.quantize_q8_k);
+                let mut b = Args::new(&self.k().quantize_q8_k, &self.stream);
                 b.arg(&x.buf).arg(out).arg(&cols).arg(&up).arg(&glu);
                 self.launch(b, cfg);
             }
@@ -279,10 +300,19 @@ impl CudaBackend {
         true
     }
 
-    fn launch(&self, mut b: cudarc::driver::LaunchArgs<'_>, cfg: LaunchConfig) {
+    /// The kernels to launch now: the dependent-launch set while recording.
+    fn k(&self) -> &Kernels {
+        match &self.k_graph {
+            Some(k) if self.capturing.load(Ordering::Relaxed) => k,
+            _ => &self.k,
+        }
+    }
+
+    fn launch(&self, b: Args<'_>, cfg: LaunchConfig) {
         // SAFETY: each kernel's arguments match its signature in astra.cu, and the grid
         // covers exactly the elements it writes.
-        let result = unsafe { b.launch(cfg) };
+        let dependent = self.k_graph.is_some() && self.capturing.load(Ordering::Relaxed);
+        let result = unsafe { b.launch(cfg, dependent) };
         if let Err(e) = result {
             if !self.capturing.load(Ordering::Relaxed) {
                 panic!("CUDA launch: {e}");
@@ -393,7 +423,7 @@ impl Backend for CudaBackend {
         let row_bytes = astra_quant::row_bytes(table.ty, table.cols).expect("checked at load") as i64;
         let (ty, cols, s, scaled) = (type_code(table.ty), table.cols as i32, scale.unwrap_or(1.0), i32::from(scale.is_some()));
         let cfg = LaunchConfig { grid_dim: ((table.cols as u32).div_ceil(THREADS), ids.len() as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.k.embed);
+        let mut b = Args::new(&self.k().embed, &self.stream);
         b.arg(&ty).arg(&table.data).arg(ids).arg(&mut out.buf).arg(&cols).arg(&row_bytes).arg(&s).arg(&scaled);
         self.launch(b, cfg);
     }
@@ -404,7 +434,7 @@ impl Backend for CudaBackend {
         let idx = self.upload(&idx);
         let width = x.width as i32;
         let cfg = LaunchConfig { grid_dim: ((x.width as u32).div_ceil(THREADS), rows.len() as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.k.gather);
+        let mut b = Args::new(&self.k().gather, &self.stream);
         b.arg(&x.buf).arg(&idx).arg(&mut out.buf).arg(&width);
         self.launch(b, cfg);
         out
@@ -413,7 +443,7 @@ impl Backend for CudaBackend {
     fn rms_norm(&self, x: &GpuTensor, w: &CudaSlice<f32>, eps: f32, out: &mut GpuTensor) {
         let n = w.len() as i32;
         let cfg = LaunchConfig { grid_dim: ((x.rows * x.width / w.len()) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.k.rms_norm);
+        let mut b = Args::new(&self.k().rms_norm, &self.stream);
         b.arg(&x.buf).arg(w).arg(&mut out.buf).arg(&n).arg(&eps);
         self.launch(b, cfg);
     }
@@ -421,7 +451,7 @@ impl Backend for CudaBackend {
     fn rms_norm_groups(&self, x: &mut GpuTensor, w: &CudaSlice<f32>, eps: f32) {
         let n = w.len() as i32;
         let cfg = LaunchConfig { grid_dim: ((x.rows * x.width / w.len()) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.k.rms_norm_inplace);
+        let mut b = Args::new(&self.k().rms_norm_inplace, &self.stream);
         b.arg(&mut x.buf).arg(w).arg(&n).arg(&eps);
         self.launch(b, cfg);
     }
@@ -450,11 +480,11 @@ impl Backend for CudaBackend {
             let acc = i32::from(add_to.is_some());
             // Warp-cooperative kernels where there is one; a lane per block otherwise.
             let special = match w.ty {
-                GgmlType::Q4_K => Some(&self.k.matvec_q4_k),
-                GgmlType::Q4_1 => Some(&self.k.matvec_q4_1),
-                GgmlType::Q5_0 => Some(&self.k.matvec_q5_0),
-                GgmlType::Q8_0 => Some(&self.k.matvec_q8_0),
-                GgmlType::Q6_K => Some(&self.k.matvec_q6_k),
+                GgmlType::Q4_K => Some(&self.k().matvec_q4_k),
+                GgmlType::Q4_1 => Some(&self.k().matvec_q4_1),
+                GgmlType::Q5_0 => Some(&self.k().matvec_q5_0),
+                GgmlType::Q8_0 => Some(&self.k().matvec_q8_0),
+                GgmlType::Q6_K => Some(&self.k().matvec_q6_k),
                 _ => None,
             };
             let Some(kernels) = special else {
@@ -465,7 +495,7 @@ impl Backend for CudaBackend {
                     Some(r) => &mut r.buf,
                     None => &mut outs[i].1.buf,
                 };
-                let mut b = self.stream.launch_builder(&self.k.matvec);
+                let mut b = Args::new(&self.k().matvec, &self.stream);
                 b.arg(&ty).arg(&w.data).arg(acts).arg(out).arg(&rows).arg(&nb).arg(&wbytes).arg(&abytes).arg(&acc);
                 self.launch(b, cfg);
                 i += 1;
@@ -489,7 +519,7 @@ impl Backend for CudaBackend {
                     Some(r) => &mut r.buf,
                     None => &mut outs[i].1.buf,
                 };
-                let mut b = self.stream.launch_builder(one);
+                let mut b = Args::new(one, &self.stream);
                 b.arg(&w.data).arg(acts).arg(out).arg(&rows).arg(&nb).arg(&acc).arg(&toks);
                 self.launch(b, cfg);
                 i += 1;
@@ -506,7 +536,7 @@ impl Backend for CudaBackend {
                 let (ptr, _sync) = group[j.min(n - 1)].1.buf.device_ptr_mut(&self.stream);
                 *p = ptr;
             }
-            let mut b = self.stream.launch_builder(three);
+            let mut b = Args::new(three, &self.stream);
             b.arg(weights[0]).arg(weights[1]).arg(weights[2]).arg(acts);
             b.arg(&outs_ptr[0]).arg(&outs_ptr[1]).arg(&outs_ptr[2]);
             b.arg(&rows[0]).arg(&rows[1]).arg(&rows[2]).arg(&nb).arg(&toks);
@@ -524,7 +554,7 @@ impl Backend for CudaBackend {
         }
         let n = o.width as i32;
         let cfg = LaunchConfig { grid_dim: (o.rows as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.k.rms_norm_add);
+        let mut b = Args::new(&self.k().rms_norm_add, &self.stream);
         b.arg(&o.buf).arg(w).arg(&mut x.buf).arg(&n).arg(&eps);
         self.launch(b, cfg);
     }
@@ -558,7 +588,7 @@ impl Backend for CudaBackend {
         let ctas = n_q + n_k + if store.is_some() { n_k } else { 0 };
         let threads = (hd as u32).div_ceil(32) * 32;
         let cfg = LaunchConfig { grid_dim: (ctas as u32, q.rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.k.qk_rope);
+        let mut b = Args::new(&self.k().qk_rope, &self.stream);
         b.arg(&mut q.buf).arg(&mut k.buf).arg(&v.buf).arg(&qn).arg(&kn).arg(positions);
         b.arg(&n_q).arg(&n_k).arg(&hdi).arg(&dims).arg(&theta_scale).arg(&neox).arg(&eps).arg(&qs);
         b.arg(&kc).arg(&vc).arg(&slots);
@@ -581,21 +611,21 @@ impl Backend for CudaBackend {
         let theta_scale = r.base.powf(-2.0 / r.dims as f32);
         let (width, hd, dims, neox) = (x.width as i32, head_dim as i32, r.dims as i32, i32::from(r.neox));
         let cfg = LaunchConfig { grid_dim: ((x.width / head_dim) as u32, x.rows as u32, 1), block_dim: ((r.dims / 2) as u32, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.k.rope);
+        let mut b = Args::new(&self.k().rope, &self.stream);
         b.arg(&mut x.buf).arg(pos).arg(&width).arg(&hd).arg(&dims).arg(&theta_scale).arg(&neox);
         self.launch(b, cfg);
     }
 
     fn scale(&self, x: &mut GpuTensor, s: f32) {
         let n = (x.rows * x.width) as i64;
-        let mut b = self.stream.launch_builder(&self.k.scale);
+        let mut b = Args::new(&self.k().scale, &self.stream);
         b.arg(&mut x.buf).arg(&n).arg(&s);
         self.launch(b, grid_for(n as usize));
     }
 
     fn add(&self, x: &mut GpuTensor, y: &GpuTensor) {
         let n = (x.rows * x.width) as i64;
-        let mut b = self.stream.launch_builder(&self.k.add);
+        let mut b = Args::new(&self.k().add, &self.stream);
         b.arg(&mut x.buf).arg(&y.buf).arg(&n);
         self.launch(b, grid_for(n as usize));
     }
@@ -603,7 +633,7 @@ impl Backend for CudaBackend {
     fn glu(&self, gate: &mut GpuTensor, up: &GpuTensor, act: Activation) {
         let n = (gate.rows * gate.width) as i64;
         let a = glu_code(act);
-        let mut b = self.stream.launch_builder(&self.k.glu);
+        let mut b = Args::new(&self.k().glu, &self.stream);
         b.arg(&mut gate.buf).arg(&up.buf).arg(&n).arg(&a);
         self.launch(b, grid_for(n as usize));
     }
@@ -617,7 +647,7 @@ impl Backend for CudaBackend {
             let (row0, slots) = (s.rows.start as i32, l.slots as i32);
             let cfg = LaunchConfig { grid_dim: (kv.n_head_kv as u32, s.rows.len() as u32, 1), block_dim: (hd as u32, 1, 1), shared_mem_bytes: 0 };
             let (kd, hdi) = (kv_dim as i32, hd as i32);
-            let mut b = self.stream.launch_builder(&self.k.kv_store);
+            let mut b = Args::new(&self.k().kv_store, &self.stream);
             b.arg(&k.buf).arg(&v.buf).arg(&mut l.k).arg(&mut l.v).arg(&row0).arg(positions).arg(&slots).arg(&kd).arg(&hdi);
             self.launch(b, cfg);
         }
@@ -633,10 +663,10 @@ impl Backend for CudaBackend {
             let window = l.window.map_or(0, |w| w as i32);
             let (nh, grp, hdi) = (n_head as i32, group as i32, hd as i32);
             // A row's result is the same whichever kernel runs it (astra.cu, `attend`).
-            let (f, per_cta) = if n == 1 { (&self.k.attention.0, 1) } else { (&self.k.attention.1, 4) };
+            let (f, per_cta) = if n == 1 { (&self.k().attention.0, 1) } else { (&self.k().attention.1, 4) };
             let cfg = LaunchConfig { grid_dim: (n_head as u32, n.div_ceil(per_cta), 1), block_dim: (CHUNK as u32, 1, 1), shared_mem_bytes: 0 };
             let rows = n as i32;
-            let mut b = self.stream.launch_builder(f);
+            let mut b = Args::new(f, &self.stream);
             b.arg(&q.buf).arg(&l.k).arg(&l.v).arg(&mut out.buf).arg(&row0).arg(positions).arg(&rows).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi).arg(&scale);
             self.launch(b, cfg);
         }

@@ -2,6 +2,7 @@
 //! kernels compiled at run time by NVRTC for the device present.
 
 mod backend;
+mod launch;
 pub mod nvrtc;
 
 pub use backend::{unavailable_reason, CudaBackend, GpuKv, GpuMatrix, GpuTensor};

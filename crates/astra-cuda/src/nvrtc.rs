@@ -12,6 +12,12 @@ use sha2::{Digest, Sha256};
 /// The kernel sources: (name, text).
 pub const SOURCES: [(&str, &str); 1] = [("astra.cu", include_str!("../kernels/astra.cu"))];
 
+/// A kernel source's variant whose kernels open with the programmatic-dependent-launch
+/// wait (astra.cu's `PDL_START`), for launches recorded in graphs.
+pub fn with_dependent_launch(source: &str) -> String {
+    format!("#define ASTRA_PDL 1\n{source}")
+}
+
 /// Folders that may hold NVRTC: the CUDA toolkit's (from `CUDA_HOME`, `CUDA_PATH`, the
 /// `nvcc` on `PATH`, `/usr/local/cuda`), and the `nvidia-cuda-nvrtc` Python package
 /// that scripts/test installs into the cache.
@@ -148,8 +154,10 @@ mod tests {
             return;
         }
         for (name, source) in SOURCES {
-            let cubin = compile(name, source, "sm_90").unwrap_or_else(|e| panic!("{e}"));
-            assert_eq!(&cubin[..4], b"\x7fELF", "{name}: a cubin is an ELF image");
+            for source in [source.to_owned(), with_dependent_launch(source)] {
+                let cubin = compile(name, &source, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+                assert_eq!(&cubin[..4], b"\x7fELF", "{name}: a cubin is an ELF image");
+            }
         }
     }
 }
