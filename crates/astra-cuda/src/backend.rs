@@ -3,7 +3,7 @@
 //! quantized on the device by the CPU engine's arithmetic, and every matrix product is
 //! a per-block integer dot product as on the CPU.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use astra_engine::backend::{Activation, Backend, Heads, Input, Rope, SeqRows};
@@ -120,6 +120,8 @@ pub struct CudaBackend {
     capturing: AtomicBool,
     /// Something during the capture could not be recorded; the capture is dropped.
     capture_failed: AtomicBool,
+    /// Decode steps run by replaying a recorded graph.
+    replays: AtomicU64,
 }
 
 /// A device buffer that grows as needed; `generation` counts its replacements, so that
@@ -232,6 +234,7 @@ impl CudaBackend {
             k_graph,
             capturing: AtomicBool::new(false),
             capture_failed: AtomicBool::new(false),
+            replays: AtomicU64::new(0),
         })
     }
 
@@ -298,6 +301,11 @@ impl CudaBackend {
             ActType::F32 => unreachable!("float weights are not uploaded to this backend"),
         }
         true
+    }
+
+    /// How many decode steps have run as replays of a recorded graph.
+    pub fn graph_replays(&self) -> u64 {
+        self.replays.load(Ordering::Relaxed)
     }
 
     /// The kernels to launch now: the dependent-launch set while recording.
@@ -703,6 +711,7 @@ impl Backend for CudaBackend {
             return false;
         }
         g.graph.launch().expect("CUDA graph launch");
+        self.replays.fetch_add(1, Ordering::Relaxed);
         true
     }
 }

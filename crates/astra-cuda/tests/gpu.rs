@@ -35,12 +35,18 @@ fn deterministic(like: &str, ty: astra_gguf::GgmlType) {
         bits(&model.forward(&mut s, &prompt, 0).unwrap())
     };
     let one_by_one = {
+        let replays = model.backend.graph_replays();
         let mut s = model.session(1024).unwrap();
         let mut out: Vec<f32> = prompt[..75].iter().flat_map(|&t| model.forward(&mut s, &[t], 0).unwrap()).collect();
         let mut other = model.session(1024).unwrap();
         let long: Vec<u32> = (0..512u32).map(|i| (i * 104_729) % 20000 + 300).collect();
         model.forward(&mut other, &long, 511).unwrap();
         out.extend(prompt[75..].iter().flat_map(|&t| model.forward(&mut s, &[t], 0).unwrap()));
+        // Every step but the two recordings (first, and after the scratch grew) replayed.
+        if std::env::var("ASTRA_CUDA_GRAPHS").map_or(true, |v| v != "0") {
+            let replayed = model.backend.graph_replays() - replays;
+            assert!(replayed >= 140, "{like}: {replayed} of 150 decode steps replayed a graph");
+        }
         bits(&out)
     };
     let chunked = {
