@@ -977,7 +977,7 @@ extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16
 // 256.
 template <int Q>
 __device__ void attend(const float* q, const u16* kc, const u16* vc, float* out, int row0, int pos0, int rows,
-                       int slots, int window, int n_head, int group, int head_dim, float scale) {
+                       int slots, int window, int n_head, int group, int head_dim, float scale, u8* qout, int qkind) {
     __shared__ float sq[Q][MAX_HEAD_DIM];
     __shared__ float sp[Q][CHUNK];
     __shared__ float red[Q][CHUNK];
@@ -1110,6 +1110,18 @@ __device__ void attend(const float* q, const u16* kc, const u16* vc, float* out,
         }
         __syncthreads();
     }
+    if (qout) {
+        // Q = 1: each warp quantizes the 32 consecutive outputs it holds for each j (head_dim
+        // a multiple of 32), exactly the values the f32 row would hold.
+        float inv = 1.0f / run_sum[0];
+        for (int j = 0; j < per; j++) {
+            int d0 = j * CHUNK + (t / WARP) * WARP;
+            if (d0 >= head_dim) break;
+            int block = (h * head_dim + d0) / 32;
+            q8_32_block(acc[0][j] * inv, qout + ((long)(row0 + i0) * (width / 32) + block) * (qkind == 1 ? 36 : 34), qkind);
+        }
+        return;
+    }
     for (int iq = 0; iq < nq; iq++) {
         float inv = 1.0f / run_sum[iq];
         for (int j = 0; j < per; j++) {
@@ -1121,15 +1133,18 @@ __device__ void attend(const float* q, const u16* kc, const u16* vc, float* out,
 
 // One query row per CTA (decode); grid (n_head, rows). The rows' positions are
 // positions[row0], positions[row0] + 1, …
+// With qout, the row is written quantized (qkind 0 Q8_0, 1 Q8_1) there instead.
 extern "C" __global__ void attention(const float* q, const u16* kc, const u16* vc, float* out, int row0, const unsigned int* positions,
-                                     int rows, int slots, int window, int n_head, int group, int head_dim, float scale) {
+                                     int rows, int slots, int window, int n_head, int group, int head_dim, float scale,
+                                     u8* qout, int qkind) {
     PDL_START
-    attend<1>(q, kc, vc, out, row0, (int)positions[row0], rows, slots, window, n_head, group, head_dim, scale);
+    attend<1>(q, kc, vc, out, row0, (int)positions[row0], rows, slots, window, n_head, group, head_dim, scale, qout, qkind);
 }
 
 // Four query rows per CTA (prefill); grid (n_head, ceil(rows / 4)).
 extern "C" __global__ void attention_4(const float* q, const u16* kc, const u16* vc, float* out, int row0, const unsigned int* positions,
-                                       int rows, int slots, int window, int n_head, int group, int head_dim, float scale) {
+                                       int rows, int slots, int window, int n_head, int group, int head_dim, float scale,
+                                       u8* qout, int qkind) {
     PDL_START
-    attend<4>(q, kc, vc, out, row0, (int)positions[row0], rows, slots, window, n_head, group, head_dim, scale);
+    attend<4>(q, kc, vc, out, row0, (int)positions[row0], rows, slots, window, n_head, group, head_dim, scale, nullptr, qkind);
 }

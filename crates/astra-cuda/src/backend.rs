@@ -242,23 +242,28 @@ impl CudaBackend {
         self.stream.clone_htod(v).expect("CUDA upload")
     }
 
-    /// Makes `input`'s rows, quantized for the activation type `act`, in `scratch`
-    /// (grown if too small); `false` (nothing launched) where it would have to grow
-    /// during a capture. Norm and gated product are computed inside the quantization.
-    fn quantize(&self, input: &Input<'_, Self>, act: ActType, scratch: &mut Scratch) -> bool {
-        let x = input_rows(input);
-        let row_bytes = act.row_bytes(x.width).expect("a whole number of blocks");
-        let need = row_bytes * x.rows;
+    /// `scratch` with room for `x`'s rows quantized for `act`, grown if too small;
+    /// `None` where it would have to grow during a capture (which is then dropped).
+    fn reserve<'s>(&self, scratch: &'s mut Scratch, act: ActType, x: &GpuTensor) -> Option<&'s mut CudaSlice<u8>> {
+        let need = act.row_bytes(x.width).expect("a whole number of blocks") * x.rows;
         if scratch.buf.as_ref().is_none_or(|b| b.len() < need) {
             if self.capturing.load(Ordering::Relaxed) {
                 self.capture_failed.store(true, Ordering::Relaxed);
-                return false;
+                return None;
             }
             // SAFETY: every byte read is first written by a quantization kernel.
             scratch.buf = Some(unsafe { self.stream.alloc::<u8>(need.max(1 << 16)) }.expect("CUDA alloc"));
             scratch.generation += 1;
         }
-        let out = scratch.buf.as_mut().expect("just made");
+        scratch.buf.as_mut()
+    }
+
+    /// Makes `input`'s rows, quantized for the activation type `act`, in `scratch`
+    /// (grown if too small); `false` (nothing launched) where it would have to grow
+    /// during a capture. Norm and gated product are computed inside the quantization.
+    fn quantize(&self, input: &Input<'_, Self>, act: ActType, scratch: &mut Scratch) -> bool {
+        let x = input_rows(input);
+        let Some(out) = self.reserve(scratch, act, x) else { return false };
         let (cols, rows) = (x.width as i32, x.rows as u32);
         if let Input::Normed { w, eps, .. } = input {
             let kind = match act {
@@ -301,6 +306,128 @@ impl CudaBackend {
             ActType::F32 => unreachable!("float weights are not uploaded to this backend"),
         }
         true
+    }
+
+    fn matvecs(
+        &self,
+        tokens: usize,
+        outs: &mut [(&GpuMatrix, &mut GpuTensor)],
+        mut add_to: Option<&mut GpuTensor>,
+        prepare: &mut dyn FnMut(ActType, &mut Scratch) -> bool,
+    ) {
+        assert!(add_to.is_none() || outs.len() == 1, "a residual add takes one matrix");
+        let mut scratch = self.acts.lock().expect("scratch lock");
+        let mut quantized: Option<ActType> = None;
+        let mut i = 0;
+        while i < outs.len() {
+            let w = outs[i].0;
+            if quantized != Some(w.act) {
+                if !prepare(w.act, &mut scratch) {
+                    return;
+                }
+                quantized = Some(w.act);
+            }
+            let acts = scratch.buf.as_ref().expect("quantized above");
+            let nb = (w.cols / w.ty.block_elems() as usize) as i32;
+            // With a residual, the product is added to it in place.
+            let acc = i32::from(add_to.is_some());
+            // Warp-cooperative kernels where there is one; a lane per block otherwise.
+            let special = match w.ty {
+                GgmlType::Q4_K => Some(&self.k().matvec_q4_k),
+                GgmlType::Q4_1 => Some(&self.k().matvec_q4_1),
+                GgmlType::Q5_0 => Some(&self.k().matvec_q5_0),
+                GgmlType::Q8_0 => Some(&self.k().matvec_q8_0),
+                GgmlType::Q6_K => Some(&self.k().matvec_q6_k),
+                _ => None,
+            };
+            let Some(kernels) = special else {
+                let (wbytes, abytes) = (w.ty.block_bytes() as i32, w.act.ggml_type().block_bytes() as i32);
+                let (ty, rows) = (type_code(w.ty), w.rows as i32);
+                let cfg = matvec_grid(w.rows, tokens);
+                let out = match add_to.as_deref_mut() {
+                    Some(r) => &mut r.buf,
+                    None => &mut outs[i].1.buf,
+                };
+                let mut b = Args::new(&self.k().matvec, &self.stream);
+                b.arg(&ty).arg(&w.data).arg(acts).arg(out).arg(&rows).arg(&nb).arg(&wbytes).arg(&abytes).arg(&acc);
+                self.launch(b, cfg);
+                i += 1;
+                continue;
+            };
+            // Eight tokens per warp for a batch (a row's sums are the same either way),
+            // except Q4_1, whose kernel measured slower that way.
+            let (one, three, per_warp) = if tokens > 1 && w.ty != GgmlType::Q4_1 {
+                (&kernels.one_8, &kernels.three_8, 8)
+            } else {
+                (&kernels.one, &kernels.three, 1)
+            };
+            let toks = tokens as i32;
+            // The following matrices of the same type and width (Q, K, V; gate, up) go
+            // in the same launch, up to three.
+            let n = outs[i..].iter().take(3).take_while(|(m, _)| m.ty == w.ty && m.cols == w.cols).count();
+            if n == 1 {
+                let rows = w.rows as i32;
+                let cfg = matvec_grid(w.rows, tokens.div_ceil(per_warp));
+                let out = match add_to.as_deref_mut() {
+                    Some(r) => &mut r.buf,
+                    None => &mut outs[i].1.buf,
+                };
+                let mut b = Args::new(one, &self.stream);
+                b.arg(&w.data).arg(acts).arg(out).arg(&rows).arg(&nb).arg(&acc).arg(&toks);
+                self.launch(b, cfg);
+                i += 1;
+                continue;
+            }
+            let group = &mut outs[i..i + n];
+            let rows: Vec<i32> = (0..3).map(|j| group.get(j).map_or(0, |(m, _)| m.rows as i32)).collect();
+            let cfg = matvec_grid(rows.iter().map(|&r| r as usize).sum(), tokens.div_ceil(per_warp));
+            // With two matrices the third slot repeats the second's pointers; it has no
+            // rows, so they are never used.
+            let weights: Vec<&CudaSlice<u8>> = (0..3).map(|j| &group[j.min(n - 1)].0.data).collect();
+            let mut outs_ptr = [0u64; 3];
+            for (j, p) in outs_ptr.iter_mut().enumerate() {
+                let (ptr, _sync) = group[j.min(n - 1)].1.buf.device_ptr_mut(&self.stream);
+                *p = ptr;
+            }
+            let mut b = Args::new(three, &self.stream);
+            b.arg(weights[0]).arg(weights[1]).arg(weights[2]).arg(acts);
+            b.arg(&outs_ptr[0]).arg(&outs_ptr[1]).arg(&outs_ptr[2]);
+            b.arg(&rows[0]).arg(&rows[1]).arg(&rows[2]).arg(&nb).arg(&toks);
+            self.launch(b, cfg);
+            i += n;
+        }
+    }
+
+    /// Attention of sequence `s`'s rows (kernels as `attend` in astra.cu): into `out`,
+    /// or, with `quantized` (one decode row), as the quantized row of a matrix product's
+    /// activations (kind 0 Q8_0, 1 Q8_1).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_attention(
+        &self,
+        layer: usize,
+        s: &mut SeqRows<'_, GpuKv>,
+        positions: &CudaSlice<u32>,
+        q: &GpuTensor,
+        scale: f32,
+        out: &mut GpuTensor,
+        quantized: Option<(&mut CudaSlice<u8>, i32)>,
+    ) {
+        let kv = &mut *s.kv;
+        let (n_head, group, hd) = (kv.n_head, kv.n_head / kv.n_head_kv, kv.head_dim);
+        let l = &kv.layers[layer];
+        let (row0, slots) = (s.rows.start as i32, l.slots as i32);
+        let n = s.rows.len() as u32;
+        let window = l.window.map_or(0, |w| w as i32);
+        let (nh, grp, hdi) = (n_head as i32, group as i32, hd as i32);
+        let (qout, qkind) = quantized.map_or((0u64, -1i32), |(buf, kind)| (buf.device_ptr_mut(&self.stream).0, kind));
+        // A row's result is the same whichever kernel runs it (astra.cu, `attend`).
+        let (f, per_cta) = if n == 1 { (&self.k().attention.0, 1) } else { (&self.k().attention.1, 4) };
+        let cfg = LaunchConfig { grid_dim: (n_head as u32, n.div_ceil(per_cta), 1), block_dim: (CHUNK as u32, 1, 1), shared_mem_bytes: 0 };
+        let rows = n as i32;
+        let mut b = Args::new(f, &self.stream);
+        b.arg(&q.buf).arg(&l.k).arg(&l.v).arg(&out.buf).arg(&row0).arg(positions).arg(&rows).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi).arg(&scale);
+        b.arg(&qout).arg(&qkind);
+        self.launch(b, cfg);
     }
 
     /// How many decode steps have run as replays of a recorded graph.
@@ -468,89 +595,45 @@ impl Backend for CudaBackend {
         self.product(Input::Rows(x), outs, None);
     }
 
-    fn product(&self, input: Input<'_, Self>, outs: &mut [(&GpuMatrix, &mut GpuTensor)], mut add_to: Option<&mut GpuTensor>) {
-        assert!(add_to.is_none() || outs.len() == 1, "a residual add takes one matrix");
+    fn product(&self, input: Input<'_, Self>, outs: &mut [(&GpuMatrix, &mut GpuTensor)], add_to: Option<&mut GpuTensor>) {
         let tokens = input_rows(&input).rows;
-        let mut scratch = self.acts.lock().expect("scratch lock");
-        let mut quantized: Option<ActType> = None;
-        let mut i = 0;
-        while i < outs.len() {
-            let w = outs[i].0;
-            if quantized != Some(w.act) {
-                if !self.quantize(&input, w.act, &mut scratch) {
-                    return;
-                }
-                quantized = Some(w.act);
-            }
-            let acts = scratch.buf.as_ref().expect("quantized above");
-            let nb = (w.cols / w.ty.block_elems() as usize) as i32;
-            // With a residual, the product is added to it in place.
-            let acc = i32::from(add_to.is_some());
-            // Warp-cooperative kernels where there is one; a lane per block otherwise.
-            let special = match w.ty {
-                GgmlType::Q4_K => Some(&self.k().matvec_q4_k),
-                GgmlType::Q4_1 => Some(&self.k().matvec_q4_1),
-                GgmlType::Q5_0 => Some(&self.k().matvec_q5_0),
-                GgmlType::Q8_0 => Some(&self.k().matvec_q8_0),
-                GgmlType::Q6_K => Some(&self.k().matvec_q6_k),
-                _ => None,
-            };
-            let Some(kernels) = special else {
-                let (wbytes, abytes) = (w.ty.block_bytes() as i32, w.act.ggml_type().block_bytes() as i32);
-                let (ty, rows) = (type_code(w.ty), w.rows as i32);
-                let cfg = matvec_grid(w.rows, tokens);
-                let out = match add_to.as_deref_mut() {
-                    Some(r) => &mut r.buf,
-                    None => &mut outs[i].1.buf,
-                };
-                let mut b = Args::new(&self.k().matvec, &self.stream);
-                b.arg(&ty).arg(&w.data).arg(acts).arg(out).arg(&rows).arg(&nb).arg(&wbytes).arg(&abytes).arg(&acc);
-                self.launch(b, cfg);
-                i += 1;
-                continue;
-            };
-            // Eight tokens per warp for a batch (a row's sums are the same either way),
-            // except Q4_1, whose kernel measured slower that way.
-            let (one, three, per_warp) = if tokens > 1 && w.ty != GgmlType::Q4_1 {
-                (&kernels.one_8, &kernels.three_8, 8)
-            } else {
-                (&kernels.one, &kernels.three, 1)
-            };
-            let toks = tokens as i32;
-            // The following matrices of the same type and width (Q, K, V; gate, up) go
-            // in the same launch, up to three.
-            let n = outs[i..].iter().take(3).take_while(|(m, _)| m.ty == w.ty && m.cols == w.cols).count();
-            if n == 1 {
-                let rows = w.rows as i32;
-                let cfg = matvec_grid(w.rows, tokens.div_ceil(per_warp));
-                let out = match add_to.as_deref_mut() {
-                    Some(r) => &mut r.buf,
-                    None => &mut outs[i].1.buf,
-                };
-                let mut b = Args::new(one, &self.stream);
-                b.arg(&w.data).arg(acts).arg(out).arg(&rows).arg(&nb).arg(&acc).arg(&toks);
-                self.launch(b, cfg);
-                i += 1;
-                continue;
-            }
-            let group = &mut outs[i..i + n];
-            let rows: Vec<i32> = (0..3).map(|j| group.get(j).map_or(0, |(m, _)| m.rows as i32)).collect();
-            let cfg = matvec_grid(rows.iter().map(|&r| r as usize).sum(), tokens.div_ceil(per_warp));
-            // With two matrices the third slot repeats the second's pointers; it has no
-            // rows, so they are never used.
-            let weights: Vec<&CudaSlice<u8>> = (0..3).map(|j| &group[j.min(n - 1)].0.data).collect();
-            let mut outs_ptr = [0u64; 3];
-            for (j, p) in outs_ptr.iter_mut().enumerate() {
-                let (ptr, _sync) = group[j.min(n - 1)].1.buf.device_ptr_mut(&self.stream);
-                *p = ptr;
-            }
-            let mut b = Args::new(three, &self.stream);
-            b.arg(weights[0]).arg(weights[1]).arg(weights[2]).arg(acts);
-            b.arg(&outs_ptr[0]).arg(&outs_ptr[1]).arg(&outs_ptr[2]);
-            b.arg(&rows[0]).arg(&rows[1]).arg(&rows[2]).arg(&nb).arg(&toks);
-            self.launch(b, cfg);
-            i += n;
+        self.matvecs(tokens, outs, add_to, &mut |act, scratch| self.quantize(&input, act, scratch));
+    }
+
+    fn attention_product(
+        &self,
+        layer: usize,
+        seqs: &mut [SeqRows<'_, GpuKv>],
+        positions: &CudaSlice<u32>,
+        q: &GpuTensor,
+        scale: f32,
+        att: &mut GpuTensor,
+        w: &GpuMatrix,
+        out: &mut GpuTensor,
+        add_to: Option<&mut GpuTensor>,
+    ) {
+        // One decode row of one sequence, for a matrix taking 32-blocks: each warp of the
+        // attention kernel quantizes the 32 outputs it holds, the f32 row never stored.
+        let kind = match w.act {
+            ActType::Q8_0 => Some(0i32),
+            ActType::Q8_1 => Some(1),
+            _ => None,
+        };
+        let fused = match (&*seqs, kind) {
+            ([s], Some(_)) => q.rows == 1 && s.rows == (0..1) && s.kv.head_dim % 32 == 0,
+            _ => false,
+        };
+        if !fused {
+            self.attention(layer, seqs, positions, q, scale, att);
+            self.product(Input::Rows(att), &mut [(w, out)], add_to);
+            return;
         }
+        let kind = kind.expect("checked above");
+        self.matvecs(1, &mut [(w, out)], add_to, &mut |act, scratch| {
+            let Some(qout) = self.reserve(scratch, act, q) else { return false };
+            self.launch_attention(layer, &mut seqs[0], positions, q, scale, att, Some((qout, kind)));
+            true
+        });
     }
 
     fn norm_add(&self, o: &mut GpuTensor, w: &CudaSlice<f32>, eps: f32, x: &mut GpuTensor) {
@@ -663,20 +746,7 @@ impl Backend for CudaBackend {
 
     fn attention(&self, layer: usize, seqs: &mut [SeqRows<'_, GpuKv>], positions: &CudaSlice<u32>, q: &GpuTensor, scale: f32, out: &mut GpuTensor) {
         for s in seqs.iter_mut() {
-            let kv = &mut *s.kv;
-            let (n_head, group, hd) = (kv.n_head, kv.n_head / kv.n_head_kv, kv.head_dim);
-            let l = &kv.layers[layer];
-            let (row0, slots) = (s.rows.start as i32, l.slots as i32);
-            let n = s.rows.len() as u32;
-            let window = l.window.map_or(0, |w| w as i32);
-            let (nh, grp, hdi) = (n_head as i32, group as i32, hd as i32);
-            // A row's result is the same whichever kernel runs it (astra.cu, `attend`).
-            let (f, per_cta) = if n == 1 { (&self.k().attention.0, 1) } else { (&self.k().attention.1, 4) };
-            let cfg = LaunchConfig { grid_dim: (n_head as u32, n.div_ceil(per_cta), 1), block_dim: (CHUNK as u32, 1, 1), shared_mem_bytes: 0 };
-            let rows = n as i32;
-            let mut b = Args::new(f, &self.stream);
-            b.arg(&q.buf).arg(&l.k).arg(&l.v).arg(&mut out.buf).arg(&row0).arg(positions).arg(&rows).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi).arg(&scale);
-            self.launch(b, cfg);
+            self.launch_attention(layer, s, positions, q, scale, out, None);
         }
     }
 

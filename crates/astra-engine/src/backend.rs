@@ -169,6 +169,26 @@ pub trait Backend: Send + Sync + Sized + 'static {
         }
     }
 
+    /// Attention (as [`Backend::attention`], into `att`) and the product of its rows
+    /// with `w` (as [`Backend::product`]); a backend may hand the attention's rows to
+    /// the product without writing `att`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_product(
+        &self,
+        layer: usize,
+        seqs: &mut [SeqRows<'_, Self::KvCache>],
+        positions: &Self::Ids,
+        q: &Self::Tensor,
+        scale: f32,
+        att: &mut Self::Tensor,
+        w: &Self::Matrix,
+        out: &mut Self::Tensor,
+        add_to: Option<&mut Self::Tensor>,
+    ) {
+        self.attention(layer, seqs, positions, q, scale, att);
+        self.product(Input::Rows(att), &mut [(w, out)], add_to);
+    }
+
     /// `x += rms_norm(o) · w` per row (a post-norm and the residual add); `o` may be
     /// normed in place.
     fn norm_add(&self, o: &mut Self::Tensor, w: &Self::Vector, eps: f32, x: &mut Self::Tensor) {

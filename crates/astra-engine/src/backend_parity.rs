@@ -26,6 +26,8 @@ pub struct OpReport {
 pub const TYPES: [GgmlType; 7] =
     [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::IQ2_S];
 const ROWS: usize = 96;
+/// Weight types of the attention-and-product comparison: one per activation format.
+const ATTENTION_OUT_TYPES: [GgmlType; 3] = [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K];
 const COLS: usize = 512;
 
 fn report(op: impl Into<String>, want: &[f32], got: &[f32]) -> OpReport {
@@ -88,6 +90,13 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
         w.add_tensor(format!("w.{}", ty.name()), &[COLS as u64, ROWS as u64], *ty, TensorSource::Owned(bytes))
             .map_err(|e| EngineError::Invalid(e.to_string()))?;
     }
+    // Output projections of the attention below (its rows are 256 wide).
+    for (i, ty) in ATTENTION_OUT_TYPES.iter().enumerate() {
+        let bytes = astra_quant::parity::random_weights(*ty, ROWS, 256, 200 + i as u64)
+            .map_err(|e| EngineError::Invalid(e.to_string()))?;
+        w.add_tensor(format!("wo.{}", ty.name()), &[256, ROWS as u64], *ty, TensorSource::Owned(bytes))
+            .map_err(|e| EngineError::Invalid(e.to_string()))?;
+    }
     std::fs::create_dir_all(dir).map_err(io)?;
     let path = dir.join("backend-parity.gguf");
     w.write_file(&path).map_err(io)?;
@@ -148,7 +157,7 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
         b.glu(&mut pb, &yb, act);
         out.push(report(format!("glu {act:?}"), &a.read(&pa), &b.read(&pb)));
     }
-    out.extend(compare_prepare_attention(a, b, (&ha, &hb), &mut rng)?);
+    out.extend(compare_prepare_attention(a, b, (&ha, &hb), &file, &mut rng)?);
     let (mut oa, mut ob) = (a.tensor_from(&y, COLS), b.tensor_from(&y, COLS));
     let (mut sa, mut sb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
     a.norm_add(&mut oa, &wa, 1e-6, &mut sa);
@@ -169,7 +178,13 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
 
 /// Queries (four heads) and keys (two) normed per head, rotated and the queries
 /// scaled; the keys and values stored, and read back through attention.
-fn compare_prepare_attention<A: Backend, B: Backend>(a: &A, b: &B, norm: (&A::Vector, &B::Vector), rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
+fn compare_prepare_attention<A: Backend, B: Backend>(
+    a: &A,
+    b: &B,
+    norm: (&A::Vector, &B::Vector),
+    file: &Arc<GgufFile>,
+    rng: &mut Rng,
+) -> Result<Vec<OpReport>, EngineError> {
     let cfg = attention_config();
     let (qd, kd, n) = (cfg.q_dim(), cfg.kv_dim(), 3);
     let layout = KvLayout::new(&cfg, 64, 8);
@@ -189,6 +204,26 @@ fn compare_prepare_attention<A: Backend, B: Backend>(a: &A, b: &B, norm: (&A::Ve
     a.attention(1, &mut [SeqRows { kv: &mut ca, rows: 0..n, pos: 0 }], &pa, &qa, 1.0, &mut oa);
     b.attention(1, &mut [SeqRows { kv: &mut cb, rows: 0..n, pos: 0 }], &pb, &qb, 1.0, &mut ob);
     out.push(report("prepare attention, stored keys and values", &a.read(&oa), &b.read(&ob)));
+    // One more position decoded, its attention straight into an output projection
+    // (added to a residual).
+    let (q, k, v) = (rng.vec(qd), rng.vec(kd), rng.vec(kd));
+    let (mut qa, mut qb) = (a.tensor_from(&q, qd), b.tensor_from(&q, qd));
+    let (mut ka, mut kb) = (a.tensor_from(&k, kd), b.tensor_from(&k, kd));
+    let (va, vb) = (a.tensor_from(&v, kd), b.tensor_from(&v, kd));
+    let (pa, pb) = (a.ids(&[3]), b.ids(&[3]));
+    a.prepare_attention(1, &mut [SeqRows { kv: &mut ca, rows: 0..1, pos: 3 }], &pa, &mut qa, &mut ka, &va, &heads_a);
+    b.prepare_attention(1, &mut [SeqRows { kv: &mut cb, rows: 0..1, pos: 3 }], &pb, &mut qb, &mut kb, &vb, &heads_b);
+    let residual = rng.vec(ROWS);
+    for ty in ATTENTION_OUT_TYPES {
+        let m = MatRef::locate(file, &format!("wo.{}", ty.name()))?;
+        let (ma, mb) = (a.matrix(file, &m)?, b.matrix(file, &m)?);
+        let (mut ta, mut tb) = (a.tensor(1, qd), b.tensor(1, qd));
+        let (mut oa, mut ob) = (a.tensor(1, ROWS), b.tensor(1, ROWS));
+        let (mut ra, mut rb) = (a.tensor_from(&residual, ROWS), b.tensor_from(&residual, ROWS));
+        a.attention_product(1, &mut [SeqRows { kv: &mut ca, rows: 0..1, pos: 3 }], &pa, &qa, 1.0, &mut ta, &ma, &mut oa, Some(&mut ra));
+        b.attention_product(1, &mut [SeqRows { kv: &mut cb, rows: 0..1, pos: 3 }], &pb, &qb, 1.0, &mut tb, &mb, &mut ob, Some(&mut rb));
+        out.push(report(format!("attention, matmul {}, add", ty.name()), &a.read(&ra), &b.read(&rb)));
+    }
     Ok(out)
 }
 
