@@ -277,7 +277,7 @@ impl CudaBackend {
                 if x.width > 2048 { (&self.k().rms_norm_quantize.1, 1024) } else { (&self.k().rms_norm_quantize.0, THREADS) };
             let cfg = LaunchConfig { grid_dim: (rows, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
             let mut b = Args::new(f, &self.stream);
-            b.arg(&x.buf).arg(*w).arg(out).arg(&cols).arg(eps).arg(&kind);
+            b.arg(&x.buf).arg(*w).out(out).arg(&cols).arg(eps).arg(&kind);
             self.launch(b, cfg);
             return true;
         }
@@ -294,13 +294,13 @@ impl CudaBackend {
                 let with_sum = i32::from(act == ActType::Q8_1);
                 let cfg = LaunchConfig { grid_dim: (x.width as u32 / 32, rows, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
                 let mut b = Args::new(&self.k().quantize_q8_32, &self.stream);
-                b.arg(&x.buf).arg(out).arg(&cols).arg(&with_sum).arg(&up).arg(&glu);
+                b.arg(&x.buf).out(out).arg(&cols).arg(&with_sum).arg(&up).arg(&glu);
                 self.launch(b, cfg);
             }
             ActType::Q8K => {
                 let cfg = LaunchConfig { grid_dim: (x.width as u32 / 256, rows, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
                 let mut b = Args::new(&self.k().quantize_q8_k, &self.stream);
-                b.arg(&x.buf).arg(out).arg(&cols).arg(&up).arg(&glu);
+                b.arg(&x.buf).out(out).arg(&cols).arg(&up).arg(&glu);
                 self.launch(b, cfg);
             }
             ActType::F32 => unreachable!("float weights are not uploaded to this backend"),
@@ -349,7 +349,7 @@ impl CudaBackend {
                     None => &mut outs[i].1.buf,
                 };
                 let mut b = Args::new(&self.k().matvec, &self.stream);
-                b.arg(&ty).arg(&w.data).arg(acts).arg(out).arg(&rows).arg(&nb).arg(&wbytes).arg(&abytes).arg(&acc);
+                b.arg(&ty).arg(&w.data).arg(acts).out(out).arg(&rows).arg(&nb).arg(&wbytes).arg(&abytes).arg(&acc);
                 self.launch(b, cfg);
                 i += 1;
                 continue;
@@ -373,7 +373,7 @@ impl CudaBackend {
                     None => &mut outs[i].1.buf,
                 };
                 let mut b = Args::new(one, &self.stream);
-                b.arg(&w.data).arg(acts).arg(out).arg(&rows).arg(&nb).arg(&acc).arg(&toks);
+                b.arg(&w.data).arg(acts).out(out).arg(&rows).arg(&nb).arg(&acc).arg(&toks);
                 self.launch(b, cfg);
                 i += 1;
                 continue;
@@ -425,7 +425,7 @@ impl CudaBackend {
         let cfg = LaunchConfig { grid_dim: (n_head as u32, n.div_ceil(per_cta), 1), block_dim: (CHUNK as u32, 1, 1), shared_mem_bytes: 0 };
         let rows = n as i32;
         let mut b = Args::new(f, &self.stream);
-        b.arg(&q.buf).arg(&l.k).arg(&l.v).arg(&out.buf).arg(&row0).arg(positions).arg(&rows).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi).arg(&scale);
+        b.arg(&q.buf).arg(&l.k).arg(&l.v).out(&mut out.buf).arg(&row0).arg(positions).arg(&rows).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi).arg(&scale);
         b.arg(&qout).arg(&qkind);
         self.launch(b, cfg);
     }
@@ -559,7 +559,7 @@ impl Backend for CudaBackend {
         let (ty, cols, s, scaled) = (type_code(table.ty), table.cols as i32, scale.unwrap_or(1.0), i32::from(scale.is_some()));
         let cfg = LaunchConfig { grid_dim: ((table.cols as u32).div_ceil(THREADS), ids.len() as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut b = Args::new(&self.k().embed, &self.stream);
-        b.arg(&ty).arg(&table.data).arg(ids).arg(&mut out.buf).arg(&cols).arg(&row_bytes).arg(&s).arg(&scaled);
+        b.arg(&ty).arg(&table.data).arg(ids).out(&mut out.buf).arg(&cols).arg(&row_bytes).arg(&s).arg(&scaled);
         self.launch(b, cfg);
     }
 
@@ -570,7 +570,7 @@ impl Backend for CudaBackend {
         let width = x.width as i32;
         let cfg = LaunchConfig { grid_dim: ((x.width as u32).div_ceil(THREADS), rows.len() as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut b = Args::new(&self.k().gather, &self.stream);
-        b.arg(&x.buf).arg(&idx).arg(&mut out.buf).arg(&width);
+        b.arg(&x.buf).arg(&idx).out(&mut out.buf).arg(&width);
         self.launch(b, cfg);
         out
     }
@@ -579,7 +579,7 @@ impl Backend for CudaBackend {
         let n = w.len() as i32;
         let cfg = LaunchConfig { grid_dim: ((x.rows * x.width / w.len()) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut b = Args::new(&self.k().rms_norm, &self.stream);
-        b.arg(&x.buf).arg(w).arg(&mut out.buf).arg(&n).arg(&eps);
+        b.arg(&x.buf).arg(w).out(&mut out.buf).arg(&n).arg(&eps);
         self.launch(b, cfg);
     }
 
@@ -587,7 +587,7 @@ impl Backend for CudaBackend {
         let n = w.len() as i32;
         let cfg = LaunchConfig { grid_dim: ((x.rows * x.width / w.len()) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut b = Args::new(&self.k().rms_norm_inplace, &self.stream);
-        b.arg(&mut x.buf).arg(w).arg(&n).arg(&eps);
+        b.out(&mut x.buf).arg(w).arg(&n).arg(&eps);
         self.launch(b, cfg);
     }
 
@@ -646,7 +646,7 @@ impl Backend for CudaBackend {
         let n = o.width as i32;
         let cfg = LaunchConfig { grid_dim: (o.rows as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut b = Args::new(&self.k().rms_norm_add, &self.stream);
-        b.arg(&o.buf).arg(w).arg(&mut x.buf).arg(&n).arg(&eps);
+        b.arg(&o.buf).arg(w).out(&mut x.buf).arg(&n).arg(&eps);
         self.launch(b, cfg);
     }
 
@@ -680,7 +680,7 @@ impl Backend for CudaBackend {
         let threads = (hd as u32).div_ceil(32) * 32;
         let cfg = LaunchConfig { grid_dim: (ctas as u32, q.rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         let mut b = Args::new(&self.k().qk_rope, &self.stream);
-        b.arg(&mut q.buf).arg(&mut k.buf).arg(&v.buf).arg(&qn).arg(&kn).arg(positions);
+        b.out(&mut q.buf).out(&mut k.buf).arg(&v.buf).arg(&qn).arg(&kn).arg(positions);
         b.arg(&n_q).arg(&n_k).arg(&hdi).arg(&dims).arg(&theta_scale).arg(&neox).arg(&eps).arg(&qs);
         b.arg(&kc).arg(&vc).arg(&slots);
         self.launch(b, cfg);
@@ -703,21 +703,21 @@ impl Backend for CudaBackend {
         let (width, hd, dims, neox) = (x.width as i32, head_dim as i32, r.dims as i32, i32::from(r.neox));
         let cfg = LaunchConfig { grid_dim: ((x.width / head_dim) as u32, x.rows as u32, 1), block_dim: ((r.dims / 2) as u32, 1, 1), shared_mem_bytes: 0 };
         let mut b = Args::new(&self.k().rope, &self.stream);
-        b.arg(&mut x.buf).arg(pos).arg(&width).arg(&hd).arg(&dims).arg(&theta_scale).arg(&neox);
+        b.out(&mut x.buf).arg(pos).arg(&width).arg(&hd).arg(&dims).arg(&theta_scale).arg(&neox);
         self.launch(b, cfg);
     }
 
     fn scale(&self, x: &mut GpuTensor, s: f32) {
         let n = (x.rows * x.width) as i64;
         let mut b = Args::new(&self.k().scale, &self.stream);
-        b.arg(&mut x.buf).arg(&n).arg(&s);
+        b.out(&mut x.buf).arg(&n).arg(&s);
         self.launch(b, grid_for(n as usize));
     }
 
     fn add(&self, x: &mut GpuTensor, y: &GpuTensor) {
         let n = (x.rows * x.width) as i64;
         let mut b = Args::new(&self.k().add, &self.stream);
-        b.arg(&mut x.buf).arg(&y.buf).arg(&n);
+        b.out(&mut x.buf).arg(&y.buf).arg(&n);
         self.launch(b, grid_for(n as usize));
     }
 
@@ -725,7 +725,7 @@ impl Backend for CudaBackend {
         let n = (gate.rows * gate.width) as i64;
         let a = glu_code(act);
         let mut b = Args::new(&self.k().glu, &self.stream);
-        b.arg(&mut gate.buf).arg(&up.buf).arg(&n).arg(&a);
+        b.out(&mut gate.buf).arg(&up.buf).arg(&n).arg(&a);
         self.launch(b, grid_for(n as usize));
     }
 
@@ -739,7 +739,7 @@ impl Backend for CudaBackend {
             let cfg = LaunchConfig { grid_dim: (kv.n_head_kv as u32, s.rows.len() as u32, 1), block_dim: (hd as u32, 1, 1), shared_mem_bytes: 0 };
             let (kd, hdi) = (kv_dim as i32, hd as i32);
             let mut b = Args::new(&self.k().kv_store, &self.stream);
-            b.arg(&k.buf).arg(&v.buf).arg(&mut l.k).arg(&mut l.v).arg(&row0).arg(positions).arg(&slots).arg(&kd).arg(&hdi);
+            b.arg(&k.buf).arg(&v.buf).out(&mut l.k).out(&mut l.v).arg(&row0).arg(positions).arg(&slots).arg(&kd).arg(&hdi);
             self.launch(b, cfg);
         }
     }

@@ -62,11 +62,17 @@ impl<'a> Args<'a> {
         Args { f, stream, words: [0; MAX_ARGS], n: 0 }
     }
 
+    /// An argument the kernel reads.
     pub fn arg<A: Word + ?Sized>(&mut self, a: &A) -> &mut Self {
         assert!(self.n < MAX_ARGS, "more kernel arguments than MAX_ARGS");
         self.words[self.n] = a.word(self.stream);
         self.n += 1;
         self
+    }
+
+    /// A buffer the kernel writes (borrowed mutably for the launch, as a reminder).
+    pub fn out<A: Word + ?Sized>(&mut self, a: &mut A) -> &mut Self {
+        self.arg(a)
     }
 
     /// Launches on the stream; with `dependent`, the kernel may start before the one

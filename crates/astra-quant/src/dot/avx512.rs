@@ -34,7 +34,14 @@ use crate::GgmlType;
 
 /// The kernels for a weight type, if this set has its own: the whole set (dot, decode,
 /// tile) or, for the K-quants, a tile for batches beside AVX2's kernels.
-pub(crate) fn kernels(weights: GgmlType) -> Option<(Option<(VecDotFn, VecDot1Fn)>, VecDotTileFn)> {
+/// A weight type's AVX-512 kernels: the batch tile, and for 32-element formats the
+/// single-token entry points too (K-quants keep AVX2's for single tokens).
+pub(crate) struct LaneKernels {
+    pub single: Option<(VecDotFn, VecDot1Fn)>,
+    pub tile: VecDotTileFn,
+}
+
+pub(crate) fn kernels(weights: GgmlType) -> Option<LaneKernels> {
     macro_rules! entries {
         ($f:ty, $act:expr) => {{
             fn dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
@@ -50,7 +57,7 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<(Option<(VecDotFn, VecDot1Fn)
                 super::with_act_row($act, a, |row| dot1(w, w.len(), row, &mut out));
                 out[0]
             }
-            (Some((dot as VecDotFn, dot1 as VecDot1Fn)), tile as VecDotTileFn)
+            LaneKernels { single: Some((dot as VecDotFn, dot1 as VecDot1Fn)), tile: tile as VecDotTileFn }
         }};
     }
     macro_rules! k_tile {
@@ -59,7 +66,7 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<(Option<(VecDotFn, VecDot1Fn)
                 // SAFETY: as for `dot1` above.
                 unsafe { k_tile_dot::<$f>(w, row_bytes, a, out) }
             }
-            (None, tile as VecDotTileFn)
+            LaneKernels { single: None, tile: tile as VecDotTileFn }
         }};
     }
     match weights {
@@ -599,8 +606,8 @@ mod tests {
             eprintln!("skipped: this machine has no AVX-512 VNNI");
             return;
         }
-        let (own, tile) = kernels(ty).unwrap();
-        let (dot, dot1) = own.expect("a whole set");
+        let LaneKernels { single, tile } = kernels(ty).unwrap();
+        let (dot, dot1) = single.expect("a whole set");
         for (rows, cols) in [(1, 32), (16, 64), (21, 96), (40, 640)] {
             let weights = random_weights(ty, rows, cols, 5).unwrap();
             let row_bytes = weights.len() / rows;
@@ -701,7 +708,7 @@ mod tests {
             return;
         }
         for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
-            let (_, tile) = kernels(ty).unwrap();
+            let tile = kernels(ty).unwrap().tile;
             let single = crate::Kernels::new(ty, crate::Isa::Avx2).unwrap().dot;
             for (rows, cols) in [(1, 256), (16, 512), (21, 768), (40, 2048)] {
                 let weights = random_weights(ty, rows, cols, 7).unwrap();

@@ -271,11 +271,12 @@ impl Kernels {
             Isa::Scalar => scalar,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni if avx512::kernels(weights).is_some() => {
-                let (own, tile) = avx512::kernels(weights).expect("just checked");
-                let base = Kernels::new(weights, Isa::Avx2)?;
-                match own {
-                    Some((dot, dot1)) => Kernels { isa, dot, dot1: Some(dot1), dot4: None, tile: Some(tile), ..base },
-                    None => Kernels { isa, tile: Some(tile), ..base },
+                let own = avx512::kernels(weights).expect("just checked");
+                // Batches run the tile; single tokens AVX-512's entry points or AVX2's.
+                let base = Kernels { isa, dot4: None, tile: Some(own.tile), ..Kernels::new(weights, Isa::Avx2)? };
+                match own.single {
+                    Some((dot, dot1)) => Kernels { dot, dot1: Some(dot1), ..base },
+                    None => base,
                 }
             }
             #[cfg(target_arch = "x86_64")]
