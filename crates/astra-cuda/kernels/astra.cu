@@ -59,6 +59,9 @@ __device__ __forceinline__ int nearest_int(float v) {
     return (bits & 0x007fffff) - 0x00400000;
 }
 
+// x normalized by an RMSNorm scale and weighted.
+__device__ __forceinline__ float normed(float x, float scale, float w) { return __fmul_rn(__fmul_rn(x, scale), w); }
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -379,23 +382,25 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
 // token per warp (decode) and with eight (prefill: a weight block is loaded once for
 // the eight). Every (row, token) sum is computed by the same lanes in the same order
 // in all four, so a result does not depend on the launch that made it.
-#define MATVEC_ENTRY(name, suffix, T)                                                          \
+#define MATVEC_ENTRY(name, suffix, T, ABYTES)                                                  \
     extern "C" __global__ void name##suffix(const u8* w, const u8* a, float* out, int rows,    \
                                             int nb, int acc, int tokens) {                      \
         PDL_START                                                                               \
         int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
-        if (r < rows) name##_row<T>(w, a, out, rows, nb, r, acc, tokens);                       \
+        const u8* at = a + (long)blockIdx.y * (T) * nb * (ABYTES);                              \
+        if (r < rows) name##_row<T>(w, at, out, rows, nb, r, acc, tokens);                      \
     }                                                                                           \
     extern "C" __global__ void name##_3##suffix(const u8* w0, const u8* w1, const u8* w2,       \
                                                 const u8* a, float* o0, float* o1, float* o2,   \
                                                 int r0, int r1, int r2, int nb, int tokens) {   \
         PDL_START                                                                               \
         int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
-        if (r < r0) name##_row<T>(w0, a, o0, r0, nb, r, 0, tokens);                             \
-        else if (r < r0 + r1) name##_row<T>(w1, a, o1, r1, nb, r - r0, 0, tokens);              \
-        else if (r < r0 + r1 + r2) name##_row<T>(w2, a, o2, r2, nb, r - r0 - r1, 0, tokens);    \
+        const u8* at = a + (long)blockIdx.y * (T) * nb * (ABYTES);                              \
+        if (r < r0) name##_row<T>(w0, at, o0, r0, nb, r, 0, tokens);                            \
+        else if (r < r0 + r1) name##_row<T>(w1, at, o1, r1, nb, r - r0, 0, tokens);             \
+        else if (r < r0 + r1 + r2) name##_row<T>(w2, at, o2, r2, nb, r - r0 - r1, 0, tokens);   \
     }
-#define MATVEC_KERNELS(name) MATVEC_ENTRY(name, , 1) MATVEC_ENTRY(name, _8, 8)
+#define MATVEC_KERNELS(name, ABYTES) MATVEC_ENTRY(name, , 1, ABYTES) MATVEC_ENTRY(name, _8, 8, ABYTES)
 
 // The first token of a row function's warp and how many of its T it has.
 #define ROW_TOKENS(T)              \
@@ -429,7 +434,7 @@ __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float*
 #pragma unroll
         for (int k = 0; k < T; k++) {
             if (k >= nt) break;
-            const u8* ab = a + ((long)(t0 + k) * nb + b) * 292;
+            const u8* ab = a + ((long)k * nb + b) * 292;
             const int* ylo = (const int*)(ab + 4 + 64 * c + half);
             const int* yhi = (const int*)(ab + 4 + 64 * c + 32 + half);
             int dlo = 0, dhi = 0;
@@ -449,7 +454,7 @@ __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float*
         if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
     }
 }
-MATVEC_KERNELS(matvec_q4_k)
+MATVEC_KERNELS(matvec_q4_k, 292)
 
 // A word of four bytes at a 2-byte aligned address.
 __device__ __forceinline__ int ld4_2(const u8* p) {
@@ -498,7 +503,7 @@ __device__ __forceinline__ void matvec_q6_k_row(const u8* w, const u8* a, float*
         for (int k = 0; k < T; k++) {
             if (k >= nt) break;
             int part = 0;
-            const u8* ab = a + ((long)(t0 + k) * nb + b) * 292;
+            const u8* ab = a + ((long)k * nb + b) * 292;
             if (b < nb) {
                 const int* y = (const int*)(ab + 4 + 128 * n + 32 * qr);
                 int half[2] = {0, 0};
@@ -518,7 +523,7 @@ __device__ __forceinline__ void matvec_q6_k_row(const u8* w, const u8* a, float*
         if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
     }
 }
-MATVEC_KERNELS(matvec_q6_k)
+MATVEC_KERNELS(matvec_q6_k, 292)
 
 // Q4_1 × Q8_1, four lanes per 32-block and eight blocks per warp step: lane p takes
 // quant bytes 4p..4p+3 (weights 4p + i in the low nibbles, 16 + 4p + i in the high);
@@ -539,7 +544,7 @@ __device__ __forceinline__ void matvec_q4_1_row(const u8* w, const u8* a, float*
 #pragma unroll
         for (int k = 0; k < T; k++) {
             if (k >= nt) break;
-            const u8* ab = a + ((long)(t0 + k) * nb + b) * 36;
+            const u8* ab = a + ((long)k * nb + b) * 36;
             int isum = dp4a(q & 0x0f0f0f0f, *(const int*)(ab + 4 + 4 * p), 0);
             isum = dp4a((q >> 4) & 0x0f0f0f0f, *(const int*)(ab + 20 + 4 * p), isum);
             sum[k] += (float)isum * (ldh(wb) * ldh(ab));
@@ -552,7 +557,7 @@ __device__ __forceinline__ void matvec_q4_1_row(const u8* w, const u8* a, float*
         if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
     }
 }
-MATVEC_KERNELS(matvec_q4_1)
+MATVEC_KERNELS(matvec_q4_1, 36)
 
 // Q5_0 × Q8_0, four lanes per 32-block and eight blocks per warp step: lane p takes
 // weights 4p + i and 16 + 4p + i, their fifth bits from qh; codes are offset by -16 into
@@ -583,7 +588,7 @@ __device__ __forceinline__ void matvec_q5_0_row(const u8* w, const u8* a, float*
 #pragma unroll
         for (int k = 0; k < T; k++) {
             if (k >= nt) break;
-            const u8* ab = a + ((long)(t0 + k) * nb + b) * 34;
+            const u8* ab = a + ((long)k * nb + b) * 34;
             int isum = dp4a((int)lo, ld4_2(ab + 2 + 4 * p), 0);
             isum = dp4a((int)hi, ld4_2(ab + 18 + 4 * p), isum);
             sum[k] += (float)isum * (dw * ldh(ab));
@@ -595,7 +600,7 @@ __device__ __forceinline__ void matvec_q5_0_row(const u8* w, const u8* a, float*
         if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
     }
 }
-MATVEC_KERNELS(matvec_q5_0)
+MATVEC_KERNELS(matvec_q5_0, 34)
 
 // The 32 quants of a Q8_0 block (34 bytes, 2-byte aligned) as eight words, read with
 // 16-bit loads.
@@ -623,7 +628,7 @@ __device__ __forceinline__ void matvec_q8_0_row(const u8* w, const u8* a, float*
 #pragma unroll
         for (int k = 0; k < T; k++) {
             if (k >= nt) break;
-            const u8* ab = a + ((long)(t0 + k) * nb + b) * 34;
+            const u8* ab = a + ((long)k * nb + b) * 34;
             int y[8];
             q8_words(ab, y);
             int isum = 0;
@@ -638,7 +643,7 @@ __device__ __forceinline__ void matvec_q8_0_row(const u8* w, const u8* a, float*
         if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
     }
 }
-MATVEC_KERNELS(matvec_q8_0)
+MATVEC_KERNELS(matvec_q8_0, 34)
 
 // ---------------------------------------------------------------------------------
 // Dequantization of single weights (embedding rows).
@@ -739,7 +744,6 @@ __device__ float rms_scale(const float* xg, int n, float eps) {
     return rms_finish(s, n, eps);
 }
 
-__device__ __forceinline__ float normed(float x, float scale, float w) { return __fmul_rn(__fmul_rn(x, scale), w); }
 
 // RMSNorm of each group of n values (a row, or a head): one CTA of 256 threads per
 // group. In place when x == out (each element is read by the thread that writes it,
