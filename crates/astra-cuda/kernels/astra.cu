@@ -376,12 +376,13 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
 }
 
 // Each warp-cooperative matrix kernel is a row function (one warp, row r, the T
-// tokens from T·blockIdx.y on) and four launches of it: one matrix, and up to three
+// tokens from T·blockIdx.y on) and its launches: one matrix, and up to three
 // matrices of one type and width against the same activations (Q, K and V; gate and
 // up) in one grid whose blocks cover the three matrices' rows in turn; each with one
-// token per warp (decode) and with eight (prefill: a weight block is loaded once for
-// the eight). Every (row, token) sum is computed by the same lanes in the same order
-// in all four, so a result does not depend on the launch that made it.
+// token per warp (decode) and, for most types, with eight (prefill: a weight block is
+// loaded once for the eight). Every (row, token) sum is computed by the same lanes in
+// the same order in all of them, so a result does not depend on the launch that made
+// it. The launch offsets the activations to the warp's first token.
 #define MATVEC_ENTRY(name, suffix, T, ABYTES)                                                  \
     extern "C" __global__ void name##suffix(const u8* w, const u8* a, float* out, int rows,    \
                                             int nb, int acc, int tokens) {                      \
@@ -401,6 +402,8 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
         else if (r < r0 + r1 + r2) name##_row<T>(w2, at, o2, r2, nb, r - r0 - r1, 0, tokens);   \
     }
 #define MATVEC_KERNELS(name, ABYTES) MATVEC_ENTRY(name, , 1, ABYTES) MATVEC_ENTRY(name, _8, 8, ABYTES)
+// Q4_1: one token per warp only (its eight-token form measured slower).
+#define MATVEC_KERNELS_1(name, ABYTES) MATVEC_ENTRY(name, , 1, ABYTES)
 
 // The first token of a row function's warp and how many of its T it has.
 #define ROW_TOKENS(T)              \
@@ -557,7 +560,7 @@ __device__ __forceinline__ void matvec_q4_1_row(const u8* w, const u8* a, float*
         if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
     }
 }
-MATVEC_KERNELS(matvec_q4_1, 36)
+MATVEC_KERNELS_1(matvec_q4_1, 36)
 
 // Q5_0 × Q8_0, four lanes per 32-block and eight blocks per warp step: lane p takes
 // weights 4p + i and 16 + 4p + i, their fifth bits from qh; codes are offset by -16 into

@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use astra_engine::backend::{Activation, Backend, Heads, Input, Rope, SeqRows};
+use astra_engine::backend::{Activation, Attend, Backend, Heads, Input, Rope, SeqRows};
 use astra_engine::weights::MatRef;
 use astra_engine::attention::{KvLayout, LayerSlots, CHUNK};
 use astra_engine::EngineError;
@@ -58,18 +58,19 @@ impl Kernels {
         let cubin = nvrtc::cubin_cached(name, source, arch, driver).map_err(EngineError::Load)?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(gpu_err("loading kernels"))?;
         let f = |n: &str| module.load_function(n).map_err(gpu_err("kernel lookup"));
-        let mv = |n: &str| -> Result<MatvecKernels, EngineError> {
-            Ok(MatvecKernels { one: f(n)?, three: f(&format!("{n}_3"))?, one_8: f(&format!("{n}_8"))?, three_8: f(&format!("{n}_3_8"))? })
+        let mv = |n: &str, batch: bool| -> Result<MatvecKernels, EngineError> {
+            let batch = if batch { Some((f(&format!("{n}_8"))?, f(&format!("{n}_3_8"))?)) } else { None };
+            Ok(MatvecKernels { one: f(n)?, three: f(&format!("{n}_3"))?, batch })
         };
         let k = Kernels {
             quantize_q8_32: f("quantize_q8_32")?,
             quantize_q8_k: f("quantize_q8_k")?,
             matvec: f("matvec")?,
-            matvec_q4_k: mv("matvec_q4_k")?,
-            matvec_q4_1: mv("matvec_q4_1")?,
-            matvec_q5_0: mv("matvec_q5_0")?,
-            matvec_q8_0: mv("matvec_q8_0")?,
-            matvec_q6_k: mv("matvec_q6_k")?,
+            matvec_q4_k: mv("matvec_q4_k", true)?,
+            matvec_q4_1: mv("matvec_q4_1", false)?,
+            matvec_q5_0: mv("matvec_q5_0", true)?,
+            matvec_q8_0: mv("matvec_q8_0", true)?,
+            matvec_q6_k: mv("matvec_q6_k", true)?,
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
             rms_norm_inplace: f("rms_norm_inplace")?,
@@ -100,8 +101,9 @@ impl Kernels {
 struct MatvecKernels {
     one: CudaFunction,
     three: CudaFunction,
-    one_8: CudaFunction,
-    three_8: CudaFunction,
+    /// The same with eight tokens per warp, for batches; none for Q4_1, whose
+    /// eight-token kernel measured slower than one token per warp.
+    batch: Option<(CudaFunction, CudaFunction)>,
 }
 
 pub struct CudaBackend {
@@ -266,12 +268,7 @@ impl CudaBackend {
         let Some(out) = self.reserve(scratch, act, x) else { return false };
         let (cols, rows) = (x.width as i32, x.rows as u32);
         if let Input::Normed { w, eps, .. } = input {
-            let kind = match act {
-                ActType::Q8_0 => 0i32,
-                ActType::Q8_1 => 1,
-                ActType::Q8K => 2,
-                ActType::F32 => unreachable!("float weights are not uploaded to this backend"),
-            };
+            let kind = quant_kind(act).expect("float weights are not uploaded to this backend");
             // Rows longer than 2,048 values take a CTA of 1,024 threads.
             let (f, threads) =
                 if x.width > 2048 { (&self.k().rms_norm_quantize.1, 1024) } else { (&self.k().rms_norm_quantize.0, THREADS) };
@@ -308,6 +305,10 @@ impl CudaBackend {
         true
     }
 
+    /// The matrix kernels' launches for `outs`, each activation format made once by
+    /// `prepare` (into the scratch) before the first matrix that takes it; with
+    /// `add_to`, the one product is added to it. Stops, launching nothing more, where
+    /// `prepare` cannot (a capture that would need to allocate).
     fn matvecs(
         &self,
         tokens: usize,
@@ -354,12 +355,11 @@ impl CudaBackend {
                 i += 1;
                 continue;
             };
-            // Eight tokens per warp for a batch (a row's sums are the same either way),
-            // except Q4_1, whose kernel measured slower that way.
-            let (one, three, per_warp) = if tokens > 1 && w.ty != GgmlType::Q4_1 {
-                (&kernels.one_8, &kernels.three_8, 8)
-            } else {
-                (&kernels.one, &kernels.three, 1)
+            // Eight tokens per warp for a batch where the type has those kernels (a row's
+            // sums are the same either way).
+            let (one, three, per_warp) = match &kernels.batch {
+                Some((one_8, three_8)) if tokens > 1 => (one_8, three_8, 8),
+                _ => (&kernels.one, &kernels.three, 1),
             };
             let toks = tokens as i32;
             // The following matrices of the same type and width (Q, K, V; gate, up) go
@@ -379,11 +379,11 @@ impl CudaBackend {
                 continue;
             }
             let group = &mut outs[i..i + n];
-            let rows: Vec<i32> = (0..3).map(|j| group.get(j).map_or(0, |(m, _)| m.rows as i32)).collect();
+            let rows: [i32; 3] = std::array::from_fn(|j| group.get(j).map_or(0, |(m, _)| m.rows as i32));
             let cfg = matvec_grid(rows.iter().map(|&r| r as usize).sum(), tokens.div_ceil(per_warp));
             // With two matrices the third slot repeats the second's pointers; it has no
             // rows, so they are never used.
-            let weights: Vec<&CudaSlice<u8>> = (0..3).map(|j| &group[j.min(n - 1)].0.data).collect();
+            let weights: [&CudaSlice<u8>; 3] = std::array::from_fn(|j| &group[j.min(n - 1)].0.data);
             let mut outs_ptr = [0u64; 3];
             for (j, p) in outs_ptr.iter_mut().enumerate() {
                 let (ptr, _sync) = group[j.min(n - 1)].1.buf.device_ptr_mut(&self.stream);
@@ -398,23 +398,15 @@ impl CudaBackend {
         }
     }
 
-    /// Attention of sequence `s`'s rows (kernels as `attend` in astra.cu): into `out`,
-    /// or, with `quantized` (one decode row), as the quantized row of a matrix product's
-    /// activations (kind 0 Q8_0, 1 Q8_1).
-    #[allow(clippy::too_many_arguments)]
-    fn launch_attention(
-        &self,
-        layer: usize,
-        s: &mut SeqRows<'_, GpuKv>,
-        positions: &CudaSlice<u32>,
-        q: &GpuTensor,
-        scale: f32,
-        out: &mut GpuTensor,
-        quantized: Option<(&mut CudaSlice<u8>, i32)>,
-    ) {
+    /// Attention of sequence `seq` of `a` (kernels as `attend` in astra.cu): into
+    /// `out`, or, with `quantized` (one decode row), as the quantized row of a matrix
+    /// product's activations (its quantization kind, as [`quant_kind`]).
+    fn launch_attention(&self, a: &mut Attend<'_, '_, Self>, seq: usize, out: &mut GpuTensor, quantized: Option<(&mut CudaSlice<u8>, i32)>) {
+        let (q, positions, scale) = (a.q, a.positions, a.scale);
+        let s = &mut a.seqs[seq];
         let kv = &mut *s.kv;
         let (n_head, group, hd) = (kv.n_head, kv.n_head / kv.n_head_kv, kv.head_dim);
-        let l = &kv.layers[layer];
+        let l = &kv.layers[a.layer];
         let (row0, slots) = (s.rows.start as i32, l.slots as i32);
         let n = s.rows.len() as u32;
         let window = l.window.map_or(0, |w| w as i32);
@@ -467,6 +459,16 @@ fn input_rows<'a>(input: &'a Input<'_, CudaBackend>) -> &'a GpuTensor {
     match input {
         Input::Rows(x) | Input::Normed { x, .. } => x,
         Input::Glu { gate, .. } => gate,
+    }
+}
+
+/// The kernels' code for an activation quantization: 0 Q8_0, 1 Q8_1, 2 Q8_K.
+fn quant_kind(act: ActType) -> Option<i32> {
+    match act {
+        ActType::Q8_0 => Some(0),
+        ActType::Q8_1 => Some(1),
+        ActType::Q8K => Some(2),
+        ActType::F32 => None,
     }
 }
 
@@ -600,38 +602,22 @@ impl Backend for CudaBackend {
         self.matvecs(tokens, outs, add_to, &mut |act, scratch| self.quantize(&input, act, scratch));
     }
 
-    fn attention_product(
-        &self,
-        layer: usize,
-        seqs: &mut [SeqRows<'_, GpuKv>],
-        positions: &CudaSlice<u32>,
-        q: &GpuTensor,
-        scale: f32,
-        att: &mut GpuTensor,
-        w: &GpuMatrix,
-        out: &mut GpuTensor,
-        add_to: Option<&mut GpuTensor>,
-    ) {
+    fn attention_product(&self, mut a: Attend<'_, '_, Self>, att: &mut GpuTensor, w: &GpuMatrix, out: &mut GpuTensor, add_to: Option<&mut GpuTensor>) {
         // One decode row of one sequence, for a matrix taking 32-blocks: each warp of the
         // attention kernel quantizes the 32 outputs it holds, the f32 row never stored.
-        let kind = match w.act {
-            ActType::Q8_0 => Some(0i32),
-            ActType::Q8_1 => Some(1),
-            _ => None,
-        };
-        let fused = match (&*seqs, kind) {
-            ([s], Some(_)) => q.rows == 1 && s.rows == (0..1) && s.kv.head_dim % 32 == 0,
+        let kind = quant_kind(w.act).filter(|&k| k < 2);
+        let fused = match (&*a.seqs, kind) {
+            ([s], Some(_)) => a.q.rows == 1 && s.rows == (0..1) && s.kv.head_dim % 32 == 0,
             _ => false,
         };
-        if !fused {
-            self.attention(layer, seqs, positions, q, scale, att);
+        let Some(kind) = kind.filter(|_| fused) else {
+            self.attention(a, att);
             self.product(Input::Rows(att), &mut [(w, out)], add_to);
             return;
-        }
-        let kind = kind.expect("checked above");
+        };
         self.matvecs(1, &mut [(w, out)], add_to, &mut |act, scratch| {
-            let Some(qout) = self.reserve(scratch, act, q) else { return false };
-            self.launch_attention(layer, &mut seqs[0], positions, q, scale, att, Some((qout, kind)));
+            let Some(qout) = self.reserve(scratch, act, a.q) else { return false };
+            self.launch_attention(&mut a, 0, att, Some((qout, kind)));
             true
         });
     }
@@ -744,9 +730,9 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn attention(&self, layer: usize, seqs: &mut [SeqRows<'_, GpuKv>], positions: &CudaSlice<u32>, q: &GpuTensor, scale: f32, out: &mut GpuTensor) {
-        for s in seqs.iter_mut() {
-            self.launch_attention(layer, s, positions, q, scale, out, None);
+    fn attention(&self, mut a: Attend<'_, '_, Self>, out: &mut GpuTensor) {
+        for seq in 0..a.seqs.len() {
+            self.launch_attention(&mut a, seq, out, None);
         }
     }
 

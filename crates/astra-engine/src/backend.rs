@@ -60,6 +60,18 @@ pub struct Heads<'a, V> {
     pub q_scale: Option<f32>,
 }
 
+/// An attention of one layer ([`Backend::attention`]): each sequence's queries (its
+/// rows of `q`, heads of the model's head size) over its cached positions of `layer`,
+/// causal, within the layer's window, scores scaled by `scale`. `positions` as for
+/// [`Backend::kv_store`].
+pub struct Attend<'a, 's, B: Backend> {
+    pub layer: usize,
+    pub seqs: &'a mut [SeqRows<'s, B::KvCache>],
+    pub positions: &'a B::Ids,
+    pub q: &'a B::Tensor,
+    pub scale: f32,
+}
+
 /// One sequence's part of a batch: rows `rows` of the batch's tensors are its tokens at
 /// positions `pos`, `pos + 1`, …, and `kv` is its cache.
 pub struct SeqRows<'a, K> {
@@ -132,19 +144,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// …): a backend may read them there rather than from [`SeqRows::pos`], so that a
     /// replayed [`Backend::Graph`] follows them.
     fn kv_store(&self, layer: usize, seqs: &mut [SeqRows<'_, Self::KvCache>], positions: &Self::Ids, k: &Self::Tensor, v: &Self::Tensor);
-    /// Writes to `out` the attention of each sequence's queries (rows of `q`, heads of
-    /// `cfg.head_dim`) over its cached positions of `layer`: causal, within the layer's
-    /// window, scores scaled by `scale`. `positions` as for [`Backend::kv_store`].
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        layer: usize,
-        seqs: &mut [SeqRows<'_, Self::KvCache>],
-        positions: &Self::Ids,
-        q: &Self::Tensor,
-        scale: f32,
-        out: &mut Self::Tensor,
-    );
+    /// Writes to `out` the attention `a` describes.
+    fn attention(&self, a: Attend<'_, '_, Self>, out: &mut Self::Tensor);
 
     /// A matrix product with the steps around it, which a backend may fuse: the rows
     /// `input` makes, times each matrix of `outs`; with `add_to` (one matrix only) the
@@ -169,23 +170,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
         }
     }
 
-    /// Attention (as [`Backend::attention`], into `att`) and the product of its rows
-    /// with `w` (as [`Backend::product`]); a backend may hand the attention's rows to
-    /// the product without writing `att`.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_product(
-        &self,
-        layer: usize,
-        seqs: &mut [SeqRows<'_, Self::KvCache>],
-        positions: &Self::Ids,
-        q: &Self::Tensor,
-        scale: f32,
-        att: &mut Self::Tensor,
-        w: &Self::Matrix,
-        out: &mut Self::Tensor,
-        add_to: Option<&mut Self::Tensor>,
-    ) {
-        self.attention(layer, seqs, positions, q, scale, att);
+    /// The attention `a` describes (as [`Backend::attention`], into `att`) and the
+    /// product of its rows with `w` (as [`Backend::product`]); a backend may hand the
+    /// attention's rows to the product without writing `att`.
+    fn attention_product(&self, a: Attend<'_, '_, Self>, att: &mut Self::Tensor, w: &Self::Matrix, out: &mut Self::Tensor, add_to: Option<&mut Self::Tensor>) {
+        self.attention(a, att);
         self.product(Input::Rows(att), &mut [(w, out)], add_to);
     }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use astra_gguf::{GgmlType, GgufFile, GgufWriter, TensorSource};
 
 use crate::attention::KvLayout;
-use crate::backend::{Activation, Backend, Heads, Input, Rope, SeqRows};
+use crate::backend::{Activation, Attend, Backend, Heads, Input, Rope, SeqRows};
 use crate::config::{Arch, Config};
 use crate::weights::MatRef;
 use crate::EngineError;
@@ -201,8 +201,8 @@ fn compare_prepare_attention<A: Backend, B: Backend>(
     b.prepare_attention(1, &mut [SeqRows { kv: &mut cb, rows: 0..n, pos: 0 }], &pb, &mut qb, &mut kb, &vb, &heads_b);
     let mut out = vec![report("prepare attention, queries", &a.read(&qa), &b.read(&qb)), report("prepare attention, keys", &a.read(&ka), &b.read(&kb))];
     let (mut oa, mut ob) = (a.tensor(n, qd), b.tensor(n, qd));
-    a.attention(1, &mut [SeqRows { kv: &mut ca, rows: 0..n, pos: 0 }], &pa, &qa, 1.0, &mut oa);
-    b.attention(1, &mut [SeqRows { kv: &mut cb, rows: 0..n, pos: 0 }], &pb, &qb, 1.0, &mut ob);
+    a.attention(Attend { layer: 1, seqs: &mut [SeqRows { kv: &mut ca, rows: 0..n, pos: 0 }], positions: &pa, q: &qa, scale: 1.0 }, &mut oa);
+    b.attention(Attend { layer: 1, seqs: &mut [SeqRows { kv: &mut cb, rows: 0..n, pos: 0 }], positions: &pb, q: &qb, scale: 1.0 }, &mut ob);
     out.push(report("prepare attention, stored keys and values", &a.read(&oa), &b.read(&ob)));
     // One more position decoded, its attention straight into an output projection
     // (added to a residual).
@@ -220,8 +220,10 @@ fn compare_prepare_attention<A: Backend, B: Backend>(
         let (mut ta, mut tb) = (a.tensor(1, qd), b.tensor(1, qd));
         let (mut oa, mut ob) = (a.tensor(1, ROWS), b.tensor(1, ROWS));
         let (mut ra, mut rb) = (a.tensor_from(&residual, ROWS), b.tensor_from(&residual, ROWS));
-        a.attention_product(1, &mut [SeqRows { kv: &mut ca, rows: 0..1, pos: 3 }], &pa, &qa, 1.0, &mut ta, &ma, &mut oa, Some(&mut ra));
-        b.attention_product(1, &mut [SeqRows { kv: &mut cb, rows: 0..1, pos: 3 }], &pb, &qb, 1.0, &mut tb, &mb, &mut ob, Some(&mut rb));
+        let seq_a = &mut [SeqRows { kv: &mut ca, rows: 0..1, pos: 3 }];
+        let seq_b = &mut [SeqRows { kv: &mut cb, rows: 0..1, pos: 3 }];
+        a.attention_product(Attend { layer: 1, seqs: seq_a, positions: &pa, q: &qa, scale: 1.0 }, &mut ta, &ma, &mut oa, Some(&mut ra));
+        b.attention_product(Attend { layer: 1, seqs: seq_b, positions: &pb, q: &qb, scale: 1.0 }, &mut tb, &mb, &mut ob, Some(&mut rb));
         out.push(report(format!("attention, matmul {}, add", ty.name()), &a.read(&ra), &b.read(&rb)));
     }
     Ok(out)
@@ -246,8 +248,8 @@ fn compare_attention<A: Backend, B: Backend>(a: &A, b: &B, rng: &mut Rng) -> Res
             let (pa, pb) = (a.ids(&positions), b.ids(&positions));
             a.kv_store(layer, &mut [SeqRows { kv: &mut ka, rows: 0..n, pos }], &pa, &kta, &va);
             b.kv_store(layer, &mut [SeqRows { kv: &mut kb, rows: 0..n, pos }], &pb, &ktb, &vb);
-            a.attention(layer, &mut [SeqRows { kv: &mut ka, rows: 0..n, pos }], &pa, &qa, 0.125, &mut oa);
-            b.attention(layer, &mut [SeqRows { kv: &mut kb, rows: 0..n, pos }], &pb, &qb, 0.125, &mut ob);
+            a.attention(Attend { layer, seqs: &mut [SeqRows { kv: &mut ka, rows: 0..n, pos }], positions: &pa, q: &qa, scale: 0.125 }, &mut oa);
+            b.attention(Attend { layer, seqs: &mut [SeqRows { kv: &mut kb, rows: 0..n, pos }], positions: &pb, q: &qb, scale: 0.125 }, &mut ob);
             let kind = if layer == 0 { "window 40" } else { "global" };
             out.push(report(format!("attention {kind}, {n} at {pos}"), &a.read(&oa), &b.read(&ob)));
         }

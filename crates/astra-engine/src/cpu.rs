@@ -7,7 +7,7 @@ use astra_gguf::GgufFile;
 use astra_quant::matmul::{matmul_many_on, MatmulJob, Parallel, QuantizedActivations};
 
 use crate::attention::{KvCache, KvLayout};
-use crate::backend::{Activation, Backend, Rope, SeqRows};
+use crate::backend::{Activation, Attend, Backend, Rope, SeqRows};
 use crate::ops::{add_inplace, rms_norm, rms_norm_inplace, rope};
 use crate::pool::Pool;
 use crate::weights::MatRef;
@@ -178,12 +178,12 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn attention(&self, layer: usize, seqs: &mut [SeqRows<'_, KvCache>], _positions: &Vec<u32>, q: &CpuTensor, scale: f32, out: &mut CpuTensor) {
-        let qw = q.width;
-        for s in seqs.iter_mut() {
+    fn attention(&self, a: Attend<'_, '_, Self>, out: &mut CpuTensor) {
+        let qw = a.q.width;
+        for s in a.seqs.iter_mut() {
             let rows = s.rows.clone();
-            let (q, o) = (&q.data[rows.start * qw..rows.end * qw], &mut out.data[rows.start * qw..rows.end * qw]);
-            s.kv.layer(layer, scale).attend(&self.pool, q, s.pos, o);
+            let (q, o) = (&a.q.data[rows.start * qw..rows.end * qw], &mut out.data[rows.start * qw..rows.end * qw]);
+            s.kv.layer(a.layer, a.scale).attend(&self.pool, q, s.pos, o);
         }
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use astra_gguf::GgufFile;
 
 use crate::attention::KvLayout;
-use crate::backend::{Activation, Backend, Heads, Input, Rope, SeqRows};
+use crate::backend::{Activation, Attend, Backend, Heads, Input, Rope, SeqRows};
 use crate::config::{Arch, Config};
 use crate::cpu::CpuBackend;
 use crate::weights::Weights;
@@ -356,12 +356,13 @@ impl<B: Backend> Model<B> {
             let (q_scale, score_scale) = if gemma { (Some(cfg.attn_scale), 1.0) } else { (None, cfg.attn_scale) };
             let heads = Heads { head_dim: cfg.head_dim, q_norm: layer.q_norm.as_ref(), k_norm: layer.k_norm.as_ref(), eps, rope, q_scale };
             be.prepare_attention(l, seqs, positions, q, k, v, &heads);
+            let attend = Attend { layer: l, seqs: &mut *seqs, positions, q, scale: score_scale };
             match &layer.post_attn_norm {
                 Some(n) => {
-                    be.attention_product(l, seqs, positions, q, score_scale, att, &layer.wo, o, None);
+                    be.attention_product(attend, att, &layer.wo, o, None);
                     be.norm_add(o, n, eps, x);
                 }
-                None => be.attention_product(l, seqs, positions, q, score_scale, att, &layer.wo, o, Some(x)),
+                None => be.attention_product(attend, att, &layer.wo, o, Some(x)),
             }
             // Feed-forward.
             be.product(Input::Normed { x, w: &layer.ffn_norm, eps, normed: xb }, &mut [(&layer.w_gate, gate), (&layer.w_up, up)], None);
