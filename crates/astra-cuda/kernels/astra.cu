@@ -721,6 +721,15 @@ extern "C" __global__ void embed(int type, const u8* table, const unsigned int* 
     out[(long)i * cols + k] = scaled ? v * scale : v;
 }
 
+// A weight matrix dequantized to f32 rows, for the batched products through cuBLAS;
+// grid (rows, ceil(cols / 256)).
+extern "C" __global__ void dequantize(int type, const u8* w, float* out, int cols, long row_bytes) {
+    int k = blockIdx.y * blockDim.x + threadIdx.x;
+    long r = blockIdx.x;
+    if (k >= cols) return;
+    out[r * cols + k] = dequant_one(type, w + r * row_bytes, k);
+}
+
 // ---------------------------------------------------------------------------------
 // Row operations.
 

@@ -1,7 +1,8 @@
 //! [`CudaBackend`]: the engine's ops as launches of the run-time compiled kernels on
 //! one stream. Weights are uploaded as stored (quantized blocks); activations are
-//! quantized on the device by the CPU engine's arithmetic, and every matrix product is
-//! a per-block integer dot product as on the CPU.
+//! quantized on the device by the CPU engine's arithmetic, and a matrix product is a
+//! per-block integer dot product as on the CPU — except, unless the backend is
+//! deterministic ([`Mode`]), a batch's, which goes through cuBLAS ([`crate::gemm`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -15,6 +16,7 @@ use astra_quant::ActType;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
+use crate::gemm::{self, Gemm};
 use crate::launch::Args;
 use crate::nvrtc;
 
@@ -34,6 +36,7 @@ struct Kernels {
     matvec_q8_0: MatvecKernels,
     matvec_q6_k: MatvecKernels,
     embed: CudaFunction,
+    dequantize: CudaFunction,
     rms_norm: CudaFunction,
     rms_norm_inplace: CudaFunction,
     rms_norm_add: CudaFunction,
@@ -72,6 +75,7 @@ impl Kernels {
             matvec_q8_0: mv("matvec_q8_0", true)?,
             matvec_q6_k: mv("matvec_q6_k", true)?,
             embed: f("embed")?,
+            dequantize: f("dequantize")?,
             rms_norm: f("rms_norm")?,
             rms_norm_inplace: f("rms_norm_inplace")?,
             rms_norm_add: f("rms_norm_add")?,
@@ -106,6 +110,17 @@ struct MatvecKernels {
     batch: Option<(CudaFunction, CudaFunction)>,
 }
 
+/// How a batch's matrix products are computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Through cuBLAS for batches of [`gemm::MIN_TOKENS`] tokens or more, where it can
+    /// be loaded: logits depend (in their last bits) on how a prompt was batched.
+    Fast,
+    /// Every product by the per-token kernels: logits bitwise the same whatever the
+    /// batching and whether a prefix came from the cache (`--deterministic`).
+    Deterministic,
+}
+
 pub struct CudaBackend {
     stream: Arc<CudaStream>,
     k: Kernels,
@@ -124,6 +139,12 @@ pub struct CudaBackend {
     capture_failed: AtomicBool,
     /// Decode steps run by replaying a recorded graph.
     replays: AtomicU64,
+    /// Batched products through cuBLAS; `None` when deterministic, or without cuBLAS.
+    gemm: Option<Gemm>,
+    /// Weights dequantized for `gemm` (the stream orders the reuse).
+    dequantized: Mutex<Option<CudaSlice<f32>>>,
+    /// Products run through `gemm`.
+    gemm_products: AtomicU64,
 }
 
 /// A device buffer that grows as needed; `generation` counts its replacements, so that
@@ -197,7 +218,7 @@ pub fn unavailable_reason() -> Option<String> {
 impl CudaBackend {
     /// The backend on GPU `ordinal`, with the kernels compiled (or taken from the disk
     /// cache) for its architecture.
-    pub fn new(ordinal: usize) -> Result<CudaBackend, EngineError> {
+    pub fn new(ordinal: usize, mode: Mode) -> Result<CudaBackend, EngineError> {
         if let Some(why) = unavailable_reason() {
             return Err(EngineError::Backend(why));
         }
@@ -226,7 +247,19 @@ impl CudaBackend {
         } else {
             None
         };
-        let device = format!("{} ({arch}, driver {driver})", ctx.name().unwrap_or_else(|_| "GPU".into()));
+        let gemm = match mode {
+            Mode::Fast => match gemm::Precision::from_env().map_err(EngineError::Backend)? {
+                Some(precision) if gemm::available() => Some(Gemm::new(&stream, precision).map_err(EngineError::Backend)?),
+                _ => None,
+            },
+            Mode::Deterministic => None,
+        };
+        let products = match &gemm {
+            Some(g) => format!("batches of {}+ tokens through cuBLAS, {:?}", gemm::MIN_TOKENS, g.precision()),
+            None if mode == Mode::Deterministic => "deterministic".into(),
+            None => "every product by astra's kernels".into(),
+        };
+        let device = format!("{} ({arch}, driver {driver}; {products})", ctx.name().unwrap_or_else(|_| "GPU".into()));
         Ok(CudaBackend {
             stream,
             k,
@@ -237,6 +270,9 @@ impl CudaBackend {
             capturing: AtomicBool::new(false),
             capture_failed: AtomicBool::new(false),
             replays: AtomicU64::new(0),
+            gemm,
+            dequantized: Mutex::new(None),
+            gemm_products: AtomicU64::new(0),
         })
     }
 
@@ -422,6 +458,62 @@ impl CudaBackend {
         self.launch(b, cfg);
     }
 
+    /// The products of a batch of `tokens` through cuBLAS, where they go there.
+    fn batched(&self, tokens: usize) -> Option<&Gemm> {
+        self.gemm.as_ref().filter(|_| tokens >= gemm::MIN_TOKENS && !self.capturing.load(Ordering::Relaxed))
+    }
+
+    /// `input`'s rows (made in f32: normed into `normed`, gated over `gate`) times each
+    /// matrix of `outs` through `gemm`, dequantized a slice of rows at a time; with
+    /// `add_to`, the one product is added to it.
+    fn products_through(&self, gemm: &Gemm, input: Input<'_, Self>, outs: &mut [(&GpuMatrix, &mut GpuTensor)], mut add_to: Option<&mut GpuTensor>) {
+        assert!(add_to.is_none() || outs.len() == 1, "a residual add takes one matrix");
+        let x: &GpuTensor = match input {
+            Input::Rows(x) => x,
+            Input::Normed { x, w, eps, normed } => {
+                self.rms_norm(x, w, eps, normed);
+                normed
+            }
+            Input::Glu { gate, up, act } => {
+                self.glu(gate, up, act);
+                gate
+            }
+        };
+        let mut scratch = self.dequantized.lock().expect("scratch lock");
+        for (w, out) in outs.iter_mut() {
+            let row_bytes = astra_quant::row_bytes(w.ty, w.cols).expect("checked at load");
+            let slice = (gemm::SLICE_BYTES / (4 * w.cols)).clamp(1, w.rows);
+            if scratch.as_ref().is_none_or(|b| b.len() < slice * w.cols) {
+                // SAFETY: every value read is first written by `dequantize`.
+                *scratch = Some(unsafe { self.stream.alloc::<f32>(slice * w.cols) }.expect("CUDA alloc"));
+            }
+            let dq = scratch.as_mut().expect("allocated above");
+            let accumulate = add_to.is_some();
+            let dst = match add_to.as_deref_mut() {
+                Some(r) => r,
+                None => &mut **out,
+            };
+            let base = w.data.device_ptr(&self.stream).0;
+            let (ty, cols, rb) = (type_code(w.ty), w.cols as i32, row_bytes as i64);
+            for row0 in (0..w.rows).step_by(slice) {
+                let n = slice.min(w.rows - row0);
+                let src = base + (row0 * row_bytes) as u64;
+                let cfg = LaunchConfig { grid_dim: (n as u32, (w.cols as u32).div_ceil(THREADS), 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+                let mut b = Args::new(&self.k().dequantize, &self.stream);
+                b.arg(&ty).arg(&src).out(dq).arg(&cols).arg(&rb);
+                self.launch(b, cfg);
+                let done = gemm.product(dq, n, w.cols, &x.buf, x.rows, &mut dst.buf, row0, w.rows, accumulate);
+                done.unwrap_or_else(|e| panic!("CUDA: {e}"));
+            }
+            self.gemm_products.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// How many matrix products have gone through cuBLAS.
+    pub fn gemm_products(&self) -> u64 {
+        self.gemm_products.load(Ordering::Relaxed)
+    }
+
     /// How many decode steps have run as replays of a recorded graph.
     pub fn graph_replays(&self) -> u64 {
         self.replays.load(Ordering::Relaxed)
@@ -599,6 +691,10 @@ impl Backend for CudaBackend {
 
     fn product(&self, input: Input<'_, Self>, outs: &mut [(&GpuMatrix, &mut GpuTensor)], add_to: Option<&mut GpuTensor>) {
         let tokens = input_rows(&input).rows;
+        if let Some(gemm) = self.batched(tokens) {
+            self.products_through(gemm, input, outs, add_to);
+            return;
+        }
         self.matvecs(tokens, outs, add_to, &mut |act, scratch| self.quantize(&input, act, scratch));
     }
 
@@ -784,7 +880,7 @@ mod tests {
             eprintln!("SKIPPED: {why}");
             return;
         }
-        let gpu = CudaBackend::new(0).unwrap();
+        let gpu = CudaBackend::new(0, Mode::Deterministic).unwrap();
         let cols = 512;
         let x: Vec<f32> = (0..3 * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32)).collect();
         let t = gpu.tensor_from(&x, cols);

@@ -2,7 +2,8 @@
 //! kernels compiled at run time by NVRTC for the device present.
 
 mod backend;
+pub mod gemm;
 mod launch;
 pub mod nvrtc;
 
-pub use backend::{unavailable_reason, CudaBackend, GpuKv, GpuMatrix, GpuTensor};
+pub use backend::{unavailable_reason, CudaBackend, GpuKv, GpuMatrix, GpuTensor, Mode};

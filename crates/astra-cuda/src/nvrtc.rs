@@ -18,10 +18,10 @@ pub fn with_dependent_launch(source: &str) -> String {
     format!("#define ASTRA_PDL 1\n{source}")
 }
 
-/// Folders that may hold NVRTC: the CUDA toolkit's (from `CUDA_HOME`, `CUDA_PATH`, the
-/// `nvcc` on `PATH`, `/usr/local/cuda`), and the `nvidia-cuda-nvrtc` Python package
-/// that scripts/test installs into the cache.
-fn nvrtc_dirs() -> Vec<PathBuf> {
+/// Folders that may hold NVRTC and cuBLAS: the CUDA toolkit's (from `CUDA_HOME`,
+/// `CUDA_PATH`, the `nvcc` on `PATH`, `/usr/local/cuda`), and the `nvidia-cuda-nvrtc`
+/// Python package that scripts/test installs into the cache.
+pub(crate) fn toolkit_dirs() -> Vec<PathBuf> {
     let mut roots: Vec<PathBuf> = ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(std::env::var_os).map(PathBuf::from).collect();
     if let Some(path) = std::env::var_os("PATH") {
         roots.extend(std::env::split_paths(&path).filter(|d| d.join("nvcc").is_file()).filter_map(|d| d.parent().map(PathBuf::from)));
@@ -38,7 +38,7 @@ fn nvrtc_dirs() -> Vec<PathBuf> {
 fn preload() {
     static DONE: std::sync::Once = std::sync::Once::new();
     DONE.call_once(|| {
-        for dir in nvrtc_dirs() {
+        for dir in toolkit_dirs() {
             let (nvrtc, builtins) = (dir.join("libnvrtc.so.13"), dir.join("libnvrtc-builtins.so.13.0"));
             if nvrtc.is_file() && builtins.is_file() {
                 for lib in [builtins, nvrtc] {

@@ -1,13 +1,14 @@
 //! The CUDA backend on a GPU (each test says SKIPPED and passes where there is none):
-//! determinism of its logits across batching and caching, on random-weight models of
-//! the real models' shapes.
+//! determinism of its logits across batching and caching in the deterministic mode, and
+//! the default mode's batched products against it, on random-weight models of the real
+//! models' shapes.
 
 use std::sync::Arc;
 
-use astra_cuda::{unavailable_reason, CudaBackend};
+use astra_cuda::{unavailable_reason, CudaBackend, Mode};
 use astra_engine::{Model, Step};
 
-fn gpu_model(like: &str, ty: astra_gguf::GgmlType) -> Option<(tempfile::TempDir, Arc<Model<CudaBackend>>)> {
+fn gpu_model(like: &str, ty: astra_gguf::GgmlType, mode: Mode) -> Option<(tempfile::TempDir, Arc<Model<CudaBackend>>)> {
     if let Some(why) = unavailable_reason() {
         eprintln!("SKIPPED: {why}");
         return None;
@@ -15,7 +16,7 @@ fn gpu_model(like: &str, ty: astra_gguf::GgmlType) -> Option<(tempfile::TempDir,
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(format!("{like}.gguf"));
     astra_synth::write(astra_synth::shape(like).unwrap(), ty, 7, &path).unwrap();
-    let model = Model::load_on(CudaBackend::new(0).unwrap(), &path).unwrap();
+    let model = Model::load_on(CudaBackend::new(0, mode).unwrap(), &path).unwrap();
     Some((dir, model))
 }
 
@@ -28,7 +29,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// replaced the buffers it read), and in chunks over the cached prefix; and of 1, 4 and
 /// 16 sequences sharing batches: all bitwise the same.
 fn deterministic(like: &str, ty: astra_gguf::GgmlType) {
-    let Some((_dir, model)) = gpu_model(like, ty) else { return };
+    let Some((_dir, model)) = gpu_model(like, ty, Mode::Deterministic) else { return };
     let prompt: Vec<u32> = (0..150u32).map(|i| (i * 7919) % 20000 + 300).collect();
     let whole = {
         let mut s = model.session(1024).unwrap();
@@ -88,4 +89,54 @@ fn smollm2_shape_is_deterministic_on_the_gpu() {
 #[test]
 fn gemma3_shape_is_deterministic_on_the_gpu() {
     deterministic("gemma3-270m", astra_gguf::GgmlType::Q4_K);
+}
+
+/// The default mode: a prompt's products go through cuBLAS (TF32, activations not
+/// quantized), and each position's logits stay close to the deterministic mode's, whose
+/// products quantize activations to 8-bit blocks as the CPU engine does: relative L2
+/// within `median` at the median position and `worst` at every one, and the same top
+/// token at nine positions in ten or more. (Full-f32 GEMM, `ASTRA_CUDA_GEMM=f32`, gives
+/// the same distances: they are the 8-bit rounding's, which the random gemma3-shaped
+/// model amplifies at a few positions.)
+fn batched_products_stay_close(like: &str, ty: astra_gguf::GgmlType, median: f64, worst: f64) {
+    let Some((dir, fast)) = gpu_model(like, ty, Mode::Fast) else { return };
+    let exact = Model::load_on(CudaBackend::new(0, Mode::Deterministic).unwrap(), &dir.path().join(format!("{like}.gguf"))).unwrap();
+    let prompt: Vec<u32> = (0..150u32).map(|i| (i * 7919) % 20000 + 300).collect();
+    let logits = |m: &Model<CudaBackend>| {
+        let mut s = m.session(1024).unwrap();
+        m.forward(&mut s, &prompt, 0).unwrap()
+    };
+    let before = fast.backend.gemm_products();
+    let (got, want) = (logits(&fast), logits(&exact));
+    assert!(fast.backend.gemm_products() > before, "{like}: the prompt's products did not go through cuBLAS");
+    let n = fast.cfg.n_vocab;
+    let argmax = |v: &[f32]| v.iter().enumerate().fold(0, |b, (i, &x)| if x > v[b] { i } else { b });
+    let mut same_top = 0;
+    let mut apart: Vec<(f64, usize)> = Vec::new();
+    for (i, (g, w)) in got.chunks_exact(n).zip(want.chunks_exact(n)).enumerate() {
+        let d: f64 = g.iter().zip(w).map(|(a, b)| (f64::from(*a) - f64::from(*b)).powi(2)).sum();
+        let r: f64 = w.iter().map(|b| f64::from(*b).powi(2)).sum();
+        apart.push(((d / r).sqrt(), i));
+        same_top += usize::from(argmax(g) == argmax(w));
+    }
+    apart.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let mid = apart[apart.len() / 2].0;
+    eprintln!(
+        "{like}: relative L2 of a position's logits: median {mid:.3e}, largest (distance, position) {:?}; same top token at {same_top} of {} positions",
+        &apart[..3],
+        prompt.len()
+    );
+    assert!(mid < median, "{like}: median position's logits {mid:.3e} apart (relative L2)");
+    assert!(apart[0].0 < worst, "{like}: position {}'s logits {:.3e} apart (relative L2)", apart[0].1, apart[0].0);
+    assert!(same_top * 10 >= prompt.len() * 9, "{like}: the top token differs at {} of {} positions", prompt.len() - same_top, prompt.len());
+}
+
+#[test]
+fn smollm2_shape_batches_stay_close_to_deterministic() {
+    batched_products_stay_close("smollm2-135m", astra_gguf::GgmlType::Q4_1, 1e-2, 1e-2);
+}
+
+#[test]
+fn gemma3_shape_batches_stay_close_to_deterministic() {
+    batched_products_stay_close("gemma3-270m", astra_gguf::GgmlType::Q4_K, 5e-2, 1.0);
 }

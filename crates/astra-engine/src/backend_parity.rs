@@ -29,6 +29,9 @@ const ROWS: usize = 96;
 /// Weight types of the attention-and-product comparison: one per activation format.
 const ATTENTION_OUT_TYPES: [GgmlType; 3] = [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K];
 const COLS: usize = 512;
+/// Batch sizes of the product comparisons: a few tokens, and a batch large enough for
+/// a backend to take another path (the CUDA backend's cuBLAS products).
+pub const BATCHES: [usize; 2] = [3, 32];
 
 fn report(op: impl Into<String>, want: &[f32], got: &[f32]) -> OpReport {
     let (mut num, mut den, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
@@ -103,31 +106,19 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
     let file = Arc::new(GgufFile::open(&path).map_err(|e| EngineError::Load(e.to_string()))?);
     let mut rng = Rng(42);
     let mut out = Vec::new();
-    let tokens = 3;
+    for tokens in BATCHES {
+        out.extend(compare_products(a, b, &file, tokens, &mut rng)?);
+    }
+    let tokens = BATCHES[0];
     let x = rng.vec(tokens * COLS);
     let (xa, xb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
     let wv = rng.vec(COLS);
     let (wa, wb) = (a.vector(&wv)?, b.vector(&wv)?);
     let y = rng.vec(tokens * COLS);
     let (ya, yb) = (a.tensor_from(&y, COLS), b.tensor_from(&y, COLS));
-    let residual = rng.vec(tokens * ROWS);
     for ty in TYPES {
         let m = MatRef::locate(&file, &format!("w.{}", ty.name()))?;
         let (ma, mb) = (a.matrix(&file, &m)?, b.matrix(&file, &m)?);
-        let (mut oa, mut ob) = (a.tensor(tokens, ROWS), b.tensor(tokens, ROWS));
-        a.matmul(&xa, &mut [(&ma, &mut oa)]);
-        b.matmul(&xb, &mut [(&mb, &mut ob)]);
-        out.push(report(format!("matmul {}", ty.name()), &a.read(&oa), &b.read(&ob)));
-        // The product's fused forms: normed rows; gated rows added to a residual.
-        let (mut sa, mut sb) = (a.tensor(tokens, COLS), b.tensor(tokens, COLS));
-        a.product(Input::Normed { x: &xa, w: &wa, eps: 1e-6, normed: &mut sa }, &mut [(&ma, &mut oa)], None);
-        b.product(Input::Normed { x: &xb, w: &wb, eps: 1e-6, normed: &mut sb }, &mut [(&mb, &mut ob)], None);
-        out.push(report(format!("rms_norm, matmul {}", ty.name()), &a.read(&oa), &b.read(&ob)));
-        let (mut ga, mut gb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
-        let (mut ra, mut rb) = (a.tensor_from(&residual, ROWS), b.tensor_from(&residual, ROWS));
-        a.product(Input::Glu { gate: &mut ga, up: &ya, act: Activation::GeluTanh }, &mut [(&ma, &mut oa)], Some(&mut ra));
-        b.product(Input::Glu { gate: &mut gb, up: &yb, act: Activation::GeluTanh }, &mut [(&mb, &mut ob)], Some(&mut rb));
-        out.push(report(format!("glu, matmul {}, add", ty.name()), &a.read(&ra), &b.read(&rb)));
         let ids = [0u32, 5, ROWS as u32 - 1];
         let (mut ea, mut eb) = (a.tensor(3, COLS), b.tensor(3, COLS));
         a.embed(&ma, &a.ids(&ids), Some(1.5), &mut ea);
@@ -173,6 +164,39 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
     out.push(report("gather", &a.read(&ta), &b.read(&tb)));
     out.extend(compare_attention(a, b, &mut rng)?);
     let _ = std::fs::remove_file(&path);
+    Ok(out)
+}
+
+/// Each weight type's product with `tokens` random rows, plain and in its fused forms
+/// (normed rows; gated rows added to a residual). Ops of batches past the first are
+/// named with their token count.
+fn compare_products<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFile>, tokens: usize, rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
+    let mut out = Vec::new();
+    let batch = if tokens == BATCHES[0] { String::new() } else { format!(", {tokens} tokens") };
+    let x = rng.vec(tokens * COLS);
+    let (xa, xb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+    let wv = rng.vec(COLS);
+    let (wa, wb) = (a.vector(&wv)?, b.vector(&wv)?);
+    let y = rng.vec(tokens * COLS);
+    let (ya, yb) = (a.tensor_from(&y, COLS), b.tensor_from(&y, COLS));
+    let residual = rng.vec(tokens * ROWS);
+    for ty in TYPES {
+        let m = MatRef::locate(file, &format!("w.{}", ty.name()))?;
+        let (ma, mb) = (a.matrix(file, &m)?, b.matrix(file, &m)?);
+        let (mut oa, mut ob) = (a.tensor(tokens, ROWS), b.tensor(tokens, ROWS));
+        a.matmul(&xa, &mut [(&ma, &mut oa)]);
+        b.matmul(&xb, &mut [(&mb, &mut ob)]);
+        out.push(report(format!("matmul {}{batch}", ty.name()), &a.read(&oa), &b.read(&ob)));
+        let (mut sa, mut sb) = (a.tensor(tokens, COLS), b.tensor(tokens, COLS));
+        a.product(Input::Normed { x: &xa, w: &wa, eps: 1e-6, normed: &mut sa }, &mut [(&ma, &mut oa)], None);
+        b.product(Input::Normed { x: &xb, w: &wb, eps: 1e-6, normed: &mut sb }, &mut [(&mb, &mut ob)], None);
+        out.push(report(format!("rms_norm, matmul {}{batch}", ty.name()), &a.read(&oa), &b.read(&ob)));
+        let (mut ga, mut gb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+        let (mut ra, mut rb) = (a.tensor_from(&residual, ROWS), b.tensor_from(&residual, ROWS));
+        a.product(Input::Glu { gate: &mut ga, up: &ya, act: Activation::GeluTanh }, &mut [(&ma, &mut oa)], Some(&mut ra));
+        b.product(Input::Glu { gate: &mut gb, up: &yb, act: Activation::GeluTanh }, &mut [(&mb, &mut ob)], Some(&mut rb));
+        out.push(report(format!("glu, matmul {}, add{batch}", ty.name()), &a.read(&ra), &b.read(&rb)));
+    }
     Ok(out)
 }
 

@@ -3,7 +3,7 @@
 //! the model adds one) the logits at positions ctx/2 .. ctx−2 are scored against the
 //! next token; PPL = exp(mean NLL), with the standard error of the mean NLL.
 
-use crate::{EngineError, Model};
+use crate::{Backend, EngineError, Model};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Perplexity {
@@ -22,8 +22,8 @@ fn log_prob(logits: &[f32], target: usize) -> f64 {
 }
 
 /// Runs the evaluation; `progress` is called after each chunk with (done, total, PPL so far).
-pub fn perplexity(
-    model: &Model,
+pub fn perplexity<B: Backend>(
+    model: &Model<B>,
     tokens: &[u32],
     ctx: usize,
     bos: Option<u32>,

@@ -1,10 +1,11 @@
-//! `--backend cpu|cuda`: which engine backend a command runs on.
+//! `--backend cpu|cuda` and `--deterministic`: which engine backend a command runs on,
+//! and how.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
-use astra_cuda::CudaBackend;
+use astra_cuda::{CudaBackend, Mode};
 use astra_engine::{Backend, Model};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -16,17 +17,38 @@ pub enum BackendKind {
     Cuda,
 }
 
+/// The options that choose a command's backend.
+#[derive(clap::Args, Clone, Copy, Debug)]
+pub struct BackendArgs {
+    /// Which engine runs the model.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: BackendKind,
+    /// CUDA: every matrix product by astra's per-token kernels, so that logits are
+    /// bitwise the same however prompts are batched and whether a prefix came from the
+    /// cache (the CPU engine always is); batches of 16+ tokens run slower.
+    #[arg(long)]
+    pub deterministic: bool,
+}
+
+impl BackendArgs {
+    /// The CUDA backend as chosen, on GPU 0.
+    pub fn cuda(&self) -> Result<CudaBackend, String> {
+        let mode = if self.deterministic { Mode::Deterministic } else { Mode::Fast };
+        CudaBackend::new(0, mode).map_err(|e| e.to_string())
+    }
+}
+
 /// A command body that runs on any backend.
 pub trait OnModel {
     fn run<B: Backend>(self, model: Arc<Model<B>>) -> Result<()>;
 }
 
 /// Loads the model at `path` on the chosen backend and runs `body` on it.
-pub fn with_model(kind: BackendKind, path: &Path, threads: usize, body: impl OnModel) -> Result<()> {
-    match kind {
+pub fn with_model(choice: BackendArgs, path: &Path, threads: usize, body: impl OnModel) -> Result<()> {
+    match choice.backend {
         BackendKind::Cpu => body.run(Model::load(path, threads)?),
         BackendKind::Cuda => {
-            let backend = CudaBackend::new(0).map_err(|e| anyhow!("{e}"))?;
+            let backend = choice.cuda().map_err(|e| anyhow!(e))?;
             body.run(Model::load_on(backend, path)?)
         }
     }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use astra_engine::{Backend, Model};
 
-use super::backend::{with_model, BackendKind, OnModel};
+use super::backend::{with_model, BackendArgs, OnModel};
 use serde_json::json;
 
 #[derive(clap::Args)]
@@ -32,8 +32,8 @@ pub struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
-    #[arg(long, value_enum, default_value = "cpu")]
-    backend: BackendKind,
+    #[command(flatten)]
+    backend: BackendArgs,
 }
 
 fn mean_sd(v: &[f64]) -> (f64, f64) {

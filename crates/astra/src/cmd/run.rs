@@ -11,7 +11,7 @@ use astra_engine::{Backend, Model, Sampler, SamplerConfig, StopMatcher, StopOutc
 use astra_tokenizer::{ChatMessage, ChatTemplate, EncodeOptions, StreamDecoder, Tokenizer};
 use serde_json::json;
 
-use super::backend::{with_model, BackendKind, OnModel};
+use super::backend::{with_model, BackendArgs, OnModel};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -52,8 +52,8 @@ pub struct Args {
     /// Stop when the text contains this string (repeatable); it is not printed.
     #[arg(long)]
     stop: Vec<String>,
-    #[arg(long, value_enum, default_value = "cpu")]
-    backend: BackendKind,
+    #[command(flatten)]
+    backend: BackendArgs,
 }
 
 pub fn default_threads() -> usize {

@@ -5,11 +5,10 @@ use std::time::Duration;
 use anyhow::{anyhow, Result};
 use std::sync::Arc;
 
-use astra_cuda::CudaBackend;
 use astra_server::http::ImagePolicy;
 use astra_server::ServeOptions;
 
-use super::backend::BackendKind;
+use super::backend::{BackendArgs, BackendKind};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -66,8 +65,8 @@ pub struct Args {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health.
     #[arg(long, env = "ASTRA_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    #[arg(long, value_enum, default_value = "cpu")]
-    backend: BackendKind,
+    #[command(flatten)]
+    backend: BackendArgs,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -120,14 +119,14 @@ pub fn run(args: Args) -> Result<()> {
         keep_alive: args.keep_alive,
         api_key: args.api_key.filter(|k| !k.is_empty()),
     };
-    match backend {
+    match backend.backend {
         BackendKind::Cpu => astra_server::serve(opts),
         BackendKind::Cuda => {
             // Fail before opening the port when there is no GPU.
             if let Some(why) = astra_cuda::unavailable_reason() {
                 return Err(anyhow!(why));
             }
-            astra_server::serve_on(opts, Arc::new(|| CudaBackend::new(0).map_err(|e| e.to_string())))
+            astra_server::serve_on(opts, Arc::new(move || backend.cuda()))
         }
     }
     .map_err(|e| anyhow!(e))
