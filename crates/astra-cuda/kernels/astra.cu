@@ -410,54 +410,151 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
     int t0 = blockIdx.y * (T);     \
     int nt = min((T), tokens - t0);
 
+// Byte k (0..11) of the 12 scale bytes of a K-quant block held as three words.
+__device__ __forceinline__ int scale_byte(unsigned int s0, unsigned int s1, unsigned int s2, int k) {
+    unsigned int v = k < 4 ? s0 : (k < 8 ? s1 : s2);
+    return (int)((v >> (8 * (k & 3))) & 0xffu);
+}
+
+// scale_min_k4 over the scale bytes held in registers.
+__device__ __forceinline__ void scale_min_k4_regs(int j, unsigned int s0, unsigned int s1, unsigned int s2, int* sc, int* m) {
+    if (j < 4) {
+        *sc = scale_byte(s0, s1, s2, j) & 63;
+        *m = scale_byte(s0, s1, s2, j + 4) & 63;
+    } else {
+        *sc = (scale_byte(s0, s1, s2, j + 4) & 15) | ((scale_byte(s0, s1, s2, j - 4) >> 6) << 4);
+        *m = (scale_byte(s0, s1, s2, j + 4) >> 4) | ((scale_byte(s0, s1, s2, j) >> 6) << 4);
+    }
+}
+
+// The rows one warp of a matrix kernel computes: each row's weights (null for none)
+// and where its result for token t goes (out[t * stride]).
+template <int R>
+struct WarpRows {
+    const u8* w[R];
+    float* out[R];
+    int stride[R];
+};
+
 // Q4_K × Q8_K, eight lanes per 256-block and four blocks per warp step: lane p of a
 // block loads its 16 quant bytes at once (bytes 16p..16p+15: weights 64c + 16(p%2) + i
 // in the low nibbles, group 2c, and the same + 32 in the high nibbles, group 2c + 1,
 // c = p / 2) and also takes group p's minimum. Rows are 16-byte aligned (144-byte
-// blocks); activation blocks (292 bytes) are read as 4-byte words.
-// One warp per row; grid (ceil(rows / 4), ceil(tokens / T)), 128 threads.
-template <int T>
-__device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
+// blocks); activation blocks (292 bytes) are read as 4-byte words, and so are the
+// blocks' scales and the activations' scale and sums. A warp computes R rows against
+// T tokens; each (row, token) sum is the same lanes' in the same order for any R and T,
+// and the R rows share the activations' loads (decode takes R = 2).
+template <int T, int R>
+__device__ __forceinline__ void matvec_q4_k_rows(const WarpRows<R>& rows, const u8* a, int nb, int acc, int tokens) {
     ROW_TOKENS(T)
     int lane = threadIdx.x % WARP;
-    const u8* wr = w + (long)r * nb * 144;
     int p = lane % 8, c = p / 2, half = 16 * (p % 2);
-    float sum[T];
-    for (int k = 0; k < T; k++) sum[k] = 0.0f;
+    float sum[R][T];
+#pragma unroll
+    for (int j = 0; j < R; j++)
+#pragma unroll
+        for (int k = 0; k < T; k++) sum[j][k] = 0.0f;
 #pragma unroll 2
     for (int b = lane / 8; b < nb; b += 4) {
-        const u8* wb = wr + (long)b * 144;
-        int4 q = *(const int4*)(wb + 16 + 16 * p);
-        int qw[4] = {q.x, q.y, q.z, q.w};
-        int sc_lo, m_lo, sc_hi, m_hi, sc_p, m_p;
-        scale_min_k4(2 * c, wb + 4, &sc_lo, &m_lo);
-        scale_min_k4(2 * c + 1, wb + 4, &sc_hi, &m_hi);
-        scale_min_k4(p, wb + 4, &sc_p, &m_p);
-        float dw = ldh(wb), mw = ldh(wb + 2);
+        int qw[R][4], sc_lo[R], sc_hi[R], m_p[R];
+        float dw[R], mw[R];
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            if (!rows.w[j]) continue;
+            const u8* wb = rows.w[j] + (long)b * 144;
+            int4 q = *(const int4*)(wb + 16 + 16 * p);
+            qw[j][0] = q.x; qw[j][1] = q.y; qw[j][2] = q.z; qw[j][3] = q.w;
+            const unsigned int* hw = (const unsigned int*)wb;
+            unsigned int dm = hw[0], s0 = hw[1], s1 = hw[2], s2 = hw[3];
+            int m_lo, m_hi, sc_p;
+            scale_min_k4_regs(2 * c, s0, s1, s2, &sc_lo[j], &m_lo);
+            scale_min_k4_regs(2 * c + 1, s0, s1, s2, &sc_hi[j], &m_hi);
+            scale_min_k4_regs(p, s0, s1, s2, &sc_p, &m_p[j]);
+            dw[j] = h2f((u16)(dm & 0xffffu));
+            mw[j] = h2f((u16)(dm >> 16));
+        }
 #pragma unroll
         for (int k = 0; k < T; k++) {
             if (k >= nt) break;
             const u8* ab = a + ((long)k * nb + b) * 292;
             const int* ylo = (const int*)(ab + 4 + 64 * c + half);
             const int* yhi = (const int*)(ab + 4 + 64 * c + 32 + half);
-            int dlo = 0, dhi = 0;
+            int y[8];
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                dlo = dp4a(qw[i] & 0x0f0f0f0f, ylo[i], dlo);
-                dhi = dp4a((qw[i] >> 4) & 0x0f0f0f0f, yhi[i], dhi);
+                y[i] = ylo[i];
+                y[4 + i] = yhi[i];
             }
-            float da = ldf(ab);
-            int msum = m_p * (ldi16(ab + 260 + 4 * p) + ldi16(ab + 262 + 4 * p));
-            sum[k] += (float)(sc_lo * dlo + sc_hi * dhi) * (dw * da) - (float)msum * (mw * da);
+            float da = *(const float*)ab;
+            unsigned int bs = *(const unsigned int*)(ab + 260 + 4 * p);
+            int bsum = (int)(i16)(bs & 0xffffu) + (int)(i16)(bs >> 16);
+#pragma unroll
+            for (int j = 0; j < R; j++) {
+                if (!rows.w[j]) continue;
+                int dlo = 0, dhi = 0;
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    dlo = dp4a(qw[j][i] & 0x0f0f0f0f, y[i], dlo);
+                    dhi = dp4a((qw[j][i] >> 4) & 0x0f0f0f0f, y[4 + i], dhi);
+                }
+                int msum = m_p[j] * bsum;
+                sum[j][k] += (float)(sc_lo[j] * dlo + sc_hi[j] * dhi) * (dw[j] * da) - (float)msum * (mw[j] * da);
+            }
         }
     }
 #pragma unroll
-    for (int k = 0; k < T; k++) {
-        float total = warp_sum(sum[k]);
-        if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
+    for (int j = 0; j < R; j++) {
+#pragma unroll
+        for (int k = 0; k < T; k++) {
+            float total = warp_sum(sum[j][k]);
+            if (lane == 0 && k < nt && rows.w[j]) put(rows.out[j], (long)(t0 + k) * rows.stride[j], total, acc);
+        }
     }
 }
+
+// One row per warp, as the other types' row functions.
+template <int T>
+__device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
+    WarpRows<1> wr = {{w + (long)r * nb * 144}, {out + r}, {rows}};
+    matvec_q4_k_rows<T, 1>(wr, a, nb, acc, tokens);
+}
 MATVEC_KERNELS(matvec_q4_k, 292)
+
+// Decode with two rows per warp: one matrix, and up to three (as MATVEC_ENTRY), a
+// warp's two rows possibly in two of them. Grid (ceil(rows / 8), 1), 128 threads.
+__device__ __forceinline__ void q4_k_warp_row(WarpRows<2>& wr, int j, const u8* w, float* out, int rows, int nb, int r) {
+    wr.w[j] = w + (long)r * nb * 144;
+    wr.out[j] = out + r;
+    wr.stride[j] = rows;
+}
+
+extern "C" __global__ void matvec_q4_k_pair(const u8* w, const u8* a, float* out, int rows, int nb, int acc, int tokens) {
+    PDL_START
+    int r = (blockIdx.x * 4 + threadIdx.x / WARP) * 2;
+    if (r >= rows) return;
+    WarpRows<2> wr;
+    for (int j = 0; j < 2; j++) {
+        wr.w[j] = nullptr;
+        if (r + j < rows) q4_k_warp_row(wr, j, w, out, rows, nb, r + j);
+    }
+    matvec_q4_k_rows<1, 2>(wr, a, nb, acc, tokens);
+}
+
+extern "C" __global__ void matvec_q4_k_3_pair(const u8* w0, const u8* w1, const u8* w2, const u8* a, float* o0, float* o1, float* o2,
+                                              int r0, int r1, int r2, int nb, int tokens) {
+    PDL_START
+    int r = (blockIdx.x * 4 + threadIdx.x / WARP) * 2;
+    if (r >= r0 + r1 + r2) return;
+    WarpRows<2> wr;
+    for (int j = 0; j < 2; j++) {
+        int rj = r + j;
+        wr.w[j] = nullptr;
+        if (rj < r0) q4_k_warp_row(wr, j, w0, o0, r0, nb, rj);
+        else if (rj < r0 + r1) q4_k_warp_row(wr, j, w1, o1, r1, nb, rj - r0);
+        else if (rj < r0 + r1 + r2) q4_k_warp_row(wr, j, w2, o2, r2, nb, rj - r0 - r1);
+    }
+    matvec_q4_k_rows<1, 2>(wr, a, nb, 0, tokens);
+}
 
 // A word of four bytes at a 2-byte aligned address.
 __device__ __forceinline__ int ld4_2(const u8* p) {
@@ -834,15 +931,22 @@ __device__ void norm_quantize_row(const float* x, const float* w, u8* out, int n
         if (j * N < n) norm_quantize_at<N>(normed(xv[j], scale, wv[j]), out, n, j, kind);
 }
 
-// 256 threads (rows up to 2,048 values held), and 1,024 for longer rows.
+// 256 threads; rows of up to 2,048 values are held in registers.
 extern "C" __global__ void rms_norm_quantize(const float* x, const float* w, u8* out, int n, float eps, int kind) {
     PDL_START
     norm_quantize_row<256>(x, w, out, n, eps, kind);
 }
 
-extern "C" __global__ void rms_norm_quantize_1024(const float* x, const float* w, u8* out, int n, float eps, int kind) {
+// Longer rows: a CTA of 256 threads per 256 values, grid (rows, ceil(n / 256)). Every
+// CTA of a row computes the row's scale (the same sums in the same order, so the same
+// bits) and quantizes its 256 values (a Q8_K block, or eight 32-blocks), so the row's
+// blocks are made in parallel rather than one after another.
+extern "C" __global__ void rms_norm_quantize_split(const float* x, const float* w, u8* out, int n, float eps, int kind) {
     PDL_START
-    norm_quantize_row<1024>(x, w, out, n, eps, kind);
+    const float* xg = x + (long)blockIdx.x * n;
+    float scale = rms_scale(xg, n, eps);
+    int i = blockIdx.y * 256 + threadIdx.x;
+    norm_quantize_at<256>(i < n ? normed(xg[i], scale, w[i]) : 0.0f, out, n, blockIdx.y, kind);
 }
 
 // RoPE on the first `dims` values of a head h: pairs (2i, 2i+1), or (i, i + dims/2)

@@ -40,7 +40,8 @@ struct Kernels {
     rms_norm: CudaFunction,
     rms_norm_inplace: CudaFunction,
     rms_norm_add: CudaFunction,
-    /// Norm and quantization of a row: 256 threads, and 1,024 for rows over 2,048.
+    /// Norm and quantization of a row: one CTA of 256 threads, and for rows over 2,048
+    /// values a CTA per 256 of them.
     rms_norm_quantize: (CudaFunction, CudaFunction),
     qk_rope: CudaFunction,
     rope: CudaFunction,
@@ -61,25 +62,26 @@ impl Kernels {
         let cubin = nvrtc::cubin_cached(name, source, arch, driver).map_err(EngineError::Load)?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(gpu_err("loading kernels"))?;
         let f = |n: &str| module.load_function(n).map_err(gpu_err("kernel lookup"));
-        let mv = |n: &str, batch: bool| -> Result<MatvecKernels, EngineError> {
+        let mv = |n: &str, batch: bool, pair: bool| -> Result<MatvecKernels, EngineError> {
             let batch = if batch { Some((f(&format!("{n}_8"))?, f(&format!("{n}_3_8"))?)) } else { None };
-            Ok(MatvecKernels { one: f(n)?, three: f(&format!("{n}_3"))?, batch })
+            let pair = if pair { Some((f(&format!("{n}_pair"))?, f(&format!("{n}_3_pair"))?)) } else { None };
+            Ok(MatvecKernels { one: f(n)?, three: f(&format!("{n}_3"))?, batch, pair })
         };
         let k = Kernels {
             quantize_q8_32: f("quantize_q8_32")?,
             quantize_q8_k: f("quantize_q8_k")?,
             matvec: f("matvec")?,
-            matvec_q4_k: mv("matvec_q4_k", true)?,
-            matvec_q4_1: mv("matvec_q4_1", false)?,
-            matvec_q5_0: mv("matvec_q5_0", true)?,
-            matvec_q8_0: mv("matvec_q8_0", true)?,
-            matvec_q6_k: mv("matvec_q6_k", true)?,
+            matvec_q4_k: mv("matvec_q4_k", true, true)?,
+            matvec_q4_1: mv("matvec_q4_1", false, false)?,
+            matvec_q5_0: mv("matvec_q5_0", true, false)?,
+            matvec_q8_0: mv("matvec_q8_0", true, false)?,
+            matvec_q6_k: mv("matvec_q6_k", true, false)?,
             embed: f("embed")?,
             dequantize: f("dequantize")?,
             rms_norm: f("rms_norm")?,
             rms_norm_inplace: f("rms_norm_inplace")?,
             rms_norm_add: f("rms_norm_add")?,
-            rms_norm_quantize: (f("rms_norm_quantize")?, f("rms_norm_quantize_1024")?),
+            rms_norm_quantize: (f("rms_norm_quantize")?, f("rms_norm_quantize_split")?),
             qk_rope: f("qk_rope")?,
             rope: f("rope")?,
             scale: f("scale")?,
@@ -108,6 +110,9 @@ struct MatvecKernels {
     /// The same with eight tokens per warp, for batches; none for Q4_1, whose
     /// eight-token kernel measured slower than one token per warp.
     batch: Option<(CudaFunction, CudaFunction)>,
+    /// The same with one token and two rows per warp (sharing the activations' loads),
+    /// for decode; Q4_K only.
+    pair: Option<(CudaFunction, CudaFunction)>,
 }
 
 /// How a batch's matrix products are computed.
@@ -305,10 +310,10 @@ impl CudaBackend {
         let (cols, rows) = (x.width as i32, x.rows as u32);
         if let Input::Normed { w, eps, .. } = input {
             let kind = quant_kind(act).expect("float weights are not uploaded to this backend");
-            // Rows longer than 2,048 values take a CTA of 1,024 threads.
-            let (f, threads) =
-                if x.width > 2048 { (&self.k().rms_norm_quantize.1, 1024) } else { (&self.k().rms_norm_quantize.0, THREADS) };
-            let cfg = LaunchConfig { grid_dim: (rows, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+            // Rows longer than 2,048 values take a CTA per 256 of them.
+            let (f, split) =
+                if x.width > 2048 { (&self.k().rms_norm_quantize.1, (x.width as u32).div_ceil(THREADS)) } else { (&self.k().rms_norm_quantize.0, 1) };
+            let cfg = LaunchConfig { grid_dim: (rows, split, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
             let mut b = Args::new(f, &self.stream);
             b.arg(&x.buf).arg(*w).out(out).arg(&cols).arg(eps).arg(&kind);
             self.launch(b, cfg);
@@ -393,9 +398,12 @@ impl CudaBackend {
             };
             // Eight tokens per warp for a batch where the type has those kernels (a row's
             // sums are the same either way).
-            let (one, three, per_warp) = match &kernels.batch {
-                Some((one_8, three_8)) if tokens > 1 => (one_8, three_8, 8),
-                _ => (&kernels.one, &kernels.three, 1),
+            // Two rows per warp for decode where the type has those kernels (a row's sums
+            // are the same again).
+            let (one, three, per_warp, rows_per_warp) = match (&kernels.batch, &kernels.pair) {
+                (Some((one_8, three_8)), _) if tokens > 1 => (one_8, three_8, 8, 1),
+                (_, Some((one_2, three_2))) if tokens == 1 => (one_2, three_2, 1, 2),
+                _ => (&kernels.one, &kernels.three, 1, 1),
             };
             let toks = tokens as i32;
             // The following matrices of the same type and width (Q, K, V; gate, up) go
@@ -403,7 +411,7 @@ impl CudaBackend {
             let n = outs[i..].iter().take(3).take_while(|(m, _)| m.ty == w.ty && m.cols == w.cols).count();
             if n == 1 {
                 let rows = w.rows as i32;
-                let cfg = matvec_grid(w.rows, tokens.div_ceil(per_warp));
+                let cfg = matvec_grid(w.rows.div_ceil(rows_per_warp), tokens.div_ceil(per_warp));
                 let out = match add_to.as_deref_mut() {
                     Some(r) => &mut r.buf,
                     None => &mut outs[i].1.buf,
@@ -416,7 +424,7 @@ impl CudaBackend {
             }
             let group = &mut outs[i..i + n];
             let rows: [i32; 3] = std::array::from_fn(|j| group.get(j).map_or(0, |(m, _)| m.rows as i32));
-            let cfg = matvec_grid(rows.iter().map(|&r| r as usize).sum(), tokens.div_ceil(per_warp));
+            let cfg = matvec_grid(rows.iter().map(|&r| r as usize).sum::<usize>().div_ceil(rows_per_warp), tokens.div_ceil(per_warp));
             // With two matrices the third slot repeats the second's pointers; it has no
             // rows, so they are never used.
             let weights: [&CudaSlice<u8>; 3] = std::array::from_fn(|j| &group[j.min(n - 1)].0.data);
@@ -572,8 +580,9 @@ fn glu_code(act: Activation) -> i32 {
     }
 }
 
-/// The matrix kernels' launch: a warp per output row (four per block of 128 threads),
-/// a grid row per token, or per group of tokens a warp takes.
+/// The matrix kernels' launch: a warp per output row, or per group of rows a warp
+/// takes (four warps per block of 128 threads), a grid row per token, or per group of
+/// tokens a warp takes.
 fn matvec_grid(rows: usize, tokens: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: ((rows as u32).div_ceil(4), tokens as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
 }
