@@ -31,7 +31,7 @@ const ATTENTION_OUT_TYPES: [GgmlType; 3] = [GgmlType::Q4_1, GgmlType::Q8_0, Ggml
 const COLS: usize = 512;
 /// Batch sizes of the product comparisons: a few tokens, and a batch large enough for
 /// a backend to take another path (the CUDA backend's cuBLAS products).
-pub const BATCHES: [usize; 2] = [3, 32];
+pub const BATCHES: [usize; 2] = [3, 64];
 
 fn report(op: impl Into<String>, want: &[f32], got: &[f32]) -> OpReport {
     let (mut num, mut den, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);

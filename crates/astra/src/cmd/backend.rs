@@ -25,7 +25,7 @@ pub struct BackendArgs {
     pub backend: BackendKind,
     /// CUDA: every matrix product by astra's per-token kernels, so that logits are
     /// bitwise the same however prompts are batched and whether a prefix came from the
-    /// cache (the CPU engine always is); batches of 16+ tokens run slower.
+    /// cache (the CPU engine always is); batches of 64+ tokens run slower.
     #[arg(long)]
     pub deterministic: bool,
 }
