@@ -522,39 +522,41 @@ MATVEC_KERNELS(matvec_q4_k, 292)
 
 // Decode with two rows per warp: one matrix, and up to three (as MATVEC_ENTRY), a
 // warp's two rows possibly in two of them. Grid (ceil(rows / 8), 1), 128 threads.
-__device__ __forceinline__ void q4_k_warp_row(WarpRows<2>& wr, int j, const u8* w, float* out, int rows, int nb, int r) {
-    wr.w[j] = w + (long)r * nb * 144;
+__device__ __forceinline__ void warp_row(WarpRows<2>& wr, int j, const u8* w, long row_bytes, float* out, int rows, int r) {
+    wr.w[j] = w + r * row_bytes;
     wr.out[j] = out + r;
     wr.stride[j] = rows;
 }
 
-extern "C" __global__ void matvec_q4_k_pair(const u8* w, const u8* a, float* out, int rows, int nb, int acc, int tokens) {
-    PDL_START
-    int r = (blockIdx.x * 4 + threadIdx.x / WARP) * 2;
-    if (r >= rows) return;
-    WarpRows<2> wr;
-    for (int j = 0; j < 2; j++) {
-        wr.w[j] = nullptr;
-        if (r + j < rows) q4_k_warp_row(wr, j, w, out, rows, nb, r + j);
+#define PAIR_ENTRY(name, WBYTES)                                                                          \
+    extern "C" __global__ void name##_pair(const u8* w, const u8* a, float* out, int rows, int nb, int acc, int tokens) { \
+        PDL_START                                                                                         \
+        int r = (blockIdx.x * 4 + threadIdx.x / WARP) * 2;                                                \
+        if (r >= rows) return;                                                                            \
+        WarpRows<2> wr;                                                                                   \
+        for (int j = 0; j < 2; j++) {                                                                     \
+            wr.w[j] = nullptr;                                                                            \
+            if (r + j < rows) warp_row(wr, j, w, (long)nb * (WBYTES), out, rows, r + j);                  \
+        }                                                                                                 \
+        name##_rows<1, 2>(wr, a, nb, acc, tokens);                                                        \
+    }                                                                                                     \
+    extern "C" __global__ void name##_3_pair(const u8* w0, const u8* w1, const u8* w2, const u8* a,       \
+                                             float* o0, float* o1, float* o2, int r0, int r1, int r2, int nb, int tokens) { \
+        PDL_START                                                                                         \
+        int r = (blockIdx.x * 4 + threadIdx.x / WARP) * 2;                                                \
+        if (r >= r0 + r1 + r2) return;                                                                    \
+        long rb = (long)nb * (WBYTES);                                                                    \
+        WarpRows<2> wr;                                                                                   \
+        for (int j = 0; j < 2; j++) {                                                                     \
+            int rj = r + j;                                                                               \
+            wr.w[j] = nullptr;                                                                            \
+            if (rj < r0) warp_row(wr, j, w0, rb, o0, r0, rj);                                             \
+            else if (rj < r0 + r1) warp_row(wr, j, w1, rb, o1, r1, rj - r0);                              \
+            else if (rj < r0 + r1 + r2) warp_row(wr, j, w2, rb, o2, r2, rj - r0 - r1);                    \
+        }                                                                                                 \
+        name##_rows<1, 2>(wr, a, nb, 0, tokens);                                                          \
     }
-    matvec_q4_k_rows<1, 2>(wr, a, nb, acc, tokens);
-}
-
-extern "C" __global__ void matvec_q4_k_3_pair(const u8* w0, const u8* w1, const u8* w2, const u8* a, float* o0, float* o1, float* o2,
-                                              int r0, int r1, int r2, int nb, int tokens) {
-    PDL_START
-    int r = (blockIdx.x * 4 + threadIdx.x / WARP) * 2;
-    if (r >= r0 + r1 + r2) return;
-    WarpRows<2> wr;
-    for (int j = 0; j < 2; j++) {
-        int rj = r + j;
-        wr.w[j] = nullptr;
-        if (rj < r0) q4_k_warp_row(wr, j, w0, o0, r0, nb, rj);
-        else if (rj < r0 + r1) q4_k_warp_row(wr, j, w1, o1, r1, nb, rj - r0);
-        else if (rj < r0 + r1 + r2) q4_k_warp_row(wr, j, w2, o2, r2, nb, rj - r0 - r1);
-    }
-    matvec_q4_k_rows<1, 2>(wr, a, nb, 0, tokens);
-}
+PAIR_ENTRY(matvec_q4_k, 144)
 
 // A word of four bytes at a 2-byte aligned address.
 __device__ __forceinline__ int ld4_2(const u8* p) {
@@ -628,7 +630,10 @@ MATVEC_KERNELS(matvec_q6_k, 292)
 // Q4_1 × Q8_1, four lanes per 32-block and eight blocks per warp step: lane p takes
 // quant bytes 4p..4p+3 (weights 4p + i in the low nibbles, 16 + 4p + i in the high);
 // lane 0 of each block adds the minimum's term. Blocks (20 and 36 bytes) are 4-byte
-// aligned. One warp per row; grid (ceil(rows / 4), ceil(tokens / T)), 128 threads.
+// aligned; d and m of a block are read as one word. One warp per row; grid
+// (ceil(rows / 4), ceil(tokens / T)), 128 threads. (Two rows per warp sharing the
+// activations' loads, as Q4_K decodes, measured slower here: 1,225–1,245 → 1,168–1,194
+// tok/s on the smollm2 shape.)
 template <int T>
 __device__ __forceinline__ void matvec_q4_1_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
     ROW_TOKENS(T)
@@ -641,14 +646,16 @@ __device__ __forceinline__ void matvec_q4_1_row(const u8* w, const u8* a, float*
     for (int b = lane / 4; b < nb; b += 8) {
         const u8* wb = wr + (long)b * 20;
         int q = *(const int*)(wb + 4 + 4 * p);
+        unsigned int wdm = *(const unsigned int*)wb;
 #pragma unroll
         for (int k = 0; k < T; k++) {
             if (k >= nt) break;
             const u8* ab = a + ((long)k * nb + b) * 36;
             int isum = dp4a(q & 0x0f0f0f0f, *(const int*)(ab + 4 + 4 * p), 0);
             isum = dp4a((q >> 4) & 0x0f0f0f0f, *(const int*)(ab + 20 + 4 * p), isum);
-            sum[k] += (float)isum * (ldh(wb) * ldh(ab));
-            if (p == 0) mins[k] += ldh(wb + 2) * ldh(ab + 2);
+            unsigned int ads = *(const unsigned int*)ab;
+            sum[k] += (float)isum * (h2f((u16)(wdm & 0xffffu)) * h2f((u16)(ads & 0xffffu)));
+            if (p == 0) mins[k] += h2f((u16)(wdm >> 16)) * h2f((u16)(ads >> 16));
         }
     }
 #pragma unroll
@@ -744,6 +751,29 @@ __device__ __forceinline__ void matvec_q8_0_row(const u8* w, const u8* a, float*
     }
 }
 MATVEC_KERNELS(matvec_q8_0, 34)
+
+// A decode row's gated product made by its gate and up matrices' kernel and quantized
+// for the down matrix (32-blocks: kind 0 Q8_0, 1 Q8_1), the gate and up rows never
+// stored: a CTA of 32 warps owns a block of 32 rows, warp l computes gate row and then
+// up row 32·blockIdx.x + l with the type's row function (the same sums as its other
+// launches), and warp 0 quantizes act(gate)·up with quantize_q8_32's arithmetic. Grid
+// (rows / 32), 1,024 threads. Q4_1 only: for Q8_0 it measured slower than the two
+// launches it replaces (smollm2 shape 1,307–1,320 → 1,271–1,297 tok/s), and so did
+// computing the gate and up rows together sharing the activations' loads.
+#define GLU_ENTRY(name, WBYTES)                                                                         \
+    extern "C" __global__ void __launch_bounds__(1024)                                                  \
+        name##_glu(const u8* wg, const u8* wu, const u8* a, u8* out, int nb, int kind, int act) {       \
+        PDL_START                                                                                       \
+        __shared__ float g[WARP], u[WARP];                                                              \
+        int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;                                       \
+        long first = (long)blockIdx.x * WARP * nb * (WBYTES);                                           \
+        name##_row<1>(wg + first, a, g, WARP, nb, warp, 0, 1);                                          \
+        name##_row<1>(wu + first, a, u, WARP, nb, warp, 0, 1);                                          \
+        __syncthreads();                                                                                \
+        if (warp == 0)                                                                                  \
+            q8_32_block(glu_value(g[lane], u[lane], act), out + (long)blockIdx.x * (kind == 1 ? 36 : 34), kind); \
+    }
+GLU_ENTRY(matvec_q4_1, 20)
 
 // ---------------------------------------------------------------------------------
 // Dequantization of single weights (embedding rows).

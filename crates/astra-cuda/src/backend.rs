@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use astra_engine::backend::{Activation, Attend, Backend, Heads, Input, Rope, SeqRows};
+use astra_engine::backend::{compose_feed_forward, Activation, Attend, Backend, FeedForward, Heads, Input, Rope, SeqRows};
 use astra_engine::weights::MatRef;
 use astra_engine::attention::{KvLayout, LayerSlots, CHUNK};
 use astra_engine::EngineError;
@@ -62,20 +62,21 @@ impl Kernels {
         let cubin = nvrtc::cubin_cached(name, source, arch, driver).map_err(EngineError::Load)?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(gpu_err("loading kernels"))?;
         let f = |n: &str| module.load_function(n).map_err(gpu_err("kernel lookup"));
-        let mv = |n: &str, batch: bool, pair: bool| -> Result<MatvecKernels, EngineError> {
+        let mv = |n: &str, batch: bool, pair: bool, glu: bool| -> Result<MatvecKernels, EngineError> {
             let batch = if batch { Some((f(&format!("{n}_8"))?, f(&format!("{n}_3_8"))?)) } else { None };
             let pair = if pair { Some((f(&format!("{n}_pair"))?, f(&format!("{n}_3_pair"))?)) } else { None };
-            Ok(MatvecKernels { one: f(n)?, three: f(&format!("{n}_3"))?, batch, pair })
+            let glu = if glu { Some(f(&format!("{n}_glu"))?) } else { None };
+            Ok(MatvecKernels { one: f(n)?, three: f(&format!("{n}_3"))?, batch, pair, glu })
         };
         let k = Kernels {
             quantize_q8_32: f("quantize_q8_32")?,
             quantize_q8_k: f("quantize_q8_k")?,
             matvec: f("matvec")?,
-            matvec_q4_k: mv("matvec_q4_k", true, true)?,
-            matvec_q4_1: mv("matvec_q4_1", false, false)?,
-            matvec_q5_0: mv("matvec_q5_0", true, false)?,
-            matvec_q8_0: mv("matvec_q8_0", true, false)?,
-            matvec_q6_k: mv("matvec_q6_k", true, false)?,
+            matvec_q4_k: mv("matvec_q4_k", true, true, false)?,
+            matvec_q4_1: mv("matvec_q4_1", false, false, true)?,
+            matvec_q5_0: mv("matvec_q5_0", true, false, false)?,
+            matvec_q8_0: mv("matvec_q8_0", true, false, false)?,
+            matvec_q6_k: mv("matvec_q6_k", true, false, false)?,
             embed: f("embed")?,
             dequantize: f("dequantize")?,
             rms_norm: f("rms_norm")?,
@@ -113,6 +114,9 @@ struct MatvecKernels {
     /// The same with one token and two rows per warp (sharing the activations' loads),
     /// for decode; Q4_K only.
     pair: Option<(CudaFunction, CudaFunction)>,
+    /// A decode row's gate and up products, gated and quantized for the down product;
+    /// Q4_1 only (astra.cu says why).
+    glu: Option<CudaFunction>,
 }
 
 /// How a batch's matrix products are computed.
@@ -133,6 +137,9 @@ pub struct CudaBackend {
     /// Quantized activations, reused by every matrix product (the stream orders the
     /// reuse).
     acts: Mutex<Scratch>,
+    /// The down product's quantized activations where the gate and up kernel makes them
+    /// (taken after `acts` where both are held).
+    gated_acts: Mutex<Scratch>,
     /// Whether decode steps are recorded as graphs (`ASTRA_CUDA_GRAPHS=0` turns it off).
     graphs: bool,
     /// The kernels compiled to be launched as programmatic dependents of the one
@@ -162,7 +169,7 @@ struct Scratch {
 /// A recorded decode step ([`Backend::record`]).
 pub struct StepGraph {
     graph: CudaGraph,
-    /// The activation scratch's generation it was recorded over.
+    /// The activation scratches' generation it was recorded over.
     generation: u64,
 }
 
@@ -270,6 +277,7 @@ impl CudaBackend {
             k,
             device,
             acts: Mutex::new(Scratch { buf: None, generation: 0 }),
+            gated_acts: Mutex::new(Scratch { buf: None, generation: 0 }),
             graphs,
             k_graph,
             capturing: AtomicBool::new(false),
@@ -287,8 +295,8 @@ impl CudaBackend {
 
     /// `scratch` with room for `x`'s rows quantized for `act`, grown if too small;
     /// `None` where it would have to grow during a capture (which is then dropped).
-    fn reserve<'s>(&self, scratch: &'s mut Scratch, act: ActType, x: &GpuTensor) -> Option<&'s mut CudaSlice<u8>> {
-        let need = act.row_bytes(x.width).expect("a whole number of blocks") * x.rows;
+    fn reserve<'s>(&self, scratch: &'s mut Scratch, act: ActType, rows: usize, width: usize) -> Option<&'s mut CudaSlice<u8>> {
+        let need = act.row_bytes(width).expect("a whole number of blocks") * rows;
         if scratch.buf.as_ref().is_none_or(|b| b.len() < need) {
             if self.capturing.load(Ordering::Relaxed) {
                 self.capture_failed.store(true, Ordering::Relaxed);
@@ -306,7 +314,7 @@ impl CudaBackend {
     /// during a capture. Norm and gated product are computed inside the quantization.
     fn quantize(&self, input: &Input<'_, Self>, act: ActType, scratch: &mut Scratch) -> bool {
         let x = input_rows(input);
-        let Some(out) = self.reserve(scratch, act, x) else { return false };
+        let Some(out) = self.reserve(scratch, act, x.rows, x.width) else { return false };
         let (cols, rows) = (x.width as i32, x.rows as u32);
         if let Input::Normed { w, eps, .. } = input {
             let kind = quant_kind(act).expect("float weights are not uploaded to this backend");
@@ -352,13 +360,14 @@ impl CudaBackend {
     /// `prepare` cannot (a capture that would need to allocate).
     fn matvecs(
         &self,
+        source: &Mutex<Scratch>,
         tokens: usize,
         outs: &mut [(&GpuMatrix, &mut GpuTensor)],
         mut add_to: Option<&mut GpuTensor>,
         prepare: &mut dyn FnMut(ActType, &mut Scratch) -> bool,
     ) {
         assert!(add_to.is_none() || outs.len() == 1, "a residual add takes one matrix");
-        let mut scratch = self.acts.lock().expect("scratch lock");
+        let mut scratch = source.lock().expect("scratch lock");
         let mut quantized: Option<ActType> = None;
         let mut i = 0;
         while i < outs.len() {
@@ -374,15 +383,7 @@ impl CudaBackend {
             // With a residual, the product is added to it in place.
             let acc = i32::from(add_to.is_some());
             // Warp-cooperative kernels where there is one; a lane per block otherwise.
-            let special = match w.ty {
-                GgmlType::Q4_K => Some(&self.k().matvec_q4_k),
-                GgmlType::Q4_1 => Some(&self.k().matvec_q4_1),
-                GgmlType::Q5_0 => Some(&self.k().matvec_q5_0),
-                GgmlType::Q8_0 => Some(&self.k().matvec_q8_0),
-                GgmlType::Q6_K => Some(&self.k().matvec_q6_k),
-                _ => None,
-            };
-            let Some(kernels) = special else {
+            let Some(kernels) = self.matvec_kernels(w.ty) else {
                 let (wbytes, abytes) = (w.ty.block_bytes() as i32, w.act.ggml_type().block_bytes() as i32);
                 let (ty, rows) = (type_code(w.ty), w.rows as i32);
                 let cfg = matvec_grid(w.rows, tokens);
@@ -439,6 +440,18 @@ impl CudaBackend {
             b.arg(&rows[0]).arg(&rows[1]).arg(&rows[2]).arg(&nb).arg(&toks);
             self.launch(b, cfg);
             i += n;
+        }
+    }
+
+    /// The warp-cooperative matrix kernels of weight type `ty`, where it has them.
+    fn matvec_kernels(&self, ty: GgmlType) -> Option<&MatvecKernels> {
+        match ty {
+            GgmlType::Q4_K => Some(&self.k().matvec_q4_k),
+            GgmlType::Q4_1 => Some(&self.k().matvec_q4_1),
+            GgmlType::Q5_0 => Some(&self.k().matvec_q5_0),
+            GgmlType::Q8_0 => Some(&self.k().matvec_q8_0),
+            GgmlType::Q6_K => Some(&self.k().matvec_q6_k),
+            _ => None,
         }
     }
 
@@ -520,6 +533,54 @@ impl CudaBackend {
     /// How many matrix products have gone through cuBLAS.
     pub fn gemm_products(&self) -> u64 {
         self.gemm_products.load(Ordering::Relaxed)
+    }
+
+    /// How many times the activation scratches have been replaced (a graph recorded over
+    /// older ones is stale).
+    fn scratch_generation(&self) -> u64 {
+        self.acts.lock().expect("scratch lock").generation + self.gated_acts.lock().expect("scratch lock").generation
+    }
+
+    /// The feed-forward of one decode row in three launches — norm + quantize; gate and
+    /// up products gated and quantized for the down product by one kernel; the down
+    /// product with the residual add (or, with a post-norm, the product, then the norm
+    /// and add) — where its shapes and types allow: the down matrix taking 32-blocks,
+    /// gate and up of one type with rows in whole 32s. `false` (nothing launched) where
+    /// not, or where a capture would need to allocate.
+    fn fused_feed_forward(&self, f: &mut FeedForward<'_, Self>) -> bool {
+        let (g, u, d) = (f.gate, f.up, f.down);
+        let Some(glu) = self.matvec_kernels(g.ty).and_then(|k| k.glu.as_ref()) else { return false };
+        let kind = match d.act {
+            ActType::Q8_0 => 0i32,
+            ActType::Q8_1 => 1,
+            _ => return false,
+        };
+        if f.x.rows != 1 || u.ty != g.ty || u.rows != g.rows || u.cols != g.cols || g.rows % 32 != 0 || d.cols != g.rows {
+            return false;
+        }
+        let mut acts = self.acts.lock().expect("scratch lock");
+        let mut gated = self.gated_acts.lock().expect("scratch lock");
+        // Reserve first: nothing is launched unless everything fits.
+        if self.reserve(&mut acts, g.act, 1, g.cols).is_none() || self.reserve(&mut gated, d.act, 1, g.rows).is_none() {
+            return false;
+        }
+        let normed_input = Input::Normed { x: &*f.x, w: f.norm, eps: f.eps, normed: &mut *f.normed };
+        assert!(self.quantize(&normed_input, g.act, &mut acts), "reserved above");
+        let (nb, act) = ((g.cols / g.ty.block_elems() as usize) as i32, glu_code(f.act));
+        let cfg = LaunchConfig { grid_dim: ((g.rows / 32) as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let mut b = Args::new(glu, &self.stream);
+        b.arg(&g.data).arg(&u.data).arg(acts.buf.as_ref().expect("reserved")).out(gated.buf.as_mut().expect("reserved"));
+        b.arg(&nb).arg(&kind).arg(&act);
+        self.launch(b, cfg);
+        drop(acts);
+        drop(gated);
+        // Gemma's post-norm comes before the residual add.
+        let add_to = if f.post_norm.is_some() { None } else { Some(&mut *f.x) };
+        self.matvecs(&self.gated_acts, 1, &mut [(d, &mut *f.out)], add_to, &mut |_, _| true);
+        if let Some(n) = f.post_norm {
+            self.norm_add(f.out, n, f.eps, f.x);
+        }
+        true
     }
 
     /// How many decode steps have run as replays of a recorded graph.
@@ -704,7 +765,7 @@ impl Backend for CudaBackend {
             self.products_through(gemm, input, outs, add_to);
             return;
         }
-        self.matvecs(tokens, outs, add_to, &mut |act, scratch| self.quantize(&input, act, scratch));
+        self.matvecs(&self.acts, tokens, outs, add_to, &mut |act, scratch| self.quantize(&input, act, scratch));
     }
 
     fn attention_product(&self, mut a: Attend<'_, '_, Self>, att: &mut GpuTensor, w: &GpuMatrix, out: &mut GpuTensor, add_to: Option<&mut GpuTensor>) {
@@ -720,11 +781,17 @@ impl Backend for CudaBackend {
             self.product(Input::Rows(att), &mut [(w, out)], add_to);
             return;
         };
-        self.matvecs(1, &mut [(w, out)], add_to, &mut |act, scratch| {
-            let Some(qout) = self.reserve(scratch, act, a.q) else { return false };
+        self.matvecs(&self.acts, 1, &mut [(w, out)], add_to, &mut |act, scratch| {
+            let Some(qout) = self.reserve(scratch, act, a.q.rows, a.q.width) else { return false };
             self.launch_attention(&mut a, 0, att, Some((qout, kind)));
             true
         });
+    }
+
+    fn feed_forward(&self, mut f: FeedForward<'_, Self>) {
+        if !self.fused_feed_forward(&mut f) {
+            compose_feed_forward(self, f);
+        }
     }
 
     fn norm_add(&self, o: &mut GpuTensor, w: &CudaSlice<f32>, eps: f32, x: &mut GpuTensor) {
@@ -846,7 +913,7 @@ impl Backend for CudaBackend {
             launches();
             return None;
         }
-        let generation = self.acts.lock().expect("scratch lock").generation;
+        let generation = self.scratch_generation();
         // Thread-local: other threads' calls (memory queries) stay legal meanwhile.
         self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).expect("CUDA capture");
         self.capturing.store(true, Ordering::Relaxed);
@@ -868,7 +935,7 @@ impl Backend for CudaBackend {
     }
 
     fn replay(&self, g: &StepGraph) -> bool {
-        if self.acts.lock().expect("scratch lock").generation != g.generation {
+        if self.scratch_generation() != g.generation {
             return false;
         }
         g.graph.launch().expect("CUDA graph launch");

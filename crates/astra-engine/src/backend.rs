@@ -60,6 +60,40 @@ pub struct Heads<'a, V> {
     pub q_scale: Option<f32>,
 }
 
+/// A gated feed-forward block ([`Backend::feed_forward`]): `x`'s rows RMS-normed by
+/// `norm`, times `gate` and `up`, `act(gate) · up` times `down`, that (normed by
+/// `post_norm` where given, Gemma's) added to `x`. `normed`, `gate_rows`, `up_rows` and
+/// `out` are scratch of the right shapes.
+pub struct FeedForward<'a, B: Backend> {
+    pub x: &'a mut B::Tensor,
+    pub norm: &'a B::Vector,
+    pub eps: f32,
+    pub gate: &'a B::Matrix,
+    pub up: &'a B::Matrix,
+    pub down: &'a B::Matrix,
+    pub act: Activation,
+    pub post_norm: Option<&'a B::Vector>,
+    pub normed: &'a mut B::Tensor,
+    pub gate_rows: &'a mut B::Tensor,
+    pub up_rows: &'a mut B::Tensor,
+    pub out: &'a mut B::Tensor,
+}
+
+/// [`Backend::feed_forward`] composed from [`Backend::product`] and
+/// [`Backend::norm_add`].
+pub fn compose_feed_forward<B: Backend>(be: &B, f: FeedForward<'_, B>) {
+    let FeedForward { x, norm, eps, gate, up, down, act, post_norm, normed, gate_rows, up_rows, out } = f;
+    be.product(Input::Normed { x, w: norm, eps, normed }, &mut [(gate, gate_rows), (up, up_rows)], None);
+    let gated = Input::Glu { gate: gate_rows, up: up_rows, act };
+    match post_norm {
+        Some(n) => {
+            be.product(gated, &mut [(down, out)], None);
+            be.norm_add(out, n, eps, x);
+        }
+        None => be.product(gated, &mut [(down, out)], Some(x)),
+    }
+}
+
 /// An attention of one layer ([`Backend::attention`]): each sequence's queries (its
 /// rows of `q`, heads of the model's head size) over its cached positions of `layer`,
 /// causal, within the layer's window, scores scaled by `scale`. `positions` as for
@@ -176,6 +210,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn attention_product(&self, a: Attend<'_, '_, Self>, att: &mut Self::Tensor, w: &Self::Matrix, out: &mut Self::Tensor, add_to: Option<&mut Self::Tensor>) {
         self.attention(a, att);
         self.product(Input::Rows(att), &mut [(w, out)], add_to);
+    }
+
+    /// The feed-forward block `f` describes; a backend may hand the gated rows to the
+    /// down product without writing `f.gate_rows` and `f.up_rows`. As composed by
+    /// [`compose_feed_forward`], with the same results.
+    fn feed_forward(&self, f: FeedForward<'_, Self>) {
+        compose_feed_forward(self, f);
     }
 
     /// `x += rms_norm(o) · w` per row (a post-norm and the residual add); `o` may be

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use astra_gguf::{GgmlType, GgufFile, GgufWriter, TensorSource};
 
 use crate::attention::KvLayout;
-use crate::backend::{Activation, Attend, Backend, Heads, Input, Rope, SeqRows};
+use crate::backend::{Activation, Attend, Backend, FeedForward, Heads, Input, Rope, SeqRows};
 use crate::config::{Arch, Config};
 use crate::weights::MatRef;
 use crate::EngineError;
@@ -28,6 +28,8 @@ pub const TYPES: [GgmlType; 7] =
 const ROWS: usize = 96;
 /// Weight types of the attention-and-product comparison: one per activation format.
 const ATTENTION_OUT_TYPES: [GgmlType; 3] = [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K];
+/// Down matrices of the feed-forward comparison: one per 32-block activation format.
+const FFN_DOWN_TYPES: [GgmlType; 2] = [GgmlType::Q4_1, GgmlType::Q8_0];
 const COLS: usize = 512;
 /// Batch sizes of the product comparisons: a few tokens, and a batch large enough for
 /// a backend to take another path (the CUDA backend's cuBLAS products).
@@ -82,24 +84,27 @@ fn attention_config() -> Config {
     }
 }
 
+/// Random `rows × cols` matrices `{prefix}.{type}`, one of each type, seeds from `seed`.
+fn add_random(w: &mut GgufWriter, prefix: &str, types: &[GgmlType], rows: usize, cols: usize, seed: u64) -> Result<(), EngineError> {
+    let invalid = |e: &dyn std::fmt::Display| EngineError::Invalid(e.to_string());
+    for (i, ty) in types.iter().enumerate() {
+        let bytes = astra_quant::parity::random_weights(*ty, rows, cols, seed + i as u64).map_err(|e| invalid(&e))?;
+        w.add_tensor(format!("{prefix}.{}", ty.name()), &[cols as u64, rows as u64], *ty, TensorSource::Owned(bytes)).map_err(|e| invalid(&e))?;
+    }
+    Ok(())
+}
+
 /// Runs every op on both backends; `dir` receives the random-weight GGUF the matrices
 /// come from.
 pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<OpReport>, EngineError> {
     let io = |e: std::io::Error| EngineError::Load(format!("writing the parity weights: {e}"));
     let mut w = GgufWriter::new();
-    for (i, ty) in TYPES.iter().enumerate() {
-        let bytes = astra_quant::parity::random_weights(*ty, ROWS, COLS, 100 + i as u64)
-            .map_err(|e| EngineError::Invalid(e.to_string()))?;
-        w.add_tensor(format!("w.{}", ty.name()), &[COLS as u64, ROWS as u64], *ty, TensorSource::Owned(bytes))
-            .map_err(|e| EngineError::Invalid(e.to_string()))?;
-    }
+    add_random(&mut w, "w", &TYPES, ROWS, COLS, 100)?;
     // Output projections of the attention below (its rows are 256 wide).
-    for (i, ty) in ATTENTION_OUT_TYPES.iter().enumerate() {
-        let bytes = astra_quant::parity::random_weights(*ty, ROWS, 256, 200 + i as u64)
-            .map_err(|e| EngineError::Invalid(e.to_string()))?;
-        w.add_tensor(format!("wo.{}", ty.name()), &[256, ROWS as u64], *ty, TensorSource::Owned(bytes))
-            .map_err(|e| EngineError::Invalid(e.to_string()))?;
-    }
+    add_random(&mut w, "wo", &ATTENTION_OUT_TYPES, ROWS, 256, 200)?;
+    // Up matrices (gate is `w.`) and down matrices of the feed-forward below.
+    add_random(&mut w, "wu", &TYPES, ROWS, COLS, 300)?;
+    add_random(&mut w, "wd", &FFN_DOWN_TYPES, COLS, ROWS, 400)?;
     std::fs::create_dir_all(dir).map_err(io)?;
     let path = dir.join("backend-parity.gguf");
     w.write_file(&path).map_err(io)?;
@@ -163,6 +168,7 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
     let (ta, tb) = (a.gather(&xa, &[2, 0]), b.gather(&xb, &[2, 0]));
     out.push(report("gather", &a.read(&ta), &b.read(&tb)));
     out.extend(compare_attention(a, b, &mut rng)?);
+    out.extend(compare_feed_forward(a, b, &file, &mut rng)?);
     let _ = std::fs::remove_file(&path);
     Ok(out)
 }
@@ -198,6 +204,41 @@ fn compare_products<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFile>, 
         out.push(report(format!("glu, matmul {}, add{batch}", ty.name()), &a.read(&ra), &b.read(&rb)));
     }
     Ok(out)
+}
+
+/// The feed-forward block of one row (a decode step's, which a backend may fuse) for
+/// each gate and up type with each down type: SwiGLU added to the row, and GeGLU
+/// post-normed before the add.
+fn compare_feed_forward<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFile>, rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
+    let mut out = Vec::new();
+    let x = rng.vec(COLS);
+    let (nv, pv) = (rng.vec(COLS), rng.vec(COLS));
+    let (na, nb) = (a.vector(&nv)?, b.vector(&nv)?);
+    let (pa, pb) = (a.vector(&pv)?, b.vector(&pv)?);
+    for ty in TYPES {
+        let (g, u) = (MatRef::locate(file, &format!("w.{}", ty.name()))?, MatRef::locate(file, &format!("wu.{}", ty.name()))?);
+        let (ga, gb, ua, ub) = (a.matrix(file, &g)?, b.matrix(file, &g)?, a.matrix(file, &u)?, b.matrix(file, &u)?);
+        for down in FFN_DOWN_TYPES {
+            let d = MatRef::locate(file, &format!("wd.{}", down.name()))?;
+            let (da, db) = (a.matrix(file, &d)?, b.matrix(file, &d)?);
+            for post in [false, true] {
+                let act = if post { Activation::GeluTanh } else { Activation::Silu };
+                let want = feed_forward_row(a, &x, &na, [&ga, &ua, &da], act, post.then_some(&pa));
+                let got = feed_forward_row(b, &x, &nb, [&gb, &ub, &db], act, post.then_some(&pb));
+                let post = if post { ", GeGLU, post-norm" } else { ", SwiGLU" };
+                out.push(report(format!("feed-forward {} gate/up, {} down{post}", ty.name(), down.name()), &want, &got));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Row `x` through `be`'s feed-forward block with matrices gate, up and down.
+fn feed_forward_row<B: Backend>(be: &B, x: &[f32], norm: &B::Vector, [gate, up, down]: [&B::Matrix; 3], act: Activation, post_norm: Option<&B::Vector>) -> Vec<f32> {
+    let (mut xt, mut normed, mut gate_rows, mut up_rows, mut out) = (be.tensor_from(x, COLS), be.tensor(1, COLS), be.tensor(1, ROWS), be.tensor(1, ROWS), be.tensor(1, COLS));
+    let (gate_rows, up_rows) = (&mut gate_rows, &mut up_rows);
+    be.feed_forward(FeedForward { x: &mut xt, norm, eps: 1e-6, gate, up, down, act, post_norm, normed: &mut normed, gate_rows, up_rows, out: &mut out });
+    be.read(&xt)
 }
 
 /// Queries (four heads) and keys (two) normed per head, rotated and the queries

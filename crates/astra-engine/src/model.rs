@@ -9,7 +9,7 @@ use std::sync::Arc;
 use astra_gguf::GgufFile;
 
 use crate::attention::KvLayout;
-use crate::backend::{Activation, Attend, Backend, Heads, Input, Rope, SeqRows};
+use crate::backend::{Activation, Attend, Backend, FeedForward, Heads, Input, Rope, SeqRows};
 use crate::config::{Arch, Config};
 use crate::cpu::CpuBackend;
 use crate::weights::Weights;
@@ -364,16 +364,20 @@ impl<B: Backend> Model<B> {
                 }
                 None => be.attention_product(attend, att, &layer.wo, o, Some(x)),
             }
-            // Feed-forward.
-            be.product(Input::Normed { x, w: &layer.ffn_norm, eps, normed: xb }, &mut [(&layer.w_gate, gate), (&layer.w_up, up)], None);
-            let down = Input::Glu { gate, up, act };
-            match &layer.post_ffn_norm {
-                Some(n) => {
-                    be.product(down, &mut [(&layer.w_down, o)], None);
-                    be.norm_add(o, n, eps, x);
-                }
-                None => be.product(down, &mut [(&layer.w_down, o)], Some(x)),
-            }
+            be.feed_forward(FeedForward {
+                x: &mut *x,
+                norm: &layer.ffn_norm,
+                eps,
+                gate: &layer.w_gate,
+                up: &layer.w_up,
+                down: &layer.w_down,
+                act,
+                post_norm: layer.post_ffn_norm.as_ref(),
+                normed: &mut *xb,
+                gate_rows: &mut *gate,
+                up_rows: &mut *up,
+                out: &mut *o,
+            });
         }
     }
 }
