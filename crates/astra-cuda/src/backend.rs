@@ -293,8 +293,9 @@ impl CudaBackend {
         self.stream.clone_htod(v).expect("CUDA upload")
     }
 
-    /// `scratch` with room for `x`'s rows quantized for `act`, grown if too small;
-    /// `None` where it would have to grow during a capture (which is then dropped).
+    /// `scratch` with room for `rows` rows of `width` values quantized for `act`, grown
+    /// if too small; `None` where it would have to grow during a capture (which is then
+    /// dropped).
     fn reserve<'s>(&self, scratch: &'s mut Scratch, act: ActType, rows: usize, width: usize) -> Option<&'s mut CudaSlice<u8>> {
         let need = act.row_bytes(width).expect("a whole number of blocks") * rows;
         if scratch.buf.as_ref().is_none_or(|b| b.len() < need) {
