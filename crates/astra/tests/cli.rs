@@ -48,6 +48,38 @@ fn bad_input_is_one_clear_line_and_a_failure() {
     assert!(!out.status.success());
 }
 
+/// `--backend cuda` (with and without `--deterministic`) where there is no GPU: every
+/// command that takes it fails with one clear line, the server before opening its port.
+/// Where a GPU is present, tests/gpu.rs and scripts/gpu-check run the backend instead.
+#[test]
+fn cuda_without_a_gpu_is_one_clear_line() {
+    let Some(why) = astra_cuda::unavailable_reason() else {
+        eprintln!("SKIPPED: a GPU is present; tests/gpu.rs and scripts/gpu-check cover --backend cuda there");
+        return;
+    };
+    let Some(path) = model("smollm2-135m") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("text.txt");
+    std::fs::write(&text, "a short text to score\n").unwrap();
+    let text = text.to_str().unwrap();
+    let commands: [&[&str]; 4] = [
+        &["run", "-m", &path, "-p", "hi", "-n", "1"],
+        &["bench", "-m", &path, "-p", "8", "-n", "1", "-r", "1"],
+        &["perplexity", "-m", &path, "-f", text],
+        &["serve", "-m", &path, "--port", "0"],
+    ];
+    for command in commands {
+        for mode in [&[][..], &["--deterministic"][..]] {
+            let args: Vec<&str> = command.iter().chain(&["--backend", "cuda"]).chain(mode).copied().collect();
+            let out = astra(&args);
+            assert!(!out.status.success(), "{args:?} succeeded without a GPU");
+            let err = String::from_utf8(out.stderr).unwrap();
+            assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+            assert!(err.starts_with("error: ") && err.contains(&why), "{args:?}: {err}");
+        }
+    }
+}
+
 #[test]
 fn tokenize_prints_llama_cpp_ids() {
     let Some(path) = model("smollm2-135m") else { return };
