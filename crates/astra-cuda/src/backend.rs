@@ -490,17 +490,7 @@ impl CudaBackend {
     /// `add_to`, the one product is added to it.
     fn products_through(&self, gemm: &Gemm, input: Input<'_, Self>, outs: &mut [(&GpuMatrix, &mut GpuTensor)], mut add_to: Option<&mut GpuTensor>) {
         assert!(add_to.is_none() || outs.len() == 1, "a residual add takes one matrix");
-        let x: &GpuTensor = match input {
-            Input::Rows(x) => x,
-            Input::Normed { x, w, eps, normed } => {
-                self.rms_norm(x, w, eps, normed);
-                normed
-            }
-            Input::Glu { gate, up, act } => {
-                self.glu(gate, up, act);
-                gate
-            }
-        };
+        let x = input.make(self);
         let mut scratch = self.dequantized.lock().expect("scratch lock");
         for (w, out) in outs.iter_mut() {
             let row_bytes = astra_quant::row_bytes(w.ty, w.cols).expect("checked at load");

@@ -56,21 +56,8 @@ impl Precision {
 /// Whether cuBLAS can be loaded, loading it (and cuBLASLt, which it needs) by full path
 /// from the CUDA toolkit's folders first where they are there.
 pub fn available() -> bool {
-    static DONE: std::sync::Once = std::sync::Once::new();
-    DONE.call_once(|| {
-        for dir in crate::nvrtc::toolkit_dirs() {
-            let (lt, blas) = (dir.join("libcublasLt.so.13"), dir.join("libcublas.so.13"));
-            if lt.is_file() && blas.is_file() {
-                for lib in [lt, blas] {
-                    // SAFETY: NVIDIA's libraries, loaded for the life of the process.
-                    if let Ok(l) = unsafe { libloading::Library::new(&lib) } {
-                        std::mem::forget(l);
-                    }
-                }
-                return;
-            }
-        }
-    });
+    static PRELOAD: std::sync::Once = std::sync::Once::new();
+    PRELOAD.call_once(|| crate::nvrtc::preload(&["libcublasLt.so.13", "libcublas.so.13"]));
     // SAFETY: only probes for the library.
     unsafe { cudarc::cublas::sys::is_culib_present() }
 }

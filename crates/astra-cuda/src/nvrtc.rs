@@ -32,30 +32,27 @@ pub(crate) fn toolkit_dirs() -> Vec<PathBuf> {
     dirs
 }
 
-/// Loads NVRTC and its builtins library by full path from the first folder that has
-/// them, so that the names NVRTC and cudarc later open resolve to them without the
-/// folder being on the loader path (which is read only at process start).
-fn preload() {
-    static DONE: std::sync::Once = std::sync::Once::new();
-    DONE.call_once(|| {
-        for dir in toolkit_dirs() {
-            let (nvrtc, builtins) = (dir.join("libnvrtc.so.13"), dir.join("libnvrtc-builtins.so.13.0"));
-            if nvrtc.is_file() && builtins.is_file() {
-                for lib in [builtins, nvrtc] {
-                    // SAFETY: NVIDIA's libraries, loaded for the life of the process.
-                    if let Ok(l) = unsafe { libloading::Library::new(&lib) } {
-                        std::mem::forget(l);
-                    }
+/// Loads `libs` by full path from the first toolkit folder that has them all, in the
+/// order given, so that the names NVRTC and cudarc later open resolve to them without
+/// the folder being on the loader path (which is read only at process start).
+pub(crate) fn preload(libs: &[&str]) {
+    for dir in toolkit_dirs() {
+        if libs.iter().all(|l| dir.join(l).is_file()) {
+            for lib in libs {
+                // SAFETY: NVIDIA's libraries, loaded for the life of the process.
+                if let Ok(l) = unsafe { libloading::Library::new(dir.join(lib)) } {
+                    std::mem::forget(l);
                 }
-                return;
             }
+            return;
         }
-    });
+    }
 }
 
 /// Whether NVRTC can be loaded (it runs without a GPU).
 pub fn available() -> bool {
-    preload();
+    static PRELOAD: std::sync::Once = std::sync::Once::new();
+    PRELOAD.call_once(|| preload(&["libnvrtc-builtins.so.13.0", "libnvrtc.so.13"]));
     // SAFETY: only probes for the library.
     unsafe { sys::is_culib_present() }
 }

@@ -47,6 +47,23 @@ pub enum Input<'a, B: Backend> {
     Glu { gate: &'a mut B::Tensor, up: &'a B::Tensor, act: Activation },
 }
 
+impl<'a, B: Backend> Input<'a, B> {
+    /// The rows, made by `be`'s plain ops: normed into `normed`, or gated over `gate`.
+    pub fn make(self, be: &B) -> &'a B::Tensor {
+        match self {
+            Input::Rows(x) => x,
+            Input::Normed { x, w, eps, normed } => {
+                be.rms_norm(x, w, eps, normed);
+                normed
+            }
+            Input::Glu { gate, up, act } => {
+                be.glu(gate, up, act);
+                gate
+            }
+        }
+    }
+}
+
 /// How a layer's query and key heads are made ready for attention
 /// ([`Backend::prepare_attention`]).
 pub struct Heads<'a, V> {
@@ -186,17 +203,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// product is added to that tensor (the residual) and `outs`' tensor is left as
     /// scratch. As composed from the ops above, with the same results.
     fn product(&self, input: Input<'_, Self>, outs: &mut [(&Self::Matrix, &mut Self::Tensor)], add_to: Option<&mut Self::Tensor>) {
-        let x: &Self::Tensor = match input {
-            Input::Rows(x) => x,
-            Input::Normed { x, w, eps, normed } => {
-                self.rms_norm(x, w, eps, normed);
-                normed
-            }
-            Input::Glu { gate, up, act } => {
-                self.glu(gate, up, act);
-                gate
-            }
-        };
+        let x = input.make(self);
         self.matmul(x, outs);
         if let Some(residual) = add_to {
             let [(_, out)] = outs else { panic!("a residual add takes one matrix") };
