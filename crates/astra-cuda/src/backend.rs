@@ -62,11 +62,15 @@ impl Kernels {
         let cubin = nvrtc::cubin_cached(name, source, arch, driver).map_err(EngineError::Load)?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(gpu_err("loading kernels"))?;
         let f = |n: &str| module.load_function(n).map_err(gpu_err("kernel lookup"));
+        // A type's one- and three-matrix launches with a name suffix, where it has them.
+        let launches = |has: bool, n: &str, suffix: &str| -> Result<Option<(CudaFunction, CudaFunction)>, EngineError> {
+            has.then(|| Ok((f(&format!("{n}{suffix}"))?, f(&format!("{n}_3{suffix}"))?))).transpose()
+        };
         let mv = |n: &str, batch: bool, pair: bool, glu: bool| -> Result<MatvecKernels, EngineError> {
-            let batch = if batch { Some((f(&format!("{n}_8"))?, f(&format!("{n}_3_8"))?)) } else { None };
-            let pair = if pair { Some((f(&format!("{n}_pair"))?, f(&format!("{n}_3_pair"))?)) } else { None };
-            let glu = if glu { Some(f(&format!("{n}_glu"))?) } else { None };
-            Ok(MatvecKernels { one: f(n)?, three: f(&format!("{n}_3"))?, batch, pair, glu })
+            let (one, three) = launches(true, n, "")?.expect("always built");
+            let (batch, pair) = (launches(batch, n, "_8")?, launches(pair, n, "_pair")?);
+            let glu = glu.then(|| f(&format!("{n}_glu"))).transpose()?;
+            Ok(MatvecKernels { one, three, batch, pair, glu })
         };
         let k = Kernels {
             quantize_q8_32: f("quantize_q8_32")?,
@@ -140,6 +144,9 @@ pub struct CudaBackend {
     /// The down product's quantized activations where the gate and up kernel makes them
     /// (taken after `acts` where both are held).
     gated_acts: Mutex<Scratch>,
+    /// How many times the activation scratches have been replaced (a graph recorded over
+    /// older ones is stale).
+    scratch_generation: AtomicU64,
     /// Whether decode steps are recorded as graphs (`ASTRA_CUDA_GRAPHS=0` turns it off).
     graphs: bool,
     /// The kernels compiled to be launched as programmatic dependents of the one
@@ -159,11 +166,11 @@ pub struct CudaBackend {
     gemm_products: AtomicU64,
 }
 
-/// A device buffer that grows as needed; `generation` counts its replacements, so that
-/// a graph recorded over the old one is known to be stale.
+/// A device buffer that grows as needed (each replacement counted in
+/// `CudaBackend::scratch_generation`, so that a graph recorded over the old one is known
+/// to be stale).
 struct Scratch {
     buf: Option<CudaSlice<u8>>,
-    generation: u64,
 }
 
 /// A recorded decode step ([`Backend::record`]).
@@ -276,8 +283,9 @@ impl CudaBackend {
             stream,
             k,
             device,
-            acts: Mutex::new(Scratch { buf: None, generation: 0 }),
-            gated_acts: Mutex::new(Scratch { buf: None, generation: 0 }),
+            acts: Mutex::new(Scratch { buf: None }),
+            gated_acts: Mutex::new(Scratch { buf: None }),
+            scratch_generation: AtomicU64::new(0),
             graphs,
             k_graph,
             capturing: AtomicBool::new(false),
@@ -305,7 +313,7 @@ impl CudaBackend {
             }
             // SAFETY: every byte read is first written by a quantization kernel.
             scratch.buf = Some(unsafe { self.stream.alloc::<u8>(need.max(1 << 16)) }.expect("CUDA alloc"));
-            scratch.generation += 1;
+            self.scratch_generation.fetch_add(1, Ordering::Relaxed);
         }
         scratch.buf.as_mut()
     }
@@ -524,12 +532,6 @@ impl CudaBackend {
     /// How many matrix products have gone through cuBLAS.
     pub fn gemm_products(&self) -> u64 {
         self.gemm_products.load(Ordering::Relaxed)
-    }
-
-    /// How many times the activation scratches have been replaced (a graph recorded over
-    /// older ones is stale).
-    fn scratch_generation(&self) -> u64 {
-        self.acts.lock().expect("scratch lock").generation + self.gated_acts.lock().expect("scratch lock").generation
     }
 
     /// The feed-forward of one decode row in three launches — norm + quantize; gate and
@@ -904,7 +906,7 @@ impl Backend for CudaBackend {
             launches();
             return None;
         }
-        let generation = self.scratch_generation();
+        let generation = self.scratch_generation.load(Ordering::Relaxed);
         // Thread-local: other threads' calls (memory queries) stay legal meanwhile.
         self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).expect("CUDA capture");
         self.capturing.store(true, Ordering::Relaxed);
@@ -926,7 +928,7 @@ impl Backend for CudaBackend {
     }
 
     fn replay(&self, g: &StepGraph) -> bool {
-        if self.scratch_generation() != g.generation {
+        if self.scratch_generation.load(Ordering::Relaxed) != g.generation {
             return false;
         }
         g.graph.launch().expect("CUDA graph launch");
@@ -952,7 +954,7 @@ mod tests {
         let x: Vec<f32> = (0..3 * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32)).collect();
         let t = gpu.tensor_from(&x, cols);
         for act in [ActType::Q8_0, ActType::Q8_1, ActType::Q8K] {
-            let mut scratch = Scratch { buf: None, generation: 0 };
+            let mut scratch = Scratch { buf: None };
             assert!(gpu.quantize(&Input::Rows(&t), act, &mut scratch));
             let rb = act.row_bytes(cols).unwrap();
             let mut got = gpu.stream.clone_dtoh(scratch.buf.as_ref().unwrap()).unwrap();
