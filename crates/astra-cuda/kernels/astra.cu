@@ -18,13 +18,31 @@ typedef short i16;
 // them: launch.rs), it waits for that kernel's completion and memory before reading
 // anything, and at once lets the next kernel be scheduled; in the other, nothing (the
 // instructions cost time in grids of many small CTAs even where no launch depends).
+//
+// Such a kernel may start while the one before it still runs: before waiting, a kernel
+// asks L2 for the weights it will read (PDL_PREFETCH: bytes no kernel writes), so that
+// once the wait ends they come from L2 rather than from memory.
 #if defined(ASTRA_PDL) && __CUDA_ARCH__ >= 900
+#define PDL 1
 #define PDL_START                                              \
     asm volatile("griddepcontrol.wait;" ::: "memory");         \
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #else
+#define PDL 0
 #define PDL_START
 #endif
+#define PDL_PREFETCH(p, bytes) \
+    if (PDL) prefetch_l2((const u8*)(p), (bytes));
+
+// The 128-byte line holding p asked of L2.
+__device__ __forceinline__ void l2_line(const void* p) { asm volatile("prefetch.L2 [%0];" ::"l"(p)); }
+
+// The lines of [p, p + bytes) asked of L2, spread over the lanes of a warp (none for a
+// null p).
+__device__ __forceinline__ void prefetch_l2(const u8* p, long bytes) {
+    if (!p) return;
+    for (long o = (long)(threadIdx.x % 32) * 128; o < bytes; o += 32 * 128) l2_line(p + o);
+}
 #define NEG_INF __int_as_float(0xff800000)
 
 __device__ __forceinline__ float h2f(u16 h) {
@@ -375,6 +393,15 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
     return r;
 }
 
+// Row r of the three matrices of a three-matrix launch taken in turn (rows of rb bytes);
+// null past their end.
+__device__ __forceinline__ const u8* row_of_3(const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2, int r, long rb) {
+    if (r < r0) return w0 + r * rb;
+    if (r < r0 + r1) return w1 + (r - r0) * rb;
+    if (r < r0 + r1 + r2) return w2 + (r - r0 - r1) * rb;
+    return nullptr;
+}
+
 // Each warp-cooperative matrix kernel is a row function (one warp, row r, the T
 // tokens from T·blockIdx.y on) and its launches: one matrix, and up to three
 // matrices of one type and width against the same activations (Q, K and V; gate and
@@ -383,27 +410,31 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
 // loaded once for the eight). Every (row, token) sum is computed by the same lanes in
 // the same order in all of them, so a result does not depend on the launch that made
 // it. The launch offsets the activations to the warp's first token.
-#define MATVEC_ENTRY(name, suffix, T, ABYTES)                                                  \
+#define MATVEC_ENTRY(name, suffix, T, WBYTES, ABYTES)                                          \
     extern "C" __global__ void name##suffix(const u8* w, const u8* a, float* out, int rows,    \
                                             int nb, int acc, int tokens) {                      \
-        PDL_START                                                                               \
         int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
+        long rb = (long)nb * (WBYTES);                                                          \
+        if (r < rows) PDL_PREFETCH(w + r * rb, rb);                                             \
+        PDL_START                                                                               \
         const u8* at = a + (long)blockIdx.y * (T) * nb * (ABYTES);                              \
         if (r < rows) name##_row<T>(w, at, out, rows, nb, r, acc, tokens);                      \
     }                                                                                           \
     extern "C" __global__ void name##_3##suffix(const u8* w0, const u8* w1, const u8* w2,       \
                                                 const u8* a, float* o0, float* o1, float* o2,   \
                                                 int r0, int r1, int r2, int nb, int tokens) {   \
-        PDL_START                                                                               \
         int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
+        long rb = (long)nb * (WBYTES);                                                          \
+        PDL_PREFETCH(row_of_3(w0, w1, w2, r0, r1, r2, r, rb), rb);                              \
+        PDL_START                                                                               \
         const u8* at = a + (long)blockIdx.y * (T) * nb * (ABYTES);                              \
         if (r < r0) name##_row<T>(w0, at, o0, r0, nb, r, 0, tokens);                            \
         else if (r < r0 + r1) name##_row<T>(w1, at, o1, r1, nb, r - r0, 0, tokens);             \
         else if (r < r0 + r1 + r2) name##_row<T>(w2, at, o2, r2, nb, r - r0 - r1, 0, tokens);   \
     }
-#define MATVEC_KERNELS(name, ABYTES) MATVEC_ENTRY(name, , 1, ABYTES) MATVEC_ENTRY(name, _8, 8, ABYTES)
+#define MATVEC_KERNELS(name, WBYTES, ABYTES) MATVEC_ENTRY(name, , 1, WBYTES, ABYTES) MATVEC_ENTRY(name, _8, 8, WBYTES, ABYTES)
 // Q4_1: one token per warp only (its eight-token form measured slower).
-#define MATVEC_KERNELS_1(name, ABYTES) MATVEC_ENTRY(name, , 1, ABYTES)
+#define MATVEC_KERNELS_1(name, WBYTES, ABYTES) MATVEC_ENTRY(name, , 1, WBYTES, ABYTES)
 
 // The first token of a row function's warp and how many of its T it has.
 #define ROW_TOKENS(T)              \
@@ -518,7 +549,7 @@ __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float*
     WarpRows<1> wr = {{w + (long)r * nb * 144}, {out + r}, {rows}};
     matvec_q4_k_rows<T, 1>(wr, a, nb, acc, tokens);
 }
-MATVEC_KERNELS(matvec_q4_k, 292)
+MATVEC_KERNELS(matvec_q4_k, 144, 292)
 
 // Decode with two rows per warp: one matrix, and up to three (as MATVEC_ENTRY), a
 // warp's two rows possibly in two of them. Grid (ceil(rows / 8), 1), 128 threads.
@@ -530,9 +561,10 @@ __device__ __forceinline__ void warp_row(WarpRows<2>& wr, int j, const u8* w, lo
 
 #define PAIR_ENTRY(name, WBYTES)                                                                          \
     extern "C" __global__ void name##_pair(const u8* w, const u8* a, float* out, int rows, int nb, int acc, int tokens) { \
-        PDL_START                                                                                         \
         int r = (blockIdx.x * 4 + threadIdx.x / WARP) * 2;                                                \
         if (r >= rows) return;                                                                            \
+        PDL_PREFETCH(w + r * (long)nb * (WBYTES), min(2, rows - r) * (long)nb * (WBYTES));               \
+        PDL_START                                                                                         \
         WarpRows<2> wr;                                                                                   \
         for (int j = 0; j < 2; j++) {                                                                     \
             wr.w[j] = nullptr;                                                                            \
@@ -542,10 +574,11 @@ __device__ __forceinline__ void warp_row(WarpRows<2>& wr, int j, const u8* w, lo
     }                                                                                                     \
     extern "C" __global__ void name##_3_pair(const u8* w0, const u8* w1, const u8* w2, const u8* a,       \
                                              float* o0, float* o1, float* o2, int r0, int r1, int r2, int nb, int tokens) { \
-        PDL_START                                                                                         \
         int r = (blockIdx.x * 4 + threadIdx.x / WARP) * 2;                                                \
         if (r >= r0 + r1 + r2) return;                                                                    \
         long rb = (long)nb * (WBYTES);                                                                    \
+        for (int j = 0; j < 2; j++) PDL_PREFETCH(row_of_3(w0, w1, w2, r0, r1, r2, r + j, rb), rb);        \
+        PDL_START                                                                                         \
         WarpRows<2> wr;                                                                                   \
         for (int j = 0; j < 2; j++) {                                                                     \
             int rj = r + j;                                                                               \
@@ -625,7 +658,7 @@ __device__ __forceinline__ void matvec_q6_k_row(const u8* w, const u8* a, float*
         if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
     }
 }
-MATVEC_KERNELS(matvec_q6_k, 292)
+MATVEC_KERNELS(matvec_q6_k, 210, 292)
 
 // Q4_1 × Q8_1, four lanes per 32-block and eight blocks per warp step: lane p takes
 // quant bytes 4p..4p+3 (weights 4p + i in the low nibbles, 16 + 4p + i in the high);
@@ -664,7 +697,7 @@ __device__ __forceinline__ void matvec_q4_1_row(const u8* w, const u8* a, float*
         if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
     }
 }
-MATVEC_KERNELS_1(matvec_q4_1, 36)
+MATVEC_KERNELS_1(matvec_q4_1, 20, 36)
 
 // Q5_0 × Q8_0, four lanes per 32-block and eight blocks per warp step: lane p takes
 // weights 4p + i and 16 + 4p + i, their fifth bits from qh; codes are offset by -16 into
@@ -707,7 +740,7 @@ __device__ __forceinline__ void matvec_q5_0_row(const u8* w, const u8* a, float*
         if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
     }
 }
-MATVEC_KERNELS(matvec_q5_0, 34)
+MATVEC_KERNELS(matvec_q5_0, 22, 34)
 
 // The 32 quants of a Q8_0 block (34 bytes, 2-byte aligned) as eight words, read with
 // 16-bit loads.
@@ -750,7 +783,7 @@ __device__ __forceinline__ void matvec_q8_0_row(const u8* w, const u8* a, float*
         if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
     }
 }
-MATVEC_KERNELS(matvec_q8_0, 34)
+MATVEC_KERNELS(matvec_q8_0, 34, 34)
 
 // A decode row's gated product made by its gate and up matrices' kernel and quantized
 // for the down matrix (32-blocks: kind 0 Q8_0, 1 Q8_1), the gate and up rows never
@@ -763,10 +796,12 @@ MATVEC_KERNELS(matvec_q8_0, 34)
 #define GLU_ENTRY(name, WBYTES)                                                                         \
     extern "C" __global__ void __launch_bounds__(1024)                                                  \
         name##_glu(const u8* wg, const u8* wu, const u8* a, u8* out, int nb, int kind, int act) {       \
-        PDL_START                                                                                       \
         __shared__ float g[WARP], u[WARP];                                                              \
         int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;                                       \
         long first = (long)blockIdx.x * WARP * nb * (WBYTES);                                           \
+        PDL_PREFETCH(wg + first + warp * (long)nb * (WBYTES), (long)nb * (WBYTES));                     \
+        PDL_PREFETCH(wu + first + warp * (long)nb * (WBYTES), (long)nb * (WBYTES));                     \
+        PDL_START                                                                                       \
         name##_row<1>(wg + first, a, g, WARP, nb, warp, 0, 1);                                          \
         name##_row<1>(wu + first, a, u, WARP, nb, warp, 0, 1);                                          \
         __syncthreads();                                                                                \
@@ -963,6 +998,7 @@ __device__ void norm_quantize_row(const float* x, const float* w, u8* out, int n
 
 // 256 threads; rows of up to 2,048 values are held in registers.
 extern "C" __global__ void rms_norm_quantize(const float* x, const float* w, u8* out, int n, float eps, int kind) {
+    if (PDL && threadIdx.x * 32 < n) l2_line(w + threadIdx.x * 32);
     PDL_START
     norm_quantize_row<256>(x, w, out, n, eps, kind);
 }
@@ -1287,6 +1323,18 @@ __device__ void attend(const float* q, const u16* kc, const u16* vc, float* out,
 extern "C" __global__ void attention(const float* q, const u16* kc, const u16* vc, float* out, int row0, const unsigned int* positions,
                                      int rows, int slots, int window, int n_head, int group, int head_dim, float scale,
                                      u8* qout, int qkind) {
+    if (PDL) {
+        // The cached keys and values of the first four chunks (positions come from the
+        // host, before the graph runs; the row the kernel before stores is among them,
+        // and L2 holds what it stores).
+        int pos = (int)positions[row0], first = window > 0 ? max(0, pos + 1 - window) : 0;
+        long head = (long)(blockIdx.x / group) * slots * head_dim;
+        for (int p = first + threadIdx.x; p <= pos && p < first + 4 * CHUNK; p += CHUNK)
+            for (int o = 0; o < head_dim * 2; o += 128) {
+                l2_line((const u8*)(kc + head + (long)(p % slots) * head_dim) + o);
+                l2_line((const u8*)(vc + head + (long)(p % slots) * head_dim) + o);
+            }
+    }
     PDL_START
     attend<1>(q, kc, vc, out, row0, (int)positions[row0], rows, slots, window, n_head, group, head_dim, scale, qout, qkind);
 }
