@@ -20,8 +20,8 @@ typedef short i16;
 // instructions cost time in grids of many small CTAs even where no launch depends).
 //
 // Such a kernel may start while the one before it still runs: before waiting, a kernel
-// asks L2 for the weights it will read (PDL_PREFETCH: bytes no kernel writes), so that
-// once the wait ends they come from L2 rather than from memory.
+// asks the caches for the weights it will read (PDL_PREFETCH: bytes no kernel writes),
+// so that once the wait ends they come from L1 or L2 rather than from memory.
 #if defined(ASTRA_PDL) && __CUDA_ARCH__ >= 900
 #define PDL 1
 #define PDL_START                                              \
@@ -32,16 +32,19 @@ typedef short i16;
 #define PDL_START
 #endif
 #define PDL_PREFETCH(p, bytes) \
-    if (PDL) prefetch_l2((const u8*)(p), (bytes));
+    if (PDL) prefetch_weights((const u8*)(p), (bytes));
 
-// The 128-byte line holding p asked of L2.
+// The 128-byte line holding p asked of L2, or of the SM's L1 (read-only data only: L1
+// is not kept coherent with other SMs' stores; measured, L1 for a warp's matrix rows,
+// L2 for norm weights).
 __device__ __forceinline__ void l2_line(const void* p) { asm volatile("prefetch.L2 [%0];" ::"l"(p)); }
+__device__ __forceinline__ void l1_line(const void* p) { asm volatile("prefetch.L1 [%0];" ::"l"(p)); }
 
-// The lines of [p, p + bytes) asked of L2, spread over the lanes of a warp (none for a
-// null p).
-__device__ __forceinline__ void prefetch_l2(const u8* p, long bytes) {
+// The lines of weights [p, p + bytes) asked of L1, spread over the lanes of a warp (none
+// for a null p).
+__device__ __forceinline__ void prefetch_weights(const u8* p, long bytes) {
     if (!p) return;
-    for (long o = (long)(threadIdx.x % 32) * 128; o < bytes; o += 32 * 128) l2_line(p + o);
+    for (long o = (long)(threadIdx.x % 32) * 128; o < bytes; o += 32 * 128) l1_line(p + o);
 }
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -912,9 +915,19 @@ __device__ float rms_finish(double s, int n, float eps) {
     return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
 }
 
+// Each thread's values are loaded eight at a time before they are summed (in order),
+// so that the loads are in flight together.
 __device__ float rms_scale(const float* xg, int n, float eps) {
     double s = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) s += (double)xg[i] * (double)xg[i];
+    int step = blockDim.x;
+    for (int i0 = threadIdx.x; i0 < n; i0 += 8 * step) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) v[u] = i0 + u * step < n ? xg[i0 + u * step] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+            if (i0 + u * step < n) s += (double)v[u] * (double)v[u];
+    }
     return rms_finish(s, n, eps);
 }
 
@@ -942,6 +955,7 @@ extern "C" __global__ void rms_norm_inplace(float* x, const float* w, int n, flo
 // x += rms_norm(o) · w per row of n (Gemma's post-norms and the residual add in one
 // pass, the same two roundings as apart); grid (rows), 256 threads.
 extern "C" __global__ void rms_norm_add(const float* o, const float* w, float* x, int n, float eps) {
+    if (PDL && threadIdx.x * 32 < n) l2_line(w + threadIdx.x * 32);
     PDL_START
     const float* og = o + (long)blockIdx.x * n;
     float* xg = x + (long)blockIdx.x * n;
@@ -1008,6 +1022,7 @@ extern "C" __global__ void rms_norm_quantize(const float* x, const float* w, u8*
 // bits) and quantizes its 256 values (a Q8_K block, or eight 32-blocks), so the row's
 // blocks are made in parallel rather than one after another.
 extern "C" __global__ void rms_norm_quantize_split(const float* x, const float* w, u8* out, int n, float eps, int kind) {
+    if (PDL && threadIdx.x < 8 && blockIdx.y * 256 + threadIdx.x * 32 < n) l2_line(w + blockIdx.y * 256 + threadIdx.x * 32);
     PDL_START
     const float* xg = x + (long)blockIdx.x * n;
     float scale = rms_scale(xg, n, eps);
