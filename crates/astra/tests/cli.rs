@@ -48,6 +48,23 @@ fn bad_input_is_one_clear_line_and_a_failure() {
     assert!(!out.status.success());
 }
 
+/// `bench --depth`: both tests run after that many tokens are in the cache, and a depth
+/// past the model's context is one clear line.
+#[test]
+fn bench_runs_at_a_depth() {
+    let Some(path) = model("smollm2-135m") else { return };
+    let v = json(&astra(&["bench", "-m", &path, "-p", "8", "-n", "2", "-d", "70", "-r", "1", "--json"]));
+    assert_eq!(v["depth"], 70);
+    assert!(v["pp_tokens_per_s"].as_f64().unwrap() > 0.0 && v["tg_tokens_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    let text = String::from_utf8(astra(&["bench", "-m", &path, "-p", "8", "-n", "2", "-d", "70", "-r", "1"]).stdout).unwrap();
+    assert!(text.contains("| pp8 @ d70 |") && text.contains("| tg2 @ d70 |"), "{text}");
+    let out = astra(&["bench", "-m", &path, "-p", "8", "-n", "2", "-d", "8190"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.starts_with("error: ") && err.contains("context of 8192"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+}
+
 /// `--backend cuda` (with and without `--deterministic`) where there is no GPU: every
 /// command that takes it fails with one clear line, the server before opening its port.
 /// Where a GPU is present, tests/gpu.rs and scripts/gpu-check run the backend instead.

@@ -23,6 +23,10 @@ pub struct Args {
     /// Tokens for the decode test (0 skips it).
     #[arg(short = 'n', long, default_value_t = 128)]
     n_gen: usize,
+    /// Tokens already in the cache when each test starts (prefilled, not timed), as
+    /// llama-bench's `-d`: the speed at that depth of a conversation.
+    #[arg(short = 'd', long, default_value_t = 0)]
+    depth: usize,
     /// Repetitions of each test.
     #[arg(short = 'r', long, default_value_t = 5)]
     repetitions: usize,
@@ -78,22 +82,31 @@ impl OnModel for Bench {
 }
 
 fn bench<B: Backend>(args: &Args, path: &std::path::Path, threads: usize, model: &Model<B>) -> Result<()> {
-    let ctx = (args.n_prompt.max(args.n_gen) + 1).min(model.cfg.ctx_train);
-    if args.n_prompt > ctx || args.n_gen > ctx {
-        bail!("the model's context is {}", model.cfg.ctx_train);
+    let longest = args.n_prompt.max(args.n_gen);
+    if args.depth.saturating_add(longest) > model.cfg.ctx_train {
+        bail!("--depth {} plus the longest test ({longest} tokens) exceeds the model's context of {}", args.depth, model.cfg.ctx_train);
     }
+    let ctx = (args.depth + longest + 1).min(model.cfg.ctx_train);
     let vocab = model.cfg.n_vocab;
+    // A session holding `depth` tokens (their prefill not timed).
+    let session = |seed: u64| -> Result<_> {
+        let mut s = model.session(ctx)?;
+        if args.depth > 0 {
+            model.forward(&mut s, &tokens(args.depth, vocab, seed ^ 0x5eed), args.depth - 1)?;
+        }
+        Ok(s)
+    };
     // One warm-up of each test, not counted.
     let run_pp = |seed| -> Result<f64> {
         let toks = tokens(args.n_prompt, vocab, seed);
-        let mut s = model.session(ctx)?;
+        let mut s = session(seed)?;
         let t = Instant::now();
         model.forward(&mut s, &toks, args.n_prompt - 1)?;
         Ok(args.n_prompt as f64 / t.elapsed().as_secs_f64())
     };
     let run_tg = |seed| -> Result<f64> {
         let toks = tokens(args.n_gen, vocab, seed);
-        let mut s = model.session(ctx)?;
+        let mut s = session(seed)?;
         let t = Instant::now();
         for &tok in &toks {
             model.forward(&mut s, &[tok], 0)?;
@@ -121,7 +134,7 @@ fn bench<B: Backend>(args: &Args, path: &std::path::Path, threads: usize, model:
         println!(
             "{}",
             json!({
-                "model": name, "backend": model.backend.describe(), "threads": threads, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
+                "model": name, "backend": model.backend.describe(), "threads": threads, "n_prompt": args.n_prompt, "n_gen": args.n_gen, "depth": args.depth,
                 "pp_tokens_per_s": ppm, "pp_sd": pps, "tg_tokens_per_s": tgm, "tg_sd": tgs,
                 "pp_samples": pp, "tg_samples": tg,
                 "weight_bytes_per_token": model.weight_bytes_per_token(),
@@ -131,7 +144,8 @@ fn bench<B: Backend>(args: &Args, path: &std::path::Path, threads: usize, model:
     }
     println!("| model | size | backend | threads | test | t/s |");
     println!("| ----- | ---: | ------- | ------: | ---: | --: |");
-    for (test, samples) in [(format!("pp{}", args.n_prompt), &pp), (format!("tg{}", args.n_gen), &tg)] {
+    let at = if args.depth > 0 { format!(" @ d{}", args.depth) } else { String::new() };
+    for (test, samples) in [(format!("pp{}{at}", args.n_prompt), &pp), (format!("tg{}{at}", args.n_gen), &tg)] {
         if samples.is_empty() {
             continue;
         }
