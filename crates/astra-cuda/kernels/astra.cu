@@ -1168,190 +1168,258 @@ extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16
 #define CHUNK 64
 #define MAX_HEAD_DIM 256
 
-// Attention of query rows row0.. (positions pos0, pos0+1, …) over their cached
-// positions, split at absolute multiples of CHUNK; each chunk's (max, Σexp, Σexp·v)
-// merged into a running total. A CTA of CHUNK threads takes Q consecutive query rows
-// of one head: each key row is read once for all Q, and the Q queries' sums run side
-// by side (independent chains), but every query's arithmetic is exactly what it is
-// with Q = 1 — the same operations in the same order — so a row's result does not
-// depend on which other rows share its CTA. grid (n_head, ceil(rows / Q)); head_dim ≤
-// 256.
-template <int Q>
-__device__ void attend(const float* q, const u16* kc, const u16* vc, float* out, int row0, int pos0, int rows,
-                       int slots, int window, int n_head, int group, int head_dim, float scale, u8* qout, int qkind) {
-    __shared__ float sq[Q][MAX_HEAD_DIM];
-    __shared__ float sp[Q][CHUNK];
-    __shared__ float red[Q][CHUNK];
-    __shared__ __align__(16) u16 sv[CHUNK][MAX_HEAD_DIM];
-    const int per = MAX_HEAD_DIM / CHUNK;
-    int h = blockIdx.x, t = threadIdx.x, i0 = blockIdx.y * Q;
-    int nq = min(Q, rows - i0);
-    int g = h / group;
-    int width = n_head * head_dim;
-    int first[Q], pos[Q];
-    float acc[Q][per], run_max[Q], run_sum[Q];
-    for (int iq = 0; iq < Q; iq++) {
-        pos[iq] = pos0 + i0 + min(iq, nq - 1);
-        first[iq] = window > 0 ? max(0, pos[iq] + 1 - window) : 0;
-        run_max[iq] = NEG_INF;
-        run_sum[iq] = 0.0f;
-        for (int j = 0; j < per; j++) acc[iq][j] = 0.0f;
-        for (int d = t; d < head_dim; d += CHUNK) sq[iq][d] = q[(long)(row0 + i0 + min(iq, nq - 1)) * width + h * head_dim + d];
+// The maximum (MAX) or the sum of the CTA's CHUNK values of each of Q rows (thread t
+// holding value t of each), into every thread's v: the sum in the order of a halving
+// tree (value t plus value t + o, o = 32, 16, …, 1) — warp 1's values added to warp 0's
+// through shared memory, then warp 0's tree by shuffles. Ends with the CTA synchronized.
+template <int Q, bool MAX>
+__device__ __forceinline__ void chunk_reduce(float (&v)[Q]) {
+    static_assert(CHUNK == 2 * WARP, "a chunk is two warps");
+    __shared__ float upper[Q][WARP];
+    __shared__ float total[Q];
+    int t = threadIdx.x, lane = t % WARP;
+    if (t >= WARP)
+        for (int iq = 0; iq < Q; iq++) upper[iq][lane] = v[iq];
+    __syncthreads();
+    if (t < WARP) {
+        for (int iq = 0; iq < Q; iq++) {
+            float x = MAX ? fmaxf(v[iq], upper[iq][lane]) : v[iq] + upper[iq][lane];
+            for (int o = WARP / 2; o > 0; o >>= 1) {
+                float y = __shfl_down_sync(0xffffffffu, x, o);
+                x = MAX ? fmaxf(x, y) : x + y;
+            }
+            if (lane == 0) total[iq] = x;
+        }
     }
     __syncthreads();
-    const u16* kh = kc + (long)g * slots * head_dim;
-    const u16* vh = vc + (long)g * slots * head_dim;
-    for (int c = first[0] / CHUNK; c <= pos[Q - 1] / CHUNK; c++) {
-        int lo[Q], hi[Q];
-        bool on[Q];
-        int ulo = 0x7fffffff, uhi = -1;
-        for (int iq = 0; iq < Q; iq++) {
-            on[iq] = iq < nq && c >= first[iq] / CHUNK && c <= pos[iq] / CHUNK;
-            lo[iq] = max(c * CHUNK, first[iq]);
-            hi[iq] = min(c * CHUNK + CHUNK - 1, pos[iq]);
-            if (on[iq]) {
-                ulo = min(ulo, lo[iq]);
-                uhi = max(uhi, hi[iq]);
-            }
+    for (int iq = 0; iq < Q; iq++) v[iq] = total[iq];
+}
+
+// Attention of query rows over their cached positions, split at absolute multiples of
+// CHUNK: each chunk gives (max, Σexp, Σexp·v), and the chunks are merged in order into a
+// running total. A CTA of CHUNK threads takes Q consecutive query rows of one head:
+// each key row is read once for all Q, and the Q queries' sums run side by side
+// (independent chains), but every query's arithmetic is exactly what it is with Q = 1
+// — the same operations in the same order — so a row's result does not depend on which
+// other rows share its CTA, nor on whether its chunks are computed by one CTA or spread
+// over several (attention_split). head_dim ≤ 256.
+
+#define PER (MAX_HEAD_DIM / CHUNK)
+
+// A CTA's query rows: their positions, the first position each sees (its window), and
+// how many of the Q there are.
+template <int Q>
+struct QueryRows {
+    int pos[Q], first[Q], n;
+};
+
+template <int Q>
+__device__ __forceinline__ QueryRows<Q> query_rows(int pos0, int n, int window) {
+    QueryRows<Q> r;
+    r.n = n;
+    for (int iq = 0; iq < Q; iq++) {
+        r.pos[iq] = pos0 + min(iq, n - 1);
+        r.first[iq] = window > 0 ? max(0, r.pos[iq] + 1 - window) : 0;
+    }
+    return r;
+}
+
+// One chunk's part of each query row: its max score m, Σexp (sum) and, per thread, Σexp·v
+// for elements d = t + j·CHUNK (acc); `on` whether the row sees the chunk at all.
+template <int Q>
+struct ChunkPart {
+    float m[Q], sum[Q], acc[Q][PER];
+    bool on[Q];
+};
+
+// The running total of each query row (per thread, as ChunkPart).
+template <int Q>
+struct Running {
+    float max[Q], sum[Q], acc[Q][PER];
+};
+
+template <int Q>
+__device__ __forceinline__ void running_init(Running<Q>& r) {
+    for (int iq = 0; iq < Q; iq++) {
+        r.max[iq] = NEG_INF;
+        r.sum[iq] = 0.0f;
+        for (int j = 0; j < PER; j++) r.acc[iq][j] = 0.0f;
+    }
+}
+
+// Chunk c of the rows `rows` (queries in sq) against the cached keys kh and values vh of
+// their head group. Ends with the CTA synchronized.
+template <int Q>
+__device__ void chunk_part(const float (*sq)[MAX_HEAD_DIM], const u16* kh, const u16* vh, int slots, int head_dim, float scale,
+                           const QueryRows<Q>& rows, int c, ChunkPart<Q>& out) {
+    __shared__ float sp[Q][CHUNK];
+    __shared__ __align__(16) u16 sv[CHUNK][MAX_HEAD_DIM];
+    int t = threadIdx.x;
+    int lo[Q], hi[Q];
+    int ulo = 0x7fffffff, uhi = -1;
+    for (int iq = 0; iq < Q; iq++) {
+        out.on[iq] = iq < rows.n && c >= rows.first[iq] / CHUNK && c <= rows.pos[iq] / CHUNK;
+        lo[iq] = max(c * CHUNK, rows.first[iq]);
+        hi[iq] = min(c * CHUNK + CHUNK - 1, rows.pos[iq]);
+        if (out.on[iq]) {
+            ulo = min(ulo, lo[iq]);
+            uhi = max(uhi, hi[iq]);
         }
-        int p = c * CHUNK + t;
-        float s[Q];
-        for (int iq = 0; iq < Q; iq++) s[iq] = NEG_INF;
-        // The chunk's value rows into shared memory, thread t taking key t's row, so
-        // that their loads are in flight together (read after the reductions below).
-        if (p >= ulo && p <= uhi) {
-            const u16* vr = vh + (long)(p % slots) * head_dim;
-            if (head_dim % 8 == 0) {
+    }
+    int p = c * CHUNK + t;
+    float s[Q];
+    for (int iq = 0; iq < Q; iq++) s[iq] = NEG_INF;
+    // The chunk's value rows into shared memory, thread t taking key t's row, so that
+    // their loads are in flight together (read after the reductions below).
+    if (p >= ulo && p <= uhi) {
+        const u16* vr = vh + (long)(p % slots) * head_dim;
+        if (head_dim % 8 == 0) {
 #pragma unroll 8
-                for (int d8 = 0; d8 < head_dim / 8; d8++) ((uint4*)sv[t])[d8] = ((const uint4*)vr)[d8];
-            } else {
-                for (int d = 0; d < head_dim; d++) sv[t][d] = vr[d];
-            }
+            for (int d8 = 0; d8 < head_dim / 8; d8++) ((uint4*)sv[t])[d8] = ((const uint4*)vr)[d8];
+        } else {
+            for (int d = 0; d < head_dim; d++) sv[t][d] = vr[d];
         }
-        if (p >= ulo && p <= uhi) {
-            const u16* kr = kh + (long)(p % slots) * head_dim;
-            float dot[Q];
-            for (int iq = 0; iq < Q; iq++) dot[iq] = 0.0f;
-            if (head_dim % 8 == 0) {
-                // The key row in 16-byte loads, eight at a time in flight; the sums in
-                // the order of d as below.
-                const uint4* kr4 = (const uint4*)kr;
-                for (int d8 = 0; d8 < head_dim / 8; d8 += 8) {
-                    uint4 w[8];
+    }
+    if (p >= ulo && p <= uhi) {
+        const u16* kr = kh + (long)(p % slots) * head_dim;
+        float dot[Q];
+        for (int iq = 0; iq < Q; iq++) dot[iq] = 0.0f;
+        if (head_dim % 8 == 0) {
+            // The key row in 16-byte loads, eight at a time in flight; the sums in the
+            // order of d as below.
+            const uint4* kr4 = (const uint4*)kr;
+            for (int d8 = 0; d8 < head_dim / 8; d8 += 8) {
+                uint4 w[8];
 #pragma unroll
-                    for (int u = 0; u < 8; u++)
-                        if (d8 + u < head_dim / 8) w[u] = kr4[d8 + u];
+                for (int u = 0; u < 8; u++)
+                    if (d8 + u < head_dim / 8) w[u] = kr4[d8 + u];
 #pragma unroll
-                    for (int u = 0; u < 8; u++) {
-                        if (d8 + u >= head_dim / 8) break;
-                        unsigned int hw[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+                for (int u = 0; u < 8; u++) {
+                    if (d8 + u >= head_dim / 8) break;
+                    unsigned int hw[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
 #pragma unroll
-                        for (int e = 0; e < 8; e++) {
-                            float kd = h2f((u16)(hw[e / 2] >> (16 * (e % 2))));
-                            int d = 8 * (d8 + u) + e;
-                            for (int iq = 0; iq < Q; iq++) dot[iq] = __fadd_rn(dot[iq], __fmul_rn(sq[iq][d], kd));
-                        }
+                    for (int e = 0; e < 8; e++) {
+                        float kd = h2f((u16)(hw[e / 2] >> (16 * (e % 2))));
+                        int d = 8 * (d8 + u) + e;
+                        for (int iq = 0; iq < Q; iq++) dot[iq] = __fadd_rn(dot[iq], __fmul_rn(sq[iq][d], kd));
                     }
                 }
-            } else {
-                for (int d = 0; d < head_dim; d++) {
-                    float kd = h2f(kr[d]);
-                    for (int iq = 0; iq < Q; iq++) dot[iq] = __fadd_rn(dot[iq], __fmul_rn(sq[iq][d], kd));
-                }
             }
-            for (int iq = 0; iq < Q; iq++)
-                if (on[iq] && p >= lo[iq] && p <= hi[iq]) s[iq] = __fmul_rn(dot[iq], scale);
-        }
-        for (int iq = 0; iq < Q; iq++) red[iq][t] = s[iq];
-        __syncthreads();
-        for (int o = CHUNK / 2; o > 0; o >>= 1) {
-            if (t < o)
-                for (int iq = 0; iq < Q; iq++) red[iq][t] = fmaxf(red[iq][t], red[iq][t + o]);
-            __syncthreads();
-        }
-        float m[Q];
-        for (int iq = 0; iq < Q; iq++) m[iq] = red[iq][0];
-        __syncthreads();
-        for (int iq = 0; iq < Q; iq++) {
-            float e = (on[iq] && p >= lo[iq] && p <= hi[iq]) ? expf(s[iq] - m[iq]) : 0.0f;
-            sp[iq][t] = e;
-            red[iq][t] = e;
-        }
-        __syncthreads();
-        for (int o = CHUNK / 2; o > 0; o >>= 1) {
-            if (t < o)
-                for (int iq = 0; iq < Q; iq++) red[iq][t] += red[iq][t + o];
-            __syncthreads();
-        }
-        // Each query's rescaling of its running total and of this chunk.
-        float new_max[Q], a_old[Q], a_new[Q];
-        for (int iq = 0; iq < Q; iq++) {
-            new_max[iq] = fmaxf(run_max[iq], m[iq]);
-            a_old[iq] = run_max[iq] == NEG_INF ? 0.0f : expf(run_max[iq] - new_max[iq]);
-            a_new[iq] = expf(m[iq] - new_max[iq]);
-        }
-        for (int j = 0; j < per; j++) {
-            int d = t + j * CHUNK;
-            if (d >= head_dim) break;
-            float cacc[Q];
-            for (int iq = 0; iq < Q; iq++) cacc[iq] = 0.0f;
-#pragma unroll 4
-            for (int pp = ulo; pp <= uhi; pp++) {
-                float vd = h2f(sv[pp - c * CHUNK][d]);
-                for (int iq = 0; iq < Q; iq++)
-                    if (pp >= lo[iq] && pp <= hi[iq]) cacc[iq] = __fmaf_rn(sp[iq][pp - c * CHUNK], vd, cacc[iq]);
+        } else {
+            for (int d = 0; d < head_dim; d++) {
+                float kd = h2f(kr[d]);
+                for (int iq = 0; iq < Q; iq++) dot[iq] = __fadd_rn(dot[iq], __fmul_rn(sq[iq][d], kd));
             }
-            for (int iq = 0; iq < Q; iq++)
-                if (on[iq]) acc[iq][j] = __fmaf_rn(acc[iq][j], a_old[iq], __fmul_rn(cacc[iq], a_new[iq]));
         }
-        for (int iq = 0; iq < Q; iq++) {
-            if (!on[iq]) continue;
-            run_sum[iq] = __fmaf_rn(run_sum[iq], a_old[iq], __fmul_rn(red[iq][0], a_new[iq]));
-            run_max[iq] = new_max[iq];
-        }
-        __syncthreads();
+        for (int iq = 0; iq < Q; iq++)
+            if (out.on[iq] && p >= lo[iq] && p <= hi[iq]) s[iq] = __fmul_rn(dot[iq], scale);
     }
+    for (int iq = 0; iq < Q; iq++) out.m[iq] = s[iq];
+    chunk_reduce<Q, true>(out.m);
+    for (int iq = 0; iq < Q; iq++) {
+        float e = (out.on[iq] && p >= lo[iq] && p <= hi[iq]) ? expf(s[iq] - out.m[iq]) : 0.0f;
+        sp[iq][t] = e;
+        out.sum[iq] = e;
+    }
+    chunk_reduce<Q, false>(out.sum);
+    for (int j = 0; j < PER; j++) {
+        int d = t + j * CHUNK;
+        for (int iq = 0; iq < Q; iq++) out.acc[iq][j] = 0.0f;
+        if (d >= head_dim) continue;
+#pragma unroll 4
+        for (int pp = ulo; pp <= uhi; pp++) {
+            float vd = h2f(sv[pp - c * CHUNK][d]);
+            for (int iq = 0; iq < Q; iq++)
+                if (pp >= lo[iq] && pp <= hi[iq]) out.acc[iq][j] = __fmaf_rn(sp[iq][pp - c * CHUNK], vd, out.acc[iq][j]);
+        }
+    }
+    __syncthreads();
+}
+
+// A chunk's part merged into the running totals (rows that do not see it unchanged).
+template <int Q>
+__device__ __forceinline__ void merge_part(Running<Q>& r, const ChunkPart<Q>& c, int head_dim) {
+    float new_max[Q], a_old[Q], a_new[Q];
+    for (int iq = 0; iq < Q; iq++) {
+        new_max[iq] = fmaxf(r.max[iq], c.m[iq]);
+        a_old[iq] = r.max[iq] == NEG_INF ? 0.0f : expf(r.max[iq] - new_max[iq]);
+        a_new[iq] = expf(c.m[iq] - new_max[iq]);
+    }
+    for (int j = 0; j < PER; j++) {
+        if (threadIdx.x + j * CHUNK >= head_dim) break;
+        for (int iq = 0; iq < Q; iq++)
+            if (c.on[iq]) r.acc[iq][j] = __fmaf_rn(r.acc[iq][j], a_old[iq], __fmul_rn(c.acc[iq][j], a_new[iq]));
+    }
+    for (int iq = 0; iq < Q; iq++) {
+        if (!c.on[iq]) continue;
+        r.sum[iq] = __fmaf_rn(r.sum[iq], a_old[iq], __fmul_rn(c.sum[iq], a_new[iq]));
+        r.max[iq] = new_max[iq];
+    }
+}
+
+// The rows' results: row i0 + iq of head h into out (rows of width), or, with qout (Q =
+// 1), quantized there (qkind 0 Q8_0, 1 Q8_1; head_dim a multiple of 32): each warp
+// quantizes the 32 consecutive outputs it holds for each j, exactly the values the f32
+// row would hold.
+template <int Q>
+__device__ void attend_out(const Running<Q>& r, int nq, float* out, long row, int h, int width, int head_dim, u8* qout, int qkind) {
+    int t = threadIdx.x;
     if (qout) {
-        // Q = 1: each warp quantizes the 32 consecutive outputs it holds for each j (head_dim
-        // a multiple of 32), exactly the values the f32 row would hold.
-        float inv = 1.0f / run_sum[0];
-        for (int j = 0; j < per; j++) {
+        float inv = 1.0f / r.sum[0];
+        for (int j = 0; j < PER; j++) {
             int d0 = j * CHUNK + (t / WARP) * WARP;
             if (d0 >= head_dim) break;
             int block = (h * head_dim + d0) / 32;
-            q8_32_block(acc[0][j] * inv, qout + ((long)(row0 + i0) * (width / 32) + block) * (qkind == 1 ? 36 : 34), qkind);
+            q8_32_block(r.acc[0][j] * inv, qout + (row * (width / 32) + block) * (qkind == 1 ? 36 : 34), qkind);
         }
         return;
     }
     for (int iq = 0; iq < nq; iq++) {
-        float inv = 1.0f / run_sum[iq];
-        for (int j = 0; j < per; j++) {
+        float inv = 1.0f / r.sum[iq];
+        for (int j = 0; j < PER; j++) {
             int d = t + j * CHUNK;
-            if (d < head_dim) out[(long)(row0 + i0 + iq) * width + h * head_dim + d] = acc[iq][j] * inv;
+            if (d < head_dim) out[(row + iq) * width + h * head_dim + d] = r.acc[iq][j] * inv;
         }
     }
 }
 
-// One query row per CTA (decode); grid (n_head, rows). The rows' positions are
-// positions[row0], positions[row0] + 1, …
-// With qout, the row is written quantized (qkind 0 Q8_0, 1 Q8_1) there instead.
-extern "C" __global__ void attention(const float* q, const u16* kc, const u16* vc, float* out, int row0, const unsigned int* positions,
-                                     int rows, int slots, int window, int n_head, int group, int head_dim, float scale,
-                                     u8* qout, int qkind) {
-    if (PDL) {
-        // The cached keys and values of the first four chunks (positions come from the
-        // host, before the graph runs; the row the kernel before stores is among them,
-        // and L2 holds what it stores).
-        int pos = (int)positions[row0], first = window > 0 ? max(0, pos + 1 - window) : 0;
-        long head = (long)(blockIdx.x / group) * slots * head_dim;
-        for (int p = first + threadIdx.x; p <= pos && p < first + 4 * CHUNK; p += CHUNK)
-            for (int o = 0; o < head_dim * 2; o += 128) {
-                l2_line((const u8*)(kc + head + (long)(p % slots) * head_dim) + o);
-                l2_line((const u8*)(vc + head + (long)(p % slots) * head_dim) + o);
-            }
+// Query rows row0.. (positions pos0, pos0 + 1, …), Q per CTA, every chunk in turn;
+// grid (n_head, ceil(rows / Q)).
+template <int Q>
+__device__ void attend(const float* q, const u16* kc, const u16* vc, float* out, int row0, int pos0, int rows,
+                       int slots, int window, int n_head, int group, int head_dim, float scale, u8* qout, int qkind) {
+    __shared__ float sq[Q][MAX_HEAD_DIM];
+    int h = blockIdx.x, i0 = blockIdx.y * Q;
+    int width = n_head * head_dim;
+    QueryRows<Q> qr = query_rows<Q>(pos0 + i0, min(Q, rows - i0), window);
+    for (int iq = 0; iq < Q; iq++)
+        for (int d = threadIdx.x; d < head_dim; d += CHUNK) sq[iq][d] = q[(long)(row0 + i0 + min(iq, qr.n - 1)) * width + h * head_dim + d];
+    __syncthreads();
+    const u16* kh = kc + (long)(h / group) * slots * head_dim;
+    const u16* vh = vc + (long)(h / group) * slots * head_dim;
+    Running<Q> run;
+    running_init(run);
+    for (int c = qr.first[0] / CHUNK; c <= qr.pos[Q - 1] / CHUNK; c++) {
+        ChunkPart<Q> part;
+        chunk_part<Q>(sq, kh, vh, slots, head_dim, scale, qr, c, part);
+        merge_part<Q>(run, part, head_dim);
     }
-    PDL_START
-    attend<1>(q, kc, vc, out, row0, (int)positions[row0], rows, slots, window, n_head, group, head_dim, scale, qout, qkind);
+    attend_out<Q>(run, qr.n, out, row0 + i0, h, width, head_dim, qout, qkind);
+}
+
+// The cached keys and values of `chunks` chunks of positions, `every` chunks apart from
+// position `from` on (up to pos), asked of L2 before the wait (positions come from the
+// host, before the graph runs; the row the kernel before stores is among them, and L2
+// holds what it stores).
+__device__ __forceinline__ void prefetch_cache(const u16* kh, const u16* vh, int from, int pos, int chunks, int every, int slots, int head_dim) {
+    for (int k = 0; k < chunks; k++) {
+        int p = from + k * every * CHUNK + threadIdx.x;
+        if (p > pos) break;
+        for (int o = 0; o < head_dim * 2; o += 128) {
+            l2_line((const u8*)(kh + (long)(p % slots) * head_dim) + o);
+            l2_line((const u8*)(vh + (long)(p % slots) * head_dim) + o);
+        }
+    }
 }
 
 // Four query rows per CTA (prefill); grid (n_head, ceil(rows / 4)).
@@ -1360,4 +1428,97 @@ extern "C" __global__ void attention_4(const float* q, const u16* kc, const u16*
                                        u8* qout, int qkind) {
     PDL_START
     attend<4>(q, kc, vc, out, row0, (int)positions[row0], rows, slots, window, n_head, group, head_dim, scale, nullptr, qkind);
+}
+
+// A float read past L1 (another CTA's result, published by its fence).
+__device__ __forceinline__ float ld_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// How many chunks a decode row's attention spans before attention_split spreads them
+// over CTAs; up to this many, the head's first CTA runs them all as attention does.
+#define SPLIT_FROM 4
+
+// One decode row (row row0, at positions[row0]) with its chunks spread over the CTAs of
+// its head: grid (n_head, S), CTA s taking the row's chunks s, s + S, … and writing each
+// chunk's part (m, sum, then acc for every element: head_dim + 2 floats) to `parts`
+// (per head, max_chunks parts). The last CTA of a head to finish — `tickets` (one per
+// head, zero between launches) counts them — merges the parts in chunk order and
+// writes the row as attention does. Every part is chunk_part's and the merge is
+// merge_part's in the same order, so the row is attention's bit for bit, for any S.
+// Rows spanning at most SPLIT_FROM chunks are computed by CTA 0 as attention computes
+// them.
+extern "C" __global__ void attention_split(const float* q, const u16* kc, const u16* vc, float* out, int row0,
+                                           const unsigned int* positions, int slots, int window, int n_head, int group, int head_dim, float scale, u8* qout,
+                                           int qkind, float* parts, unsigned int* tickets, int max_chunks) {
+    __shared__ float sq[1][MAX_HEAD_DIM];
+    __shared__ bool last;
+    int h = blockIdx.x, s = blockIdx.y, t = threadIdx.x, S = gridDim.y;
+    int pos = (int)positions[row0];
+    QueryRows<1> qr = query_rows<1>(pos, 1, window);
+    int c0 = qr.first[0] / CHUNK, n = pos / CHUNK - c0 + 1;
+    bool whole = n <= SPLIT_FROM;
+    if (s >= (whole ? 1 : n)) return;
+    const u16* kh = kc + (long)(h / group) * slots * head_dim;
+    const u16* vh = vc + (long)(h / group) * slots * head_dim;
+    if (PDL) {
+        if (whole) prefetch_cache(kh, vh, qr.first[0], pos, SPLIT_FROM, 1, slots, head_dim);
+        else prefetch_cache(kh, vh, (c0 + s) * CHUNK, pos, (n - s + S - 1) / S, S, slots, head_dim);
+    }
+    PDL_START
+    int width = n_head * head_dim;
+    for (int d = t; d < head_dim; d += CHUNK) sq[0][d] = q[(long)row0 * width + h * head_dim + d];
+    __syncthreads();
+    Running<1> run;
+    running_init(run);
+    if (whole) {
+        for (int c = c0; c < c0 + n; c++) {
+            ChunkPart<1> part;
+            chunk_part<1>(sq, kh, vh, slots, head_dim, scale, qr, c, part);
+            merge_part<1>(run, part, head_dim);
+        }
+        attend_out<1>(run, 1, out, row0, h, width, head_dim, qout, qkind);
+        return;
+    }
+    long stride = head_dim + 2;
+    float* mine = parts + (long)h * max_chunks * stride;
+    for (int i = s; i < n; i += S) {
+        ChunkPart<1> part;
+        chunk_part<1>(sq, kh, vh, slots, head_dim, scale, qr, c0 + i, part);
+        float* p = mine + i * stride;
+        if (t == 0) {
+            p[0] = part.m[0];
+            p[1] = part.sum[0];
+        }
+        for (int j = 0; j < PER; j++)
+            if (t + j * CHUNK < head_dim) p[2 + t + j * CHUNK] = part.acc[0][j];
+    }
+    __threadfence();
+    __syncthreads();
+    if (t == 0) last = atomicAdd(&tickets[h], 1u) == (unsigned int)min(S, n) - 1;
+    __syncthreads();
+    if (!last) return;
+    if (t == 0) tickets[h] = 0;
+    __threadfence();
+    // The parts in order, eight read ahead of their merge.
+    for (int i0 = 0; i0 < n; i0 += 8) {
+        ChunkPart<1> batch[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            if (i0 + u >= n) break;
+            const float* p = mine + (i0 + u) * stride;
+            batch[u].m[0] = ld_cg(p);
+            batch[u].sum[0] = ld_cg(p + 1);
+            batch[u].on[0] = true;
+            for (int j = 0; j < PER; j++) batch[u].acc[0][j] = t + j * CHUNK < head_dim ? ld_cg(p + 2 + t + j * CHUNK) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            if (i0 + u >= n) break;
+            merge_part<1>(run, batch[u], head_dim);
+        }
+    }
+    attend_out<1>(run, 1, out, row0, h, width, head_dim, qout, qkind);
 }

@@ -50,7 +50,8 @@ struct Kernels {
     glu: CudaFunction,
     gather: CudaFunction,
     kv_store: CudaFunction,
-    /// Attention with one query row per CTA (decode) and with four (prefill).
+    /// Attention of a decode row with its chunks spread over CTAs, and of four query
+    /// rows per CTA (prefill).
     attention: (CudaFunction, CudaFunction),
     _module: Arc<CudaModule>,
 }
@@ -94,7 +95,7 @@ impl Kernels {
             glu: f("glu")?,
             gather: f("gather")?,
             kv_store: f("kv_store")?,
-            attention: (f("attention")?, f("attention_4")?),
+            attention: (f("attention_split")?, f("attention_4")?),
             _module: Arc::clone(&module),
         };
         // The IQ2_S codebook, from the one table the CPU kernels use.
@@ -207,13 +208,23 @@ struct LayerKv {
     window: Option<usize>,
 }
 
-/// One sequence's KV cache, laid out as the engine's [`KvLayout`] says.
+/// One sequence's KV cache, laid out as the engine's [`KvLayout`] says, and the scratch
+/// of its decode attention (astra.cu's `attention_split`): each head's chunk parts and
+/// the tickets that find the CTA merging them.
 pub struct GpuKv {
     layers: Vec<LayerKv>,
     n_head: usize,
     n_head_kv: usize,
     head_dim: usize,
+    parts: CudaSlice<f32>,
+    tickets: CudaSlice<u32>,
+    /// The most chunks a query row of any layer spans.
+    max_chunks: usize,
 }
+
+/// The most CTAs a head's decode attention spreads its chunks over (smollm2 shape,
+/// tg128 at depth 1,000: 8 CTAs 1,096–1,100 tok/s, 16 1,193–1,202, 32 1,241–1,270).
+const SPLIT_CTAS: usize = 32;
 
 /// Threads per CTA for element-wise kernels.
 const THREADS: u32 = 256;
@@ -480,10 +491,20 @@ impl CudaBackend {
         let (nh, grp, hdi) = (n_head as i32, group as i32, hd as i32);
         let (qout, qkind) = quantized.map_or((0u64, -1i32), |(buf, kind)| (buf.device_ptr_mut(&self.stream).0, kind));
         // A row's result is the same whichever kernel runs it (astra.cu, `attend`).
-        let (f, per_cta) = if n == 1 { (&self.k().attention.0, 1) } else { (&self.k().attention.1, 4) };
-        let cfg = LaunchConfig { grid_dim: (n_head as u32, n.div_ceil(per_cta), 1), block_dim: (CHUNK as u32, 1, 1), shared_mem_bytes: 0 };
+        let block_dim = (CHUNK as u32, 1, 1);
+        if n == 1 {
+            let split = kv.max_chunks.min(SPLIT_CTAS);
+            let cfg = LaunchConfig { grid_dim: (n_head as u32, split as u32, 1), block_dim, shared_mem_bytes: 0 };
+            let max_chunks = kv.max_chunks as i32;
+            let mut b = Args::new(&self.k().attention.0, &self.stream);
+            b.arg(&q.buf).arg(&l.k).arg(&l.v).out(&mut out.buf).arg(&row0).arg(positions).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi);
+            b.arg(&scale).arg(&qout).arg(&qkind).out(&mut kv.parts).out(&mut kv.tickets).arg(&max_chunks);
+            self.launch(b, cfg);
+            return;
+        }
+        let cfg = LaunchConfig { grid_dim: (n_head as u32, n.div_ceil(4), 1), block_dim, shared_mem_bytes: 0 };
         let rows = n as i32;
-        let mut b = Args::new(f, &self.stream);
+        let mut b = Args::new(&self.k().attention.1, &self.stream);
         b.arg(&q.buf).arg(&l.k).arg(&l.v).out(&mut out.buf).arg(&row0).arg(positions).arg(&rows).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi).arg(&scale);
         b.arg(&qout).arg(&qkind);
         self.launch(b, cfg);
@@ -707,7 +728,12 @@ impl Backend for CudaBackend {
                 Ok(LayerKv { k, v, slots, window })
             })
             .collect::<Result<_, EngineError>>()?;
-        Ok(GpuKv { layers, n_head: layout.n_head, n_head_kv: layout.n_head_kv, head_dim: layout.head_dim })
+        // A row at position p of a layer sees at most its slots' positions, from
+        // wherever a chunk starts.
+        let max_chunks = layout.layers.iter().map(|l| l.slots.div_ceil(CHUNK) + 1).max().unwrap_or(1);
+        let parts = self.stream.alloc_zeros::<f32>(layout.n_head * max_chunks * (layout.head_dim + 2)).map_err(gpu_err("allocating the KV cache"))?;
+        let tickets = self.stream.alloc_zeros::<u32>(layout.n_head).map_err(gpu_err("allocating the KV cache"))?;
+        Ok(GpuKv { layers, n_head: layout.n_head, n_head_kv: layout.n_head_kv, head_dim: layout.head_dim, parts, tickets, max_chunks })
     }
 
     fn read(&self, t: &GpuTensor) -> Vec<f32> {

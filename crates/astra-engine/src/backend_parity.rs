@@ -227,7 +227,10 @@ fn compare_products<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFile>, 
 fn compare_feed_forward<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFile>, rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
     let mut out = Vec::new();
     let x = rng.vec(COLS);
-    let (nv, pv) = (rng.vec(COLS), rng.vec(COLS));
+    // Norm weights a quarter of the inputs' size: the products of random gate and up rows
+    // stay well inside the f16 range of a Q8_1 block's sum (ggml's format, which
+    // overflows to infinity as the CPU kernels do).
+    let (nv, pv) = (rng.vec(COLS).iter().map(|v| v * 0.25).collect::<Vec<_>>(), rng.vec(COLS));
     let (na, nb) = (a.vector(&nv)?, b.vector(&nv)?);
     let (pa, pb) = (a.vector(&pv)?, b.vector(&pv)?);
     for ty in TYPES {
@@ -310,15 +313,16 @@ fn compare_prepare_attention<A: Backend, B: Backend>(
 }
 
 /// Attention over a sliding-window layer (window 40, its ring wrapped) and a global
-/// layer, fed in batches of 70, 1 and 29 positions.
+/// layer, fed in batches of 70, 1, 29, 64, 64 and 100 positions, then single rows deep
+/// enough for a backend to spread a row's chunks (the CUDA backend past four).
 fn compare_attention<A: Backend, B: Backend>(a: &A, b: &B, rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
     let cfg = attention_config();
     let (qd, kd) = (cfg.q_dim(), cfg.kv_dim());
-    let layout = KvLayout::new(&cfg, 256, 80);
+    let layout = KvLayout::new(&cfg, 512, 100);
     let (mut ka, mut kb) = (a.kv_cache(&layout)?, b.kv_cache(&layout)?);
     let mut out = Vec::new();
     let mut pos = 0;
-    for n in [70usize, 1, 29, 64, 64] {
+    for n in [70usize, 1, 29, 64, 64, 100, 1, 1] {
         let (q, k, v) = (rng.vec(n * qd), rng.vec(n * kd), rng.vec(n * kd));
         for layer in 0..2 {
             let (qa, kta, va) = (a.tensor_from(&q, qd), a.tensor_from(&k, kd), a.tensor_from(&v, kd));
