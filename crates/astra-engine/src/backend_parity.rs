@@ -14,12 +14,13 @@ use crate::config::{Arch, Config};
 use crate::weights::MatRef;
 use crate::EngineError;
 
-/// One op's comparison.
+/// One op's comparison, with the second backend's results (for saved baselines).
 #[derive(Clone, Debug)]
 pub struct OpReport {
     pub op: String,
     pub rel_l2: f64,
     pub max_abs: f64,
+    pub outputs: Vec<f32>,
 }
 
 /// Weight types compared, with the shapes used.
@@ -44,7 +45,7 @@ fn report(op: impl Into<String>, want: &[f32], got: &[f32]) -> OpReport {
         max_abs = max_abs.max(d.abs());
     }
     let rel_l2 = if want.len() != got.len() { f64::INFINITY } else if den > 0.0 { (num / den).sqrt() } else { num.sqrt() };
-    OpReport { op: op.into(), rel_l2, max_abs }
+    OpReport { op: op.into(), rel_l2, max_abs, outputs: got.to_vec() }
 }
 
 /// Uniform values in [-1, 1) from a 64-bit LCG: reproducible inputs for comparisons

@@ -48,6 +48,26 @@ fn bad_input_is_one_clear_line_and_a_failure() {
     assert!(!out.status.success());
 }
 
+/// `parity kernels --save DIR` then `--bitwise DIR`: the same build matches its own
+/// baseline bit for bit, and a changed baseline fails with what differs.
+#[test]
+fn parity_baselines_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let base = ["parity", "kernels", "--type", "q4_0", "--isa", "scalar"];
+    let save = astra(&[&base[..], &["--save", d]].concat());
+    assert!(save.status.success(), "{}", String::from_utf8_lossy(&save.stderr));
+    let same = astra(&[&base[..], &["--bitwise", d]].concat());
+    assert!(same.status.success(), "{}", String::from_utf8_lossy(&same.stdout));
+    let file = std::fs::read_dir(dir.path()).unwrap().next().unwrap().unwrap().path();
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[0] ^= 1;
+    std::fs::write(&file, bytes).unwrap();
+    let changed = astra(&[&base[..], &["--bitwise", d]].concat());
+    assert!(!changed.status.success());
+    assert!(String::from_utf8(changed.stdout).unwrap().contains("outputs differ in some bit"));
+}
+
 /// `bench --depth`: both tests run after that many tokens are in the cache, and a depth
 /// past the model's context is one clear line.
 #[test]

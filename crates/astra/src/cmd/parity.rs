@@ -1,10 +1,11 @@
 //! `astra parity kernels`: every CPU kernel against its f64 reference and the scalar
-//! kernel; `--save` / `--bitwise` compare builds bit for bit.
+//! kernel, or every CUDA backend op against the CPU backend's; `--save` / `--bitwise`
+//! compare builds (or kernel variants chosen by environment variables) bit for bit.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use astra_quant::parity::{case_seed, default_cases, run_case, CaseReport, SIMD_VS_SCALAR_BOUND};
+use astra_quant::parity::{case_seed, default_cases, run_case, SIMD_VS_SCALAR_BOUND};
 use astra_quant::{GgmlType, Isa};
 
 use super::backend::BackendKind;
@@ -55,12 +56,13 @@ const BACKEND_BOUND: f64 = 1e-4;
 const GEMM_BOUND: f64 = 2e-2;
 
 /// Every backend op, on the CUDA backend in its deterministic mode and in its default
-/// one, against the CPU backend.
-fn backend_ops() -> Result<()> {
+/// one, against the CPU backend; each op's CUDA results saved or compared as `baselines`
+/// says.
+fn backend_ops(baselines: &Baselines<'_>) -> Result<()> {
     let cpu = astra_engine::CpuBackend::new(super::run::default_threads());
     let dir = std::env::temp_dir().join(format!("astra-parity-{}", std::process::id()));
     let (mut failed, mut total) = (0, 0);
-    for mode in [astra_cuda::Mode::Deterministic, astra_cuda::Mode::Fast] {
+    for (mode, mode_name) in [(astra_cuda::Mode::Deterministic, "deterministic"), (astra_cuda::Mode::Fast, "default")] {
         let cuda = astra_cuda::CudaBackend::new(0, mode).map_err(|e| anyhow::anyhow!("{e}"))?;
         let before = cuda.gemm_products();
         let reports = astra_engine::backend_parity::compare(&cpu, &cuda, &dir)?;
@@ -70,10 +72,15 @@ fn backend_ops() -> Result<()> {
         println!("{} against {}", astra_engine::Backend::describe(&cuda), astra_engine::Backend::describe(&cpu));
         println!("| op | rel L2 | max abs | bound | result |");
         println!("|----|-------:|--------:|------:|--------|");
-        for r in &reports {
-            let ok = r.rel_l2 <= bound(&r.op);
-            failed += usize::from(!ok);
-            println!("| {} | {:.3e} | {:.3e} | {:.0e} | {} |", r.op, r.rel_l2, r.max_abs, bound(&r.op), if ok { "ok" } else { "FAIL" });
+        for (i, r) in reports.iter().enumerate() {
+            let mut problems = Vec::new();
+            if r.rel_l2.is_nan() || r.rel_l2 > bound(&r.op) {
+                problems.push("out of bound".to_owned());
+            }
+            problems.extend(baselines.check(&format!("cuda-{mode_name}-{i:03}-{}", slug(&r.op)), &r.outputs)?);
+            failed += usize::from(!problems.is_empty());
+            let result = if problems.is_empty() { "ok".to_owned() } else { format!("FAIL: {}", problems.join("; ")) };
+            println!("| {} | {:.3e} | {:.3e} | {:.0e} | {result} |", r.op, r.rel_l2, r.max_abs, bound(&r.op));
         }
         total += reports.len();
         println!();
@@ -114,35 +121,65 @@ fn selected_types(names: &[String]) -> Result<Vec<GgmlType>> {
         .collect()
 }
 
-fn outputs_bytes(r: &CaseReport) -> Vec<u8> {
-    r.outputs.iter().flat_map(|v| v.to_le_bytes()).collect()
+/// An op's name as a file name: letters and digits kept, every other run of characters
+/// one `_`.
+fn slug(op: &str) -> String {
+    let mut out = String::new();
+    for c in op.chars() {
+        if c.is_ascii_alphanumeric() {
+            out.push(c);
+        } else if !out.ends_with('_') {
+            out.push('_');
+        }
+    }
+    out.trim_matches('_').to_owned()
 }
 
-/// Compares a case with its saved baseline: None when identical, else what differs.
-fn bitwise_difference(dir: &std::path::Path, r: &CaseReport) -> Option<String> {
-    let path = dir.join(format!("{}.bin", r.name()));
-    let Ok(saved) = std::fs::read(&path) else {
-        return Some(format!("no baseline at {}", path.display()));
-    };
-    let now = outputs_bytes(r);
-    if saved.len() != now.len() {
-        return Some(format!("baseline has {} outputs, this build {}", saved.len() / 4, now.len() / 4));
+/// Where each case's outputs are written (`--save`) and compared bit for bit
+/// (`--bitwise`), as `NAME.bin`: little-endian f32s.
+struct Baselines<'a> {
+    save: Option<&'a Path>,
+    bitwise: Option<&'a Path>,
+}
+
+impl Baselines<'_> {
+    fn new<'a>(save: Option<&'a Path>, bitwise: Option<&'a Path>) -> Result<Baselines<'a>> {
+        for dir in [save, bitwise].into_iter().flatten() {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        Ok(Baselines { save, bitwise })
     }
-    let differing = saved.chunks_exact(4).zip(now.chunks_exact(4)).filter(|(a, b)| a != b).count();
-    (differing > 0).then(|| format!("{differing} of {} outputs differ in some bit", now.len() / 4))
+
+    /// Saves case `name`'s outputs where asked; what differs from its baseline, if one
+    /// is compared and anything does.
+    fn check(&self, name: &str, outputs: &[f32]) -> Result<Option<String>> {
+        let now: Vec<u8> = outputs.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let file = format!("{name}.bin");
+        if let Some(dir) = self.save {
+            std::fs::write(dir.join(&file), &now).with_context(|| format!("writing {}", dir.join(&file).display()))?;
+        }
+        let Some(dir) = self.bitwise else { return Ok(None) };
+        let path = dir.join(&file);
+        let Ok(saved) = std::fs::read(&path) else {
+            return Ok(Some(format!("no baseline at {}", path.display())));
+        };
+        if saved.len() != now.len() {
+            return Ok(Some(format!("baseline has {} outputs, this build {}", saved.len() / 4, now.len() / 4)));
+        }
+        let differing = saved.chunks_exact(4).zip(now.chunks_exact(4)).filter(|(a, b)| a != b).count();
+        Ok((differing > 0).then(|| format!("{differing} of {} outputs differ in some bit", now.len() / 4)))
+    }
 }
 
 fn kernels(args: KernelArgs) -> Result<()> {
+    let baselines = Baselines::new(args.save.as_deref(), args.bitwise.as_deref())?;
     if args.backend == BackendKind::Cuda {
-        return backend_ops();
+        return backend_ops(&baselines);
     }
     let isas = selected_isas(args.isa.as_deref())?;
     let types = selected_types(&args.types)?;
     if args.tokens == 0 || args.tokens > 64 {
         bail!("--tokens must be between 1 and 64");
-    }
-    for dir in [&args.save, &args.bitwise].into_iter().flatten() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     println!("bound: relative L2 vs the f64 reference ≤ (blocks + 5)·2⁻²⁴·Σ|a|(|w| + 2|offset|) / ‖ref‖; SIMD vs scalar ≤ {SIMD_VS_SCALAR_BOUND:e}");
     println!("| type   | isa    | cols × rows | rel L2 (f64) | bound     | vs scalar | result |");
@@ -161,12 +198,7 @@ fn kernels(args: KernelArgs) -> Result<()> {
             if !r.passed() {
                 problems.push("out of bound".to_owned());
             }
-            if let Some(dir) = &args.save {
-                std::fs::write(dir.join(format!("{}.bin", r.name())), outputs_bytes(&r))?;
-            }
-            if let Some(diff) = args.bitwise.as_deref().and_then(|dir| bitwise_difference(dir, &r)) {
-                problems.push(diff);
-            }
+            problems.extend(baselines.check(&r.name(), &r.outputs)?);
             total += 1;
             failed += usize::from(!problems.is_empty());
             let result = if problems.is_empty() { "ok".to_owned() } else { format!("FAIL: {}", problems.join("; ")) };
@@ -181,4 +213,28 @@ fn kernels(args: KernelArgs) -> Result<()> {
         bail!("{failed} of {total} kernel parity cases failed");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn op_names_become_file_names() {
+        assert_eq!(slug("decode attention, matmul Q4_1, post-norm, add"), "decode_attention_matmul_Q4_1_post_norm_add");
+        assert_eq!(slug("feed-forward Q6_K gate/up, Q4_1 down, SwiGLU"), "feed_forward_Q6_K_gate_up_Q4_1_down_SwiGLU");
+    }
+
+    /// A saved baseline compares equal to the same outputs and names what differs.
+    #[test]
+    fn baselines_compare_bit_for_bit() {
+        let dir = tempfile::tempdir().unwrap();
+        let save = Baselines::new(Some(dir.path()), None).unwrap();
+        assert_eq!(save.check("case", &[1.0, -0.0, 3.5]).unwrap(), None);
+        let compare = Baselines::new(None, Some(dir.path())).unwrap();
+        assert_eq!(compare.check("case", &[1.0, -0.0, 3.5]).unwrap(), None);
+        assert_eq!(compare.check("case", &[1.0, 0.0, 3.5]).unwrap().as_deref(), Some("1 of 3 outputs differ in some bit"));
+        assert_eq!(compare.check("case", &[1.0]).unwrap().as_deref(), Some("baseline has 3 outputs, this build 1"));
+        assert!(compare.check("other", &[1.0]).unwrap().unwrap().starts_with("no baseline at "));
+    }
 }
