@@ -44,6 +44,19 @@ pub enum Prompt {
     Text(String),
     Tokens(Vec<u32>),
     Chat(Vec<ChatMessage>),
+    /// Several prompts (a `/v1/completions` list of strings or of token-id lists), each
+    /// given `n` choices: choice `i·n + j` is prompt i's choice j, as OpenAI numbers them.
+    Many(Vec<Prompt>),
+}
+
+impl Prompt {
+    /// The prompts a request's choices are made from, in order.
+    pub fn each(&self) -> Vec<&Prompt> {
+        match self {
+            Prompt::Many(all) => all.iter().collect(),
+            one => vec![one],
+        }
+    }
 }
 
 /// An image content part: where it sits and a digest of its URL (for a `data:` URL,
@@ -81,9 +94,17 @@ pub struct CompletionRequest {
     pub stop: Vec<String>,
     /// Alternatives per token when log probabilities were asked for.
     pub logprobs: Option<usize>,
+    /// Choices per prompt.
     pub n: usize,
     pub stream: bool,
     pub include_usage: bool,
+}
+
+impl CompletionRequest {
+    /// Choices in the response: `n` for each prompt.
+    pub fn choices(&self) -> usize {
+        self.prompt.each().len() * self.n
+    }
 }
 
 /// Choices one request may ask for.
@@ -227,22 +248,38 @@ fn messages(f: &Fields, images: &mut Vec<ImagePart>) -> Result<Vec<ChatMessage>,
         .collect()
 }
 
+/// A list of token ids (field `param`), each below `n_vocab`.
+fn token_ids(a: &[Value], n_vocab: usize, param: &str) -> Result<Vec<u32>, ApiError> {
+    a.iter()
+        .map(|t| {
+            t.as_u64()
+                .filter(|&id| (id as usize) < n_vocab)
+                .map(|id| id as u32)
+                .ok_or_else(|| ApiError::invalid(param, format!("'{param}': {t} is not a token id below {n_vocab}")))
+        })
+        .collect()
+}
+
 fn prompt(f: &Fields, n_vocab: usize) -> Result<Prompt, ApiError> {
+    let one_or_many = |mut all: Vec<Prompt>| if all.len() == 1 { all.remove(0) } else { Prompt::Many(all) };
     match f.get("prompt") {
         None => Err(ApiError::invalid("prompt", "'prompt' is required")),
         Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => Ok(Prompt::Text(a[0].as_str().unwrap_or_default().to_owned())),
-        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => a
-            .iter()
-            .map(|t| {
-                t.as_u64()
-                    .filter(|&id| (id as usize) < n_vocab)
-                    .map(|id| id as u32)
-                    .ok_or_else(|| ApiError::invalid("prompt", format!("prompt token {t} is not a token id below {n_vocab}")))
-            })
-            .collect::<Result<_, _>>()
-            .map(Prompt::Tokens),
-        Some(_) => Err(ApiError::invalid("prompt", "'prompt' must be a string, a one-string list or a non-empty list of token ids")),
+        Some(Value::Array(a)) if a.len() > MAX_CHOICES => {
+            Err(ApiError::invalid("prompt", format!("'prompt' lists {} prompts; at most {MAX_CHOICES} are taken", a.len())))
+        }
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_string) => {
+            Ok(one_or_many(a.iter().map(|s| Prompt::Text(s.as_str().unwrap_or_default().to_owned())).collect()))
+        }
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => token_ids(a, n_vocab, "prompt").map(Prompt::Tokens),
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|p| p.as_array().is_some_and(|ids| !ids.is_empty() && ids.iter().all(Value::is_number))) => {
+            let all = a.iter().map(|p| token_ids(p.as_array().map_or(&[][..], Vec::as_slice), n_vocab, "prompt").map(Prompt::Tokens));
+            Ok(one_or_many(all.collect::<Result<_, _>>()?))
+        }
+        Some(_) => Err(ApiError::invalid(
+            "prompt",
+            "'prompt' must be a string, a non-empty list of strings, a non-empty list of token ids or a list of non-empty token-id lists",
+        )),
     }
 }
 
@@ -306,6 +343,11 @@ pub fn completion_request(body: &Map<String, Value>, chat: bool, n_vocab: usize)
         },
         ..defaults
     };
+    let n = f.integer("n", 1, MAX_CHOICES as i64)?.unwrap_or(1) as usize;
+    let prompts = prompt.each().len();
+    if prompts * n > MAX_CHOICES {
+        return Err(ApiError::invalid("n", format!("{prompts} prompts × n {n} is more than {MAX_CHOICES} choices")));
+    }
     Ok(CompletionRequest {
         prompt,
         images,
@@ -316,7 +358,7 @@ pub fn completion_request(body: &Map<String, Value>, chat: bool, n_vocab: usize)
         max_tokens: max_tokens.map(|n| n as usize),
         stop: stop_strings(&f)?,
         logprobs,
-        n: f.integer("n", 1, MAX_CHOICES as i64)?.unwrap_or(1) as usize,
+        n,
         stream,
         include_usage,
     })
@@ -388,14 +430,7 @@ pub fn detokenize_request(body: &Map<String, Value>, n_vocab: usize) -> Result<V
         Some(_) => return Err(ApiError::invalid("tokens", "'tokens' must be an array of token ids")),
         None => return Err(ApiError::invalid("tokens", "'tokens' is required")),
     };
-    list.iter()
-        .map(|t| {
-            t.as_u64()
-                .filter(|&id| (id as usize) < n_vocab)
-                .map(|id| id as u32)
-                .ok_or_else(|| ApiError::invalid("tokens", format!("{t} is not a token id below {n_vocab}")))
-        })
-        .collect()
+    token_ids(list, n_vocab, "tokens")
 }
 
 #[cfg(test)]
@@ -405,6 +440,41 @@ mod tests {
 
     fn chat(v: Value) -> Result<CompletionRequest, ApiError> {
         completion_request(v.as_object().unwrap(), true, 1000)
+    }
+
+    fn plain(v: Value) -> Result<CompletionRequest, ApiError> {
+        completion_request(v.as_object().unwrap(), false, 1000)
+    }
+
+    /// `/v1/completions` prompts: a string, a list of strings, token ids, lists of token
+    /// ids; several prompts give `n` choices each, within MAX_CHOICES.
+    #[test]
+    fn completion_prompts_one_or_many() {
+        let texts = |r: &CompletionRequest| -> Vec<String> {
+            r.prompt.each().iter().map(|p| match p { Prompt::Text(t) => t.clone(), other => format!("{other:?}") }).collect()
+        };
+        assert_eq!(texts(&plain(json!({"prompt": "a"})).unwrap()), ["a"]);
+        assert_eq!(texts(&plain(json!({"prompt": ["a"]})).unwrap()), ["a"]);
+        let two = plain(json!({"prompt": ["a", "b c"], "n": 3})).unwrap();
+        assert!(matches!(two.prompt, Prompt::Many(_)));
+        assert_eq!((texts(&two), two.choices()), (vec!["a".to_owned(), "b c".to_owned()], 6));
+        let ids = plain(json!({"prompt": [[1, 2], [3]]})).unwrap();
+        let ids: Vec<Vec<u32>> = ids.prompt.each().iter().map(|p| match p { Prompt::Tokens(t) => t.clone(), _ => panic!("{p:?}") }).collect();
+        assert_eq!(ids, vec![vec![1, 2], vec![3]]);
+        assert!(matches!(plain(json!({"prompt": [[5, 6]]})).unwrap().prompt, Prompt::Tokens(ref t) if t == &[5, 6]));
+        assert!(matches!(plain(json!({"prompt": [7, 8]})).unwrap().prompt, Prompt::Tokens(ref t) if t == &[7, 8]));
+        for (bad, param) in [
+            (json!({"prompt": []}), "prompt"),
+            (json!({"prompt": [[]]}), "prompt"),
+            (json!({"prompt": [[1], "a"]}), "prompt"),
+            (json!({"prompt": [["a"]]}), "prompt"),
+            (json!({"prompt": [[1, 5000]]}), "prompt"),
+            (json!({"prompt": vec!["a"; MAX_CHOICES + 1]}), "prompt"),
+            (json!({"prompt": ["a", "b"], "n": MAX_CHOICES / 2 + 1}), "n"),
+        ] {
+            let e = plain(bad.clone()).expect_err(&bad.to_string());
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{bad}: {}", e.message);
+        }
     }
 
     #[test]

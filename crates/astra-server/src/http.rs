@@ -449,24 +449,52 @@ async fn accept(state: &AppState, body: Body, chat: bool) -> Result<Queued, ApiE
             )),
         }
     }
-    let start = r.think_markers.0.as_str();
-    let encode = |text: &str| r.tok.encode(text, EncodeOptions::default());
-    let (prompt, thinking) = match &req.prompt {
-        Prompt::Chat(_) | Prompt::Text(_) => {
-            let mut text = match &req.prompt {
-                Prompt::Chat(messages) => r
-                    .template
-                    .prompt(messages, r.tok.vocab().add_bos)
-                    .map_err(|e| ApiError::invalid("messages", format!("the chat template failed: {}", e.0)))?,
-                Prompt::Text(t) => t.clone(),
-                Prompt::Tokens(_) => unreachable!("matched above"),
+    let media: Vec<[u8; 32]> = req.images.iter().map(|i| i.digest).collect();
+    // Every prompt checked before any job is queued.
+    let mut jobs = Vec::new();
+    for prompt in req.prompt.each() {
+        let (tokens, thinking) = encode_prompt(r, &req, prompt)?;
+        let max_tokens = completion_room(r, &req, tokens.len(), chat)?;
+        jobs.push((tokens, max_tokens, thinking.then(|| thinking_params(r, &req))));
+    }
+    let (tx, rx) = unbounded_channel();
+    for (p, (tokens, max_tokens, thinking)) in jobs.into_iter().enumerate() {
+        for choice in 0..req.n {
+            let index = p * req.n + choice;
+            let mut sampler = req.sampler.clone();
+            sampler.seed = sampler.seed.wrapping_add(index as u64);
+            let job = Job {
+                key: PromptKey { tokens: tokens.clone(), media: media.clone() },
+                params: GenParams { sampler, max_tokens, stop: req.stop.clone(), logprobs: req.logprobs, thinking: thinking.clone() },
+                index,
+                events: tx.clone(),
+                received: Instant::now(),
+                keep_alive: req.keep_alive,
             };
-            if req.thinking.think && !text.trim_end().ends_with(start) {
-                text.push_str(start);
+            // Counted before sending: the scheduler counts it out when it takes the job.
+            state.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = r.queue.try_send(job) {
+                state.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+                return Err(match e {
+                    TrySendError::Full(_) => ApiError {
+                        status: 429,
+                        message: "the server is busy: every slot is taken and the queue is full; retry later".into(),
+                        kind: "rate_limit_error",
+                        param: None,
+                    },
+                    TrySendError::Disconnected(_) => unavailable("the server is shutting down".into()),
+                });
             }
-            let thinking = text.trim_end().ends_with(start);
-            (encode(&text), thinking)
         }
+    }
+    Ok(Queued { req, events: rx, warnings })
+}
+
+/// One prompt of a request as tokens (the chat template applied, the thinking opened
+/// where asked), and whether the generation starts inside the thinking.
+fn encode_prompt(r: &Ready, req: &CompletionRequest, prompt: &Prompt) -> Result<(Vec<u32>, bool), ApiError> {
+    let start = r.think_markers.0.as_str();
+    let (tokens, thinking) = match prompt {
         Prompt::Tokens(ids) => {
             let mut ids = ids.clone();
             if req.thinking.think {
@@ -474,57 +502,47 @@ async fn accept(state: &AppState, body: Body, chat: bool) -> Result<Queued, ApiE
             }
             (ids, req.thinking.think)
         }
+        Prompt::Chat(_) | Prompt::Text(_) => {
+            let mut text = match prompt {
+                Prompt::Chat(messages) => r
+                    .template
+                    .prompt(messages, r.tok.vocab().add_bos)
+                    .map_err(|e| ApiError::invalid("messages", format!("the chat template failed: {}", e.0)))?,
+                Prompt::Text(t) => t.clone(),
+                _ => unreachable!("matched above"),
+            };
+            if req.thinking.think && !text.trim_end().ends_with(start) {
+                text.push_str(start);
+            }
+            let thinking = text.trim_end().ends_with(start);
+            (r.tok.encode(&text, EncodeOptions::default()), thinking)
+        }
+        Prompt::Many(_) => unreachable!("a request's prompts are taken one by one"),
     };
-    if prompt.is_empty() {
+    if tokens.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
-    if prompt.len() >= r.ctx {
+    Ok((tokens, thinking))
+}
+
+/// The most tokens a completion of a `prompt_len`-token prompt may have: `max_tokens`,
+/// or the rest of the context; an error where they do not fit.
+fn completion_room(r: &Ready, req: &CompletionRequest, prompt_len: usize, chat: bool) -> Result<usize, ApiError> {
+    if prompt_len >= r.ctx {
         return Err(ApiError::invalid(
             if chat { "messages" } else { "prompt" },
-            format!("the prompt is {} tokens; the context holds {} (prompt and completion together)", prompt.len(), r.ctx),
+            format!("the prompt is {prompt_len} tokens; the context holds {} (prompt and completion together)", r.ctx),
         ));
     }
-    let room = r.ctx - prompt.len();
-    let max_tokens = match req.max_tokens {
-        Some(m) if m > room => {
-            return Err(ApiError::invalid(
-                "max_tokens",
-                format!("max_tokens {m} and the prompt's {} tokens exceed the context of {}", prompt.len(), r.ctx),
-            ))
-        }
-        Some(m) => m,
-        None => room,
-    };
-    let thinking = thinking.then(|| thinking_params(r, &req));
-    let media: Vec<[u8; 32]> = req.images.iter().map(|i| i.digest).collect();
-    let (tx, rx) = unbounded_channel();
-    for index in 0..req.n {
-        let mut sampler = req.sampler.clone();
-        sampler.seed = sampler.seed.wrapping_add(index as u64);
-        let job = Job {
-            key: PromptKey { tokens: prompt.clone(), media: media.clone() },
-            params: GenParams { sampler, max_tokens, stop: req.stop.clone(), logprobs: req.logprobs, thinking: thinking.clone() },
-            index,
-            events: tx.clone(),
-            received: Instant::now(),
-            keep_alive: req.keep_alive,
-        };
-        // Counted before sending: the scheduler counts it out when it takes the job.
-        state.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = r.queue.try_send(job) {
-            state.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
-            return Err(match e {
-                TrySendError::Full(_) => ApiError {
-                    status: 429,
-                    message: "the server is busy: every slot is taken and the queue is full; retry later".into(),
-                    kind: "rate_limit_error",
-                    param: None,
-                },
-                TrySendError::Disconnected(_) => unavailable("the server is shutting down".into()),
-            });
-        }
+    let room = r.ctx - prompt_len;
+    match req.max_tokens {
+        Some(m) if m > room => Err(ApiError::invalid(
+            "max_tokens",
+            format!("max_tokens {m} and the prompt's {prompt_len} tokens exceed the context of {}", r.ctx),
+        )),
+        Some(m) => Ok(m),
+        None => Ok(room),
     }
-    Ok(Queued { req, events: rx, warnings })
 }
 
 fn token_piece(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
@@ -544,9 +562,11 @@ fn chat_logprob(tok: &Tokenizer, lp: &TokenLogprob) -> Value {
     v
 }
 
-fn usage_json(usage: &[Usage]) -> Value {
-    let prompt = usage.first().map_or(0, |u| u.prompt_tokens);
-    let cached = usage.first().map_or(0, |u| u.cached_tokens);
+/// The usage of a response whose choices' usage is `usage` (in choice order), `n`
+/// choices per prompt: each prompt's tokens counted once.
+fn usage_json(usage: &[Usage], n: usize) -> Value {
+    let prompt: usize = usage.iter().step_by(n.max(1)).map(|u| u.prompt_tokens).sum();
+    let cached: usize = usage.iter().step_by(n.max(1)).map(|u| u.cached_tokens).sum();
     let completion: usize = usage.iter().map(|u| u.completion_tokens).sum();
     let reasoning: usize = usage.iter().map(|u| u.reasoning_tokens).sum();
     json!({
@@ -586,8 +606,8 @@ fn server_error(message: String) -> ApiError {
 }
 
 async fn whole_response(mut a: Accepted) -> Response {
-    let mut choices: Vec<Choice> = (0..a.req.n).map(|_| Choice::default()).collect();
-    let mut left = a.req.n;
+    let mut choices: Vec<Choice> = (0..a.req.choices()).map(|_| Choice::default()).collect();
+    let mut left = choices.len();
     while left > 0 {
         match a.events.recv().await {
             Some(Event::Token { index, emitted }) => {
@@ -632,7 +652,7 @@ async fn whole_response(mut a: Accepted) -> Response {
     let mut body = json!({
         "id": a.id, "object": if a.chat { "chat.completion" } else { "text_completion" }, "created": a.created,
         "model": a.model, "system_fingerprint": concat!("astra-", env!("CARGO_PKG_VERSION")), "choices": list,
-        "usage": usage_json(&usage), "timings": timings_json(&usage),
+        "usage": usage_json(&usage, a.req.n), "timings": timings_json(&usage),
     });
     if !a.warnings.is_empty() {
         body["warnings"] = json!(a.warnings);
@@ -700,7 +720,7 @@ impl Streaming {
                 let mut last = json!({
                     "id": self.a.id, "object": if self.a.chat { "chat.completion.chunk" } else { "text_completion" },
                     "created": self.a.created, "model": self.a.model, "choices": [],
-                    "usage": usage_json(&usage), "timings": timings_json(&usage),
+                    "usage": usage_json(&usage, self.a.req.n), "timings": timings_json(&usage),
                 });
                 if !self.a.warnings.is_empty() {
                     last["warnings"] = json!(self.a.warnings);
@@ -751,7 +771,7 @@ impl Streaming {
 }
 
 fn stream_response(a: Accepted) -> Response {
-    let left = a.req.n;
+    let left = a.req.choices();
     let s = Streaming { a, left, usage: Vec::new(), finished: false };
     // Each choice opens with the assistant's role (chat), as OpenAI's streams do.
     let opening: Vec<Bytes> = if s.a.chat {

@@ -43,6 +43,45 @@ fn chat_whole_and_streamed_agree() {
     assert_eq!(v["usage"]["completion_tokens"], 8);
 }
 
+/// `/v1/completions` with a list of prompts: `n` choices per prompt, numbered
+/// prompt-major, each the text its prompt gives alone; usage counts every prompt once;
+/// streamed, the chunks carry the same indices and texts.
+#[test]
+fn several_prompts_in_one_completion() {
+    let Some(s) = Server::start(&[]) else { return };
+    let prompts = ["The sky is", "Paris is the capital of", "1, 2, 3,"];
+    let alone: Vec<Value> = prompts
+        .iter()
+        .map(|p| {
+            let (status, v) = s.post("/v1/completions", &json!({"prompt": p, "max_tokens": 6, "temperature": 0}));
+            assert_eq!(status, 200, "{v}");
+            v
+        })
+        .collect();
+    let prompt_tokens: u64 = alone.iter().map(|a| a["usage"]["prompt_tokens"].as_u64().unwrap()).sum();
+    let (status, v) = s.post("/v1/completions", &json!({"prompt": prompts, "max_tokens": 6, "temperature": 0, "n": 2}));
+    assert_eq!(status, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["text"], alone[i / 2]["choices"][0]["text"], "choice {i}");
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(v["usage"]["completion_tokens"], 36);
+    let body = json!({"prompt": prompts, "max_tokens": 6, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}});
+    let (status, text) = s.post_raw("/v1/completions", &body.to_string());
+    assert_eq!(status, 200);
+    let events = sse_events(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    for (i, a) in alone.iter().enumerate() {
+        let streamed: String = chunks.iter().filter(|c| c["choices"][0]["index"] == i).filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+        assert_eq!(streamed, a["choices"][0]["text"].as_str().unwrap(), "prompt {i}");
+    }
+    assert_eq!(chunks.last().unwrap()["usage"]["prompt_tokens"], prompt_tokens);
+}
+
 fn long_prefix() -> String {
     let mut s = String::from("You are a meticulous assistant. Background notes follow.\n");
     for i in 0..40 {
