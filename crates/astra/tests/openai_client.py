@@ -55,6 +55,12 @@ assert [c.index for c in r.choices] == [0, 1], r.choices
 r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
 assert r.object == "text_completion" and r.choices[0].text, r
 assert r.usage.completion_tokens <= 8, r.usage
+single = r.choices[0].text
+
+# Several prompts in one completions request: a choice per prompt, in order.
+r = client.completions.create(model=model, prompt=["The capital of France is", "Once upon a time"], max_tokens=8, temperature=0)
+assert [c.index for c in r.choices] == [0, 1], r.choices
+assert r.choices[0].text == single, (r.choices[0].text, single)
 
 # Errors arrive as the client's exception types, with the server's message.
 try:
