@@ -1438,7 +1438,7 @@ __device__ __forceinline__ float ld_cg(const float* p) {
 }
 
 // How many chunks a decode row's attention spans before attention_split spreads them
-// over CTAs; up to this many, the head's first CTA runs them all as attention does.
+// over CTAs; up to this many, the head's first CTA runs them all (attend).
 #define SPLIT_FROM 4
 
 // One decode row (row row0, at positions[row0]) with its chunks spread over the CTAs of
@@ -1446,10 +1446,9 @@ __device__ __forceinline__ float ld_cg(const float* p) {
 // chunk's part (m, sum, then acc for every element: head_dim + 2 floats) to `parts`
 // (per head, max_chunks parts). The last CTA of a head to finish — `tickets` (one per
 // head, zero between launches) counts them — merges the parts in chunk order and
-// writes the row as attention does. Every part is chunk_part's and the merge is
-// merge_part's in the same order, so the row is attention's bit for bit, for any S.
-// Rows spanning at most SPLIT_FROM chunks are computed by CTA 0 as attention computes
-// them.
+// writes the row as attend does. Every part is chunk_part's and the merge is
+// merge_part's in the same order, so the row is attend's bit for bit, for any S.
+// Rows spanning at most SPLIT_FROM chunks are computed by CTA 0 alone (attend).
 extern "C" __global__ void attention_split(const float* q, const u16* kc, const u16* vc, float* out, int row0,
                                            const unsigned int* positions, int slots, int window, int n_head, int group, int head_dim, float scale, u8* qout,
                                            int qkind, float* parts, unsigned int* tickets, int max_chunks) {
@@ -1468,20 +1467,15 @@ extern "C" __global__ void attention_split(const float* q, const u16* kc, const 
         else prefetch_cache(kh, vh, (c0 + s) * CHUNK, pos, (n - s + S - 1) / S, S, slots, head_dim);
     }
     PDL_START
+    if (whole) {
+        attend<1>(q, kc, vc, out, row0, pos, 1, slots, window, n_head, group, head_dim, scale, qout, qkind);
+        return;
+    }
     int width = n_head * head_dim;
     for (int d = t; d < head_dim; d += CHUNK) sq[0][d] = q[(long)row0 * width + h * head_dim + d];
     __syncthreads();
     Running<1> run;
     running_init(run);
-    if (whole) {
-        for (int c = c0; c < c0 + n; c++) {
-            ChunkPart<1> part;
-            chunk_part<1>(sq, kh, vh, slots, head_dim, scale, qr, c, part);
-            merge_part<1>(run, part, head_dim);
-        }
-        attend_out<1>(run, 1, out, row0, h, width, head_dim, qout, qkind);
-        return;
-    }
     long stride = head_dim + 2;
     float* mine = parts + (long)h * max_chunks * stride;
     for (int i = s; i < n; i += S) {
