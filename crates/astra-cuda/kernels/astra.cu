@@ -1424,10 +1424,9 @@ __device__ __forceinline__ void prefetch_cache(const u16* kh, const u16* vh, int
 
 // Four query rows per CTA (prefill); grid (n_head, ceil(rows / 4)).
 extern "C" __global__ void attention_4(const float* q, const u16* kc, const u16* vc, float* out, int row0, const unsigned int* positions,
-                                       int rows, int slots, int window, int n_head, int group, int head_dim, float scale,
-                                       u8* qout, int qkind) {
+                                       int rows, int slots, int window, int n_head, int group, int head_dim, float scale) {
     PDL_START
-    attend<4>(q, kc, vc, out, row0, (int)positions[row0], rows, slots, window, n_head, group, head_dim, scale, nullptr, qkind);
+    attend<4>(q, kc, vc, out, row0, (int)positions[row0], rows, slots, window, n_head, group, head_dim, scale, nullptr, 0);
 }
 
 // A float read past L1 (another CTA's result, published by its fence).

@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use astra_engine::backend::{compose_feed_forward, Activation, Attend, Backend, FeedForward, Heads, Input, Rope, SeqRows};
+use astra_engine::backend::{add_to_residual, compose_feed_forward, Activation, Attend, Backend, FeedForward, Heads, Input, Rope, SeqRows};
 use astra_engine::weights::MatRef;
 use astra_engine::attention::{KvLayout, LayerSlots, CHUNK};
 use astra_engine::EngineError;
@@ -506,7 +506,6 @@ impl CudaBackend {
         let rows = n as i32;
         let mut b = Args::new(&self.k().attention.1, &self.stream);
         b.arg(&q.buf).arg(&l.k).arg(&l.v).out(&mut out.buf).arg(&row0).arg(positions).arg(&rows).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi).arg(&scale);
-        b.arg(&qout).arg(&qkind);
         self.launch(b, cfg);
     }
 
@@ -565,11 +564,7 @@ impl CudaBackend {
     fn fused_feed_forward(&self, f: &mut FeedForward<'_, Self>) -> bool {
         let (g, u, d) = (f.gate, f.up, f.down);
         let Some(glu) = self.matvec_kernels(g.ty).and_then(|k| k.glu.as_ref()) else { return false };
-        let kind = match d.act {
-            ActType::Q8_0 => 0i32,
-            ActType::Q8_1 => 1,
-            _ => return false,
-        };
+        let Some(kind) = quant_kind(d.act).filter(|&k| k < 2) else { return false };
         if f.x.rows != 1 || u.ty != g.ty || u.rows != g.rows || u.cols != g.cols || g.rows % 32 != 0 || d.cols != g.rows {
             return false;
         }
@@ -589,12 +584,8 @@ impl CudaBackend {
         self.launch(b, cfg);
         drop(acts);
         drop(gated);
-        // Gemma's post-norm comes before the residual add.
-        let add_to = if f.post_norm.is_some() { None } else { Some(&mut *f.x) };
-        self.matvecs(&self.gated_acts, 1, &mut [(d, &mut *f.out)], add_to, &mut |_, _| true);
-        if let Some(n) = f.post_norm {
-            self.norm_add(f.out, n, f.eps, f.x);
-        }
+        let down = |out: &mut GpuTensor, add_to: Option<&mut GpuTensor>| self.matvecs(&self.gated_acts, 1, &mut [(d, out)], add_to, &mut |_, _| true);
+        add_to_residual(self, f.post_norm, f.eps, f.out, f.x, down);
         true
     }
 

@@ -102,12 +102,26 @@ pub fn compose_feed_forward<B: Backend>(be: &B, f: FeedForward<'_, B>) {
     let FeedForward { x, norm, eps, gate, up, down, act, post_norm, normed, gate_rows, up_rows, out } = f;
     be.product(Input::Normed { x, w: norm, eps, normed }, &mut [(gate, gate_rows), (up, up_rows)], None);
     let gated = Input::Glu { gate: gate_rows, up: up_rows, act };
+    add_to_residual(be, post_norm, eps, out, x, |out, add_to| be.product(gated, &mut [(down, out)], add_to));
+}
+
+/// A block's output added to the residual `x`: `product` writes it into `out` and adds
+/// it to the tensor it is given (`x`) itself, or, with a post-norm (Gemma's), writes it
+/// only, and the normed `out` is then added ([`Backend::norm_add`]).
+pub fn add_to_residual<B: Backend>(
+    be: &B,
+    post_norm: Option<&B::Vector>,
+    eps: f32,
+    out: &mut B::Tensor,
+    x: &mut B::Tensor,
+    product: impl FnOnce(&mut B::Tensor, Option<&mut B::Tensor>),
+) {
     match post_norm {
         Some(n) => {
-            be.product(gated, &mut [(down, out)], None);
+            product(out, None);
             be.norm_add(out, n, eps, x);
         }
-        None => be.product(gated, &mut [(down, out)], Some(x)),
+        None => product(out, Some(x)),
     }
 }
 

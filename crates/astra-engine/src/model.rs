@@ -9,7 +9,7 @@ use std::sync::Arc;
 use astra_gguf::GgufFile;
 
 use crate::attention::KvLayout;
-use crate::backend::{Activation, Attend, Backend, FeedForward, Heads, Input, Rope, SeqRows};
+use crate::backend::{add_to_residual, Activation, Attend, Backend, FeedForward, Heads, Input, Rope, SeqRows};
 use crate::config::{Arch, Config};
 use crate::cpu::CpuBackend;
 use crate::weights::Weights;
@@ -357,13 +357,7 @@ impl<B: Backend> Model<B> {
             let heads = Heads { head_dim: cfg.head_dim, q_norm: layer.q_norm.as_ref(), k_norm: layer.k_norm.as_ref(), eps, rope, q_scale };
             be.prepare_attention(l, seqs, positions, q, k, v, &heads);
             let attend = Attend { layer: l, seqs: &mut *seqs, positions, q, scale: score_scale };
-            match &layer.post_attn_norm {
-                Some(n) => {
-                    be.attention_product(attend, att, &layer.wo, o, None);
-                    be.norm_add(o, n, eps, x);
-                }
-                None => be.attention_product(attend, att, &layer.wo, o, Some(x)),
-            }
+            add_to_residual(be, layer.post_attn_norm.as_ref(), eps, o, x, |o, add_to| be.attention_product(attend, att, &layer.wo, o, add_to));
             be.feed_forward(FeedForward {
                 x: &mut *x,
                 norm: &layer.ffn_norm,
