@@ -278,14 +278,18 @@ impl Act {
 /// The module's features; `a` fits the rows and `b` is one of their blocks.
 #[inline(always)]
 unsafe fn step<F: LaneFormat>(x: &LaneBlock, a: Act, b: usize, acc: &mut __m512, min: &mut __m512) {
-    let mut isum = match F::SHIFT {
-        Some(shift) => _mm512_set1_epi32(*a.neg.add(b) << shift),
-        None => _mm512_setzero_si512(),
-    };
+    // The block's integer sum in four independent chains of two `vpdpbusd`s rather
+    // than one of eight (its latency bounded decode), added at the end: integer sums,
+    // exact in any order.
+    let mut isum = [_mm512_setzero_si512(); 4];
+    if let Some(shift) = F::SHIFT {
+        isum[0] = _mm512_set1_epi32(*a.neg.add(b) << shift);
+    }
     let q = a.q.add(32 * b).cast::<i32>();
     for k in 0..8 {
-        isum = _mm512_dpbusd_epi32(isum, x.codes[k], _mm512_set1_epi32(q.add(k).read_unaligned()));
+        isum[k % 4] = _mm512_dpbusd_epi32(isum[k % 4], x.codes[k], _mm512_set1_epi32(q.add(k).read_unaligned()));
     }
+    let isum = _mm512_add_epi32(_mm512_add_epi32(isum[0], isum[1]), _mm512_add_epi32(isum[2], isum[3]));
     let (da, sa) = match F::SHIFT {
         Some(_) => (*a.s.add(b), 0.0),
         None => (*a.s.add(2 * b), *a.s.add(2 * b + 1)),
