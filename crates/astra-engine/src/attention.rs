@@ -146,14 +146,6 @@ struct Partial {
     acc: Vec<f32>, // (head_dim)
 }
 
-/// Keys and values of one KV head over one chunk, in f32.
-#[derive(Default)]
-struct ChunkData {
-    first: usize, // position of row 0
-    k: Vec<f32>,  // (rows, head_dim)
-    v: Vec<f32>,  // (rows, head_dim)
-}
-
 pub struct AttnLayer<'a> {
     cache: &'a LayerCache,
     head_dim: usize,
@@ -174,26 +166,16 @@ impl AttnLayer<'_> {
         self.first(pos) / CHUNK..=pos / CHUNK
     }
 
-    /// Converts positions `a..=b` (one chunk) of KV head `g` into `out`.
-    fn load(&self, g: usize, a: usize, b: usize, out: &mut ChunkData) {
+    /// The partial of query `q` over positions `lo..=hi` (within one chunk) of KV head
+    /// `g`, read from the cache as stored (a chunk's slots are contiguous: the ring's
+    /// length is a whole number of chunks).
+    fn partial(&self, q: &[f32], g: usize, lo: usize, hi: usize) -> Partial {
         let (c, hd) = (self.cache, self.head_dim);
-        let start = (g * c.slots + a % c.slots) * hd;
-        let len = (b + 1 - a) * hd;
-        out.first = a;
-        out.k.resize(len, 0.0);
-        out.v.resize(len, 0.0);
-        c.k[start..start + len].convert_to_f32_slice(&mut out.k);
-        c.v[start..start + len].convert_to_f32_slice(&mut out.v);
-    }
-
-    /// The partial of query `q` over positions `lo..=hi` of a loaded chunk.
-    fn partial(&self, q: &[f32], data: &ChunkData, lo: usize, hi: usize) -> Partial {
-        let hd = self.head_dim;
-        let rows = lo - data.first..=hi - data.first;
+        let rows = g * c.slots + lo % c.slots..=g * c.slots + hi % c.slots;
+        let (k, v) = (&c.k[rows.start() * hd..(rows.end() + 1) * hd], &c.v[rows.start() * hd..(rows.end() + 1) * hd]);
         let mut weights = [0.0f32; CHUNK];
         let mut acc = vec![0.0f32; hd];
-        let (k, v) = (&data.k[rows.start() * hd..(rows.end() + 1) * hd], &data.v[rows.start() * hd..(rows.end() + 1) * hd]);
-        let (max, sum) = attend_rows(q, k, v, self.scale, &mut weights[..rows.end() + 1 - rows.start()], &mut acc);
+        let (max, sum) = attend_rows(q, k, v, self.scale, &mut weights[..hi + 1 - lo], &mut acc);
         Partial { max, sum, acc }
     }
 
@@ -232,10 +214,7 @@ impl AttnLayer<'_> {
                 let last = n_past + toks.end - 1;
                 let lo = self.first(n_past + toks.start);
                 let mut partials: Vec<Vec<Partial>> = (0..toks.len() * self.group).map(|_| Vec::new()).collect();
-                let mut data = ChunkData::default();
                 for c in lo / CHUNK..=last / CHUNK {
-                    let (a, b) = ((c * CHUNK).max(lo), (c * CHUNK + CHUNK - 1).min(last));
-                    self.load(g, a, b, &mut data);
                     for (i, t) in toks.clone().enumerate() {
                         let pos = n_past + t;
                         if !self.chunks(pos).contains(&c) {
@@ -244,7 +223,7 @@ impl AttnLayer<'_> {
                         let (qa, qb) = ((c * CHUNK).max(self.first(pos)), (c * CHUNK + CHUNK - 1).min(pos));
                         for (j, h) in heads.clone().enumerate() {
                             let qh = &q[(t * self.n_head + h) * hd..][..hd];
-                            partials[i * self.group + j].push(self.partial(qh, &data, qa, qb));
+                            partials[i * self.group + j].push(self.partial(qh, g, qa, qb));
                         }
                     }
                 }
@@ -274,9 +253,7 @@ impl AttnLayer<'_> {
         par.run(tasks.len(), &|task| {
             let (g, c) = tasks[task];
             let (a, b) = ((c * CHUNK).max(lo), (c * CHUNK + CHUNK - 1).min(pos));
-            let mut data = ChunkData::default();
-            self.load(g, a, b, &mut data);
-            let heads = (g * self.group..(g + 1) * self.group).map(|h| self.partial(&q[h * hd..(h + 1) * hd], &data, a, b));
+            let heads = (g * self.group..(g + 1) * self.group).map(|h| self.partial(&q[h * hd..(h + 1) * hd], g, a, b));
             *slots[task].lock().expect("own slot") = heads.collect();
         });
         // Tasks run KV head by KV head, chunks in order: moving each task's partials to

@@ -2,6 +2,9 @@
 //! functions, residual adds. Each works on one token's row, so a token gets the same
 //! arithmetic whatever batch it is in.
 
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
 /// `out = x / √(mean(x²) + eps) · w`, the sum of squares in f64 (as ggml's rms_norm).
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let sum: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
@@ -88,25 +91,30 @@ const GELU_COEF_A: f32 = 0.044715;
 /// e^(score − max) (libm's `expf`, not [`exp_approx`]: with it, ulp-level changes in
 /// the weights moved a SmolLM2 chat prompt's second-ranked token by 2% in
 /// probability through the activation quantization downstream), and
-/// `acc = Σ_r weight_r · v_r` in row order. Returns (max, Σ weights). The arithmetic is
-/// [`dot`] and [`axpy`]'s, in one AVX2 function where the CPU has it.
-pub fn attend_rows(q: &[f32], k: &[f32], v: &[f32], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
+/// `acc = Σ_r weight_r · v_r` in row order. Returns (max, Σ weights). Keys and values
+/// are the cache's f16, each converted exactly to f32 where it is used, so the arithmetic
+/// is [`dot`] and [`axpy`]'s on the converted rows, in one AVX2 + F16C function where
+/// the CPU has them.
+pub fn attend_rows(q: &[f32], k: &[f16], v: &[f16], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 is present.
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
+        // SAFETY: AVX2 and F16C are present.
         return unsafe { simd::attend_rows(q, k, v, scale, weights, acc) };
     }
     let hd = q.len();
+    let mut row = vec![0.0f32; hd];
     let mut max = f32::NEG_INFINITY;
     for (w, kr) in weights.iter_mut().zip(k.chunks_exact(hd)) {
-        *w = dot_scalar(q, kr) * scale;
+        kr.convert_to_f32_slice(&mut row);
+        *w = dot_scalar(q, &row) * scale;
         max = max.max(*w);
     }
     let mut sum = 0.0f32;
     for (w, vr) in weights.iter_mut().zip(v.chunks_exact(hd)) {
         let w = (*w - max).exp();
         sum += w;
-        axpy_scalar(acc, w, vr);
+        vr.convert_to_f32_slice(&mut row);
+        axpy_scalar(acc, w, &row);
     }
     (max, sum)
 }
@@ -187,6 +195,7 @@ pub fn axpy_scalar(acc: &mut [f32], w: f32, v: &[f32]) {
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
+    use half::f16;
     use std::arch::x86_64::*;
 
     /// [`super::exp_approx`] in eight lanes, operation for operation.
@@ -208,29 +217,36 @@ mod simd {
         _mm256_blendv_ps(_mm256_mul_ps(e, _mm256_castsi256_ps(scale)), _mm256_set1_ps(f32::INFINITY), big)
     }
 
-    /// [`super::attend_rows`] with AVX2, in its arithmetic: the scores four keys at a
-    /// time (the query loaded once for four independent chains), then the weighted
-    /// values 64 elements at a time with their sums held in registers across every key
-    /// (each element still takes the keys in order, a multiply then an add).
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn attend_rows(q: &[f32], k: &[f32], v: &[f32], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
+    /// Eight f16 values at `p`, converted (exactly) to f32.
+    #[inline(always)]
+    unsafe fn load_f16(p: *const f16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+    }
+
+    /// [`super::attend_rows`] with AVX2 and F16C, in its arithmetic: the scores four keys
+    /// at a time (the query loaded once for four independent chains), their maximum in
+    /// eight lanes (a maximum is exact in any order), then the weighted values 64
+    /// elements at a time with their sums held in registers across every key (each
+    /// element still takes the keys in order, a multiply then an add).
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn attend_rows(q: &[f32], k: &[f16], v: &[f16], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
         let (hd, n) = (q.len(), weights.len());
         assert!(k.len() >= n * hd && v.len() >= n * hd && acc.len() == hd, "keys, values or output do not fit");
-        let row = |x: &[f32], r: usize| -> *const f32 { x[r * hd..(r + 1) * hd].as_ptr() };
-        let whole = n / 4 * 4;
-        for r in (0..whole).step_by(4) {
-            let s = dot4(q, [row(k, r), row(k, r + 1), row(k, r + 2), row(k, r + 3)]);
-            for i in 0..4 {
+        // Rows past the last repeat it (their scores are not kept).
+        let row = |r: usize| -> *const f16 { k[r.min(n - 1) * hd..].as_ptr() };
+        for r in (0..n).step_by(4) {
+            let s = dot4(q, [row(r), row(r + 1), row(r + 2), row(r + 3)]);
+            for i in 0..4.min(n - r) {
                 weights[r + i] = s[i] * scale;
             }
         }
-        for r in whole..n {
-            weights[r] = dot(q, &k[r * hd..(r + 1) * hd]) * scale;
+        let mut lanes = _mm256_set1_ps(f32::NEG_INFINITY);
+        for r in (0..n / 8 * 8).step_by(8) {
+            lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(weights.as_ptr().add(r)));
         }
-        let mut max = f32::NEG_INFINITY;
-        for w in weights.iter() {
-            max = max.max(*w);
-        }
+        let mut max8 = [0.0f32; 8];
+        _mm256_storeu_ps(max8.as_mut_ptr(), lanes);
+        let max = max8.iter().chain(&weights[n / 8 * 8..]).fold(f32::NEG_INFINITY, |m, &w| m.max(w));
         let mut sum = 0.0f32;
         for w in weights.iter_mut() {
             *w = (*w - max).exp();
@@ -245,7 +261,7 @@ mod simd {
             for (j, &w) in weights.iter().enumerate() {
                 let (wv, vr) = (_mm256_set1_ps(w), v.as_ptr().add(j * hd + e));
                 for (i, a) in a.iter_mut().enumerate() {
-                    *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, _mm256_loadu_ps(vr.add(8 * i))));
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, load_f16(vr.add(8 * i))));
                 }
             }
             for (i, a) in a.iter().enumerate() {
@@ -255,21 +271,21 @@ mod simd {
         }
         for e in e..hd {
             for (j, &w) in weights.iter().enumerate() {
-                acc[e] += w * v[j * hd + e];
+                acc[e] += w * v[j * hd + e].to_f32();
             }
         }
         (max, sum)
     }
 
-    /// [`dot`] of `a` with four rows of its length at once.
+    /// [`dot`] of `a` with four f16 rows of its length at once (each converted exactly).
     #[inline(always)]
-    unsafe fn dot4(a: &[f32], b: [*const f32; 4]) -> [f32; 4] {
+    unsafe fn dot4(a: &[f32], b: [*const f16; 4]) -> [f32; 4] {
         let chunks = a.len() / 8;
         let mut acc = [_mm256_setzero_ps(); 4];
         for c in 0..chunks {
             let x = _mm256_loadu_ps(a.as_ptr().add(8 * c));
             for (acc, b) in acc.iter_mut().zip(b) {
-                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(x, _mm256_loadu_ps(b.add(8 * c))));
+                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(x, load_f16(b.add(8 * c))));
             }
         }
         let mut out = [0.0f32; 4];
@@ -278,7 +294,7 @@ mod simd {
             _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i]);
             let mut tail = 0.0;
             for (j, &x) in a.iter().enumerate().skip(8 * chunks) {
-                tail += x * *b[i].add(j);
+                tail += x * (*b[i].add(j)).to_f32();
             }
             out[i] = super::reduce_lanes(lanes) + tail;
         }
@@ -426,12 +442,13 @@ mod tests {
     #[test]
     fn attend_rows_equals_the_composed_reference() {
         for hd in [64, 256, 20] {
-            for n in [1usize, 7, 64] {
+            for n in [1usize, 3, 7, 9, 64] {
                 let q: Vec<f32> = (0..hd).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7).collect();
-                let k: Vec<f32> = (0..n * hd).map(|i| ((i * 53 % 17) as f32 - 8.0) * 0.3).collect();
-                let v: Vec<f32> = (0..n * hd).map(|i| ((i * 29 % 13) as f32 - 6.0) * 0.5).collect();
+                let k16: Vec<f16> = (0..n * hd).map(|i| f16::from_f32(((i * 53 % 17) as f32 - 8.0) * 0.31)).collect();
+                let v16: Vec<f16> = (0..n * hd).map(|i| f16::from_f32(((i * 29 % 13) as f32 - 6.0) * 0.53)).collect();
+                let (k, v): (Vec<f32>, Vec<f32>) = (k16.iter().map(|x| x.to_f32()).collect(), v16.iter().map(|x| x.to_f32()).collect());
                 let (mut weights, mut acc) = (vec![0.0; n], vec![0.0; hd]);
-                let (max, sum) = attend_rows(&q, &k, &v, 0.125, &mut weights, &mut acc);
+                let (max, sum) = attend_rows(&q, &k16, &v16, 0.125, &mut weights, &mut acc);
                 let scores: Vec<f32> = (0..n).map(|r| dot_scalar(&q, &k[r * hd..(r + 1) * hd]) * 0.125).collect();
                 let want_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let (mut want_sum, mut want_acc) = (0.0f32, vec![0.0f32; hd]);
