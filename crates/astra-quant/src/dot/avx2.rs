@@ -16,9 +16,12 @@ use crate::blocks::*;
 use crate::dequant::{iq2s_grid_point, iq2s_signs};
 use crate::GgmlType;
 
-/// Weight rows walked together against one token: enough independent chains to cover
-/// the multiply-add latency and to keep several weight streams loading.
-const DECODE_ROWS: usize = 4;
+/// Weight rows walked together against one token: two chains of multiply-adds in
+/// flight. Four had been taken for more chains, but measured far slower on an AVX2-only
+/// machine (AMD EPYC, two threads: Gemma's 178 MB Q8_0 output matrix streamed at 15-20
+/// GiB/s with four, 21-26 with two; one row gave less on SmolLM2's Q4_1 products).
+/// The arithmetic of each output does not depend on it.
+const DECODE_ROWS: usize = 2;
 
 /// The kernels for a weight type: the dot product on bytes, and the variants on
 /// [`ActRow`]s where there are some.
