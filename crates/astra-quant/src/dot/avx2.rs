@@ -121,6 +121,17 @@ unsafe fn hsum_i32(v: __m256i) -> i32 {
     _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s)))
 }
 
+/// The exact sums of the eight i32 lanes of `x` and of `y`.
+#[inline(always)]
+unsafe fn hsum2_i32(x: __m256i, y: __m256i) -> (i32, i32) {
+    // hadd works within 128-bit halves: twice leaves each half's total of x in its
+    // lane 0 and of y in its lane 1.
+    let h = _mm256_hadd_epi32(x, y);
+    let h = _mm256_hadd_epi32(h, h);
+    let s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+    (_mm_cvtsi128_si32(s), _mm_extract_epi32::<1>(s))
+}
+
 /// Decode streams the weights once: asks for `len` bytes of `w` from `at` (clipped to
 /// `w`) ahead of their use, a few row groups early, so that their loads overlap the
 /// arithmetic on the rows before them.
@@ -436,13 +447,20 @@ unsafe fn dotn_q4_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     let (mut acc, mut mins) = ([0.0f32; N], [0.0f32; N]);
     let m4 = _mm256_set1_epi8(0x0F);
     for (i, wb) in w.iter().enumerate() {
+        let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
+        for g in 0..8 {
+            (sc[g], mn[g]) = scale_min_k4(g, &wb.scales);
+        }
+        // Group g's minimum against both 16-element sums of its activations.
+        let m8 = _mm_loadl_epi64(mn.as_ptr().cast());
+        let mins16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
         let mut sumi = [_mm256_setzero_si256(); N];
         for j in 0..4 {
             let q4 = load_u8(&wb.qs[32 * j..]);
             let lo = _mm256_and_si256(q4, m4);
             let hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
-            let sc_lo = _mm256_set1_epi16(scale_min_k4(2 * j, &wb.scales).0 as i16);
-            let sc_hi = _mm256_set1_epi16(scale_min_k4(2 * j + 1, &wb.scales).0 as i16);
+            let sc_lo = _mm256_set1_epi16(sc[2 * j] as i16);
+            let sc_hi = _mm256_set1_epi16(sc[2 * j + 1] as i16);
             for r in 0..N {
                 let ab = &a[r][i];
                 let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(&ab.qs[64 * j..])), sc_lo);
@@ -454,8 +472,10 @@ unsafe fn dotn_q4_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
         for r in 0..N {
             let ab = &a[r][i];
             let da = ab.d();
-            acc[r] = (hsum_i32(sumi[r]) as f32).mul_add(wd * da, acc[r]);
-            mins[r] = (k4_min_sum(&wb.scales, ab) as f32).mul_add(wdmin * da, mins[r]);
+            let msum = _mm256_madd_epi16(_mm256_loadu_si256(ab.bsums.as_ptr().cast()), mins16);
+            let (s, m) = hsum2_i32(sumi[r], msum);
+            acc[r] = (s as f32).mul_add(wd * da, acc[r]);
+            mins[r] = (m as f32).mul_add(wdmin * da, mins[r]);
         }
     }
     std::array::from_fn(|r| acc[r] - mins[r])
@@ -468,9 +488,11 @@ unsafe fn dotn_q6_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     let w = as_blocks::<BlockQ6K>(w);
     let a = a.map(as_blocks::<BlockQ8K>);
     let mut acc = [0.0f32; N];
-    let (m4, m3, m32) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3), _mm256_set1_epi8(32));
+    let (m4, m3) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
     for (i, wb) in w.iter().enumerate() {
         let mut sumi = [_mm256_setzero_si256(); N];
+        // Each 16-element scale against its activations' sum, for the codes' offset.
+        let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wb.scales.as_ptr().cast()));
         for n in 0..2 {
             let ql0 = load_u8(&wb.ql[64 * n..]);
             let ql1 = load_u8(&wb.ql[64 * n + 32..]);
@@ -492,14 +514,16 @@ unsafe fn dotn_q6_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
                 let sc = scale_pair(wb.scales[g] as i16, wb.scales[g + 1] as i16);
                 for r in 0..N {
                     let y = load(&a[r][i].qs[128 * n + 32 * q_r..]);
-                    let p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, y), _mm256_maddubs_epi16(m32, y));
-                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, sc));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), sc));
                 }
             }
         }
         let wd = f16(wb.d);
         for r in 0..N {
-            acc[r] = (hsum_i32(sumi[r]) as f32).mul_add(wd * a[r][i].d(), acc[r]);
+            // Σ sc·(q − 32)·a = Σ sc·q·a − 32 · Σ sc·(16-element sums of a), exactly.
+            let offset = _mm256_madd_epi16(_mm256_loadu_si256(a[r][i].bsums.as_ptr().cast()), sc16);
+            let total = hsum_i32(_mm256_sub_epi32(sumi[r], _mm256_slli_epi32::<5>(offset)));
+            acc[r] = (total as f32).mul_add(wd * a[r][i].d(), acc[r]);
         }
     }
     acc
