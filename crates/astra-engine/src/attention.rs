@@ -23,12 +23,13 @@ use crate::config::Config;
 use crate::ops::{attend_rows, axpy};
 
 /// KV positions per partial. A constant: changing it changes results (in the last
-/// bits), never how they depend on threads or batching. At 64 a chunk's f32 keys and
-/// values take 32 KiB (head_dim 64) to 128 KiB (head_dim 256), within L2; the value has
+/// bits), never how they depend on threads or batching. At 64 a chunk's f16 keys and
+/// values take 16 KiB (head_dim 64) to 64 KiB (head_dim 256), within L2; the value has
 /// not been tuned by measurement.
 pub const CHUNK: usize = 64;
 
-/// Queries per prefill task: they share each chunk's conversion to f32.
+/// Queries per prefill task: they share each chunk's keys and values while these are
+/// in cache.
 const QUERY_BLOCK: usize = 16;
 
 struct LayerCache {
