@@ -1384,7 +1384,8 @@ __device__ void attend_out(const Running<Q>& r, int nq, float* out, long row, in
 }
 
 // Query rows row0.. (positions pos0, pos0 + 1, …), Q per CTA, every chunk in turn;
-// grid (n_head, ceil(rows / Q)).
+// grid (n_head, ceil(rows / Q)). Decode rows of up to four chunks run it with Q = 1
+// (attention_split's one-CTA case); a batch's rows take attend_batch.
 template <int Q>
 __device__ void attend(const float* q, const u16* kc, const u16* vc, float* out, int row0, int pos0, int rows,
                        int slots, int window, int n_head, int group, int head_dim, float scale, u8* qout, int qkind) {
@@ -1428,7 +1429,7 @@ __device__ __forceinline__ void prefetch_cache(const u16* kh, const u16* vh, int
 // row is bitwise what attend and attention_split give it (tests/gpu.rs: batch = token
 // by token; parity --bitwise), but compiled to a different loop: 11-19% faster prefill
 // than attend<4> (smollm2 and gemma3 shapes, pp512), while for decode rows attend's
-// form is 4-9% faster. grid (n_head, ceil(rows / Q)).
+// form is 1-9% faster. grid (n_head, ceil(rows / Q)).
 template <int Q>
 __device__ void attend_batch(const float* q, const u16* kc, const u16* vc, float* out, int row0, int pos0, int rows,
                              int slots, int window, int n_head, int group, int head_dim, float scale) {

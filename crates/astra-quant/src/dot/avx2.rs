@@ -447,13 +447,7 @@ unsafe fn dotn_q4_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     let (mut acc, mut mins) = ([0.0f32; N], [0.0f32; N]);
     let m4 = _mm256_set1_epi8(0x0F);
     for (i, wb) in w.iter().enumerate() {
-        let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
-        for g in 0..8 {
-            (sc[g], mn[g]) = scale_min_k4(g, &wb.scales);
-        }
-        // Group g's minimum against both 16-element sums of its activations.
-        let m8 = _mm_loadl_epi64(mn.as_ptr().cast());
-        let mins16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+        let (sc, mins16) = k4_scales_mins(&wb.scales);
         let mut sumi = [_mm256_setzero_si256(); N];
         for j in 0..4 {
             let q4 = load_u8(&wb.qs[32 * j..]);
@@ -472,8 +466,7 @@ unsafe fn dotn_q4_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
         for r in 0..N {
             let ab = &a[r][i];
             let da = ab.d();
-            let msum = _mm256_madd_epi16(_mm256_loadu_si256(ab.bsums.as_ptr().cast()), mins16);
-            let (s, m) = hsum2_i32(sumi[r], msum);
+            let (s, m) = hsum2_i32(sumi[r], k4_min_lanes(mins16, ab));
             acc[r] = (s as f32).mul_add(wd * da, acc[r]);
             mins[r] = (m as f32).mul_add(wdmin * da, mins[r]);
         }
@@ -626,10 +619,23 @@ unsafe fn dot_q3_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     hsum_f32(acc)
 }
 
-/// Σ over the 8 groups of 32 of m × (activation sum of the group), for Q4_K/Q5_K.
+/// A Q4_K/Q5_K block's eight group scales, and its eight group minimums each twice as
+/// sixteen i16 lanes (one per 16-element activation sum), for [`k4_min_lanes`].
 #[inline(always)]
-fn k4_min_sum(scales: &[u8; 12], a: &BlockQ8K) -> i32 {
-    (0..8).map(|g| scale_min_k4(g, scales).1 as i32 * (a.bsum(2 * g) + a.bsum(2 * g + 1))).sum()
+unsafe fn k4_scales_mins(scales: &[u8; 12]) -> ([u8; 8], __m256i) {
+    let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
+    for g in 0..8 {
+        (sc[g], mn[g]) = scale_min_k4(g, scales);
+    }
+    let m8 = _mm_loadl_epi64(mn.as_ptr().cast());
+    (sc, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)))
+}
+
+/// Lane g: group g's minimum × the sum of its 32 activations (exact), from
+/// [`k4_scales_mins`]'s lanes and the block's 16-element sums.
+#[inline(always)]
+unsafe fn k4_min_lanes(mins16: __m256i, a: &BlockQ8K) -> __m256i {
+    _mm256_madd_epi16(_mm256_loadu_si256(a.bsums.as_ptr().cast()), mins16)
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -644,6 +650,7 @@ unsafe fn dot_q5_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     let m4 = _mm256_set1_epi8(0x0F);
     let one = _mm256_set1_epi8(1);
     for (w, a) in as_blocks::<BlockQ5K>(w).iter().zip(as_blocks::<BlockQ8K>(a)) {
+        let (sc, mins16) = k4_scales_mins(&w.scales);
         let hbits = load_u8(&w.qh);
         let mut sumi = _mm256_setzero_si256();
         for j in 0..4 {
@@ -652,15 +659,15 @@ unsafe fn dot_q5_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
             let h_hi = _mm256_slli_epi16(_mm256_and_si256(srl16(hbits, 2 * j as i32 + 1), one), 4);
             let lo = _mm256_or_si256(_mm256_and_si256(q5, m4), h_lo);
             let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q5, 4), m4), h_hi);
-            let sc_lo = _mm256_set1_epi16(scale_min_k4(2 * j, &w.scales).0 as i16);
-            let sc_hi = _mm256_set1_epi16(scale_min_k4(2 * j + 1, &w.scales).0 as i16);
+            let sc_lo = _mm256_set1_epi16(sc[2 * j] as i16);
+            let sc_hi = _mm256_set1_epi16(sc[2 * j + 1] as i16);
             let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(&a.qs[64 * j..])), sc_lo);
             let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(&a.qs[64 * j + 32..])), sc_hi);
             sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
         }
         let ((wd, wdmin), da) = (f16_pair(w.d, w.dmin), a.d());
         acc = _mm256_fmadd_ps(_mm256_set1_ps(wd * da), _mm256_cvtepi32_ps(sumi), acc);
-        mins += k4_min_sum(&w.scales, a) as f32 * (wdmin * da);
+        mins += hsum_i32(k4_min_lanes(mins16, a)) as f32 * (wdmin * da);
     }
     hsum_f32(acc) - mins
 }
