@@ -124,10 +124,20 @@ __device__ __forceinline__ void q8_32_block(float v, u8* blk, int with_sum) {
     }
 }
 
+// Q8_K as the kernels keep it: the values of astra-quant's block (d(f32) qs[256]
+// bsums[16](i16), 292 bytes) with the quants first, then the sums and d, padded to 304
+// bytes, so that every block starts on a 16-byte boundary and a lane reads its quants
+// in 16-byte loads (measured on an H200, 8B-shape Q4_K decode: 2.0–2.5 TB/s with the
+// stored order's 4-byte reads, 2.5–3.0 with these). The bytes past d are never written
+// or read.
+#define Q8K_BYTES 304
+#define Q8K_SUMS 256
+#define Q8K_D 288
+
 // One 256-block quantized by each group of 256 threads of the CTA (up to four groups),
-// thread t of a group holding value t: Q8_K: d(f32) qs[256] bsums[16](i16). Every
-// thread of the CTA calls it together (it synchronizes the CTA); a group with
-// `active` false computes along and writes nothing.
+// thread t of a group holding value t, in the layout above. Every thread of the CTA
+// calls it together (it synchronizes the CTA); a group with `active` false computes
+// along and writes nothing.
 __device__ void q8_k_block(float v, u8* blk, bool active) {
     __shared__ float s_amax[4][8], s_val[4][8];
     __shared__ int s_idx[4][8];
@@ -169,27 +179,18 @@ __device__ void q8_k_block(float v, u8* blk, bool active) {
     __syncthreads();
     if (!active) return;
     if (zero) {
-        blk[4 + t] = 0;
-        if (t < 4) blk[t] = 0;
-        if (t < 32) blk[260 + t] = 0;
+        blk[t] = 0;
+        if (t < 32) blk[Q8K_SUMS + t] = 0;
+        if (t < 4) blk[Q8K_D + t] = 0;
         return;
     }
-    blk[4 + t] = (u8)(i8)q;
+    blk[t] = (u8)(i8)q;
     if (t < 16) {
         int s = 0;
         for (int j = 0; j < 16; j++) s += s_q[g][16 * t + j];
-        u16 h = (u16)(i16)s;
-        blk[260 + 2 * t] = h & 0xff;
-        blk[261 + 2 * t] = h >> 8;
+        *(i16*)(blk + Q8K_SUMS + 2 * t) = (i16)s;
     }
-    if (t == 0) {
-        float d = __fdiv_rn(1.0f, iscale);
-        unsigned int bits = (unsigned int)__float_as_int(d);
-        blk[0] = bits & 0xff;
-        blk[1] = (bits >> 8) & 0xff;
-        blk[2] = (bits >> 16) & 0xff;
-        blk[3] = bits >> 24;
-    }
+    if (t == 0) *(float*)(blk + Q8K_D) = __fdiv_rn(1.0f, iscale);
 }
 
 __device__ float glu_value(float g, float u, int act);
@@ -212,7 +213,7 @@ extern "C" __global__ void quantize_q8_k(const float* x, u8* out, int cols, cons
     int b = blockIdx.x, row = blockIdx.y;
     long i = (long)row * cols + b * 256 + threadIdx.x;
     float v = up ? glu_value(x[i], up[i], act) : x[i];
-    q8_k_block(v, out + ((long)row * (cols / 256) + b) * 292, true);
+    q8_k_block(v, out + ((long)row * (cols / 256) + b) * Q8K_BYTES, true);
 }
 
 // ---------------------------------------------------------------------------------
@@ -277,7 +278,7 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* q, int* sc, int* m
 __device__ __forceinline__ float blk_q4_k(const u8* w, const u8* a) {
     const u8* scales = w + 4;
     const u8* qs = w + 16;
-    const i8* y = (const i8*)(a + 4);
+    const i8* y = (const i8*)a;
     int isum = 0, msum = 0;
     for (int g = 0; g < 8; g++) {
         int sc, m;
@@ -290,9 +291,9 @@ __device__ __forceinline__ float blk_q4_k(const u8* w, const u8* a) {
             gsum += code * y[k];
         }
         isum += sc * gsum;
-        msum += m * (ldi16(a + 260 + 4 * g) + ldi16(a + 262 + 4 * g));
+        msum += m * (ldi16(a + Q8K_SUMS + 4 * g) + ldi16(a + Q8K_SUMS + 2 + 4 * g));
     }
-    float da = ldf(a);
+    float da = ldf(a + Q8K_D);
     return (float)isum * (ldh(w) * da) - (float)msum * (ldh(w + 2) * da);
 }
 
@@ -301,7 +302,7 @@ __device__ __forceinline__ float blk_q6_k(const u8* w, const u8* a) {
     const u8* ql = w;
     const u8* qh = w + 128;
     const i8* scales = (const i8*)(w + 192);
-    const i8* y = (const i8*)(a + 4);
+    const i8* y = (const i8*)a;
     int isum = 0;
     for (int k = 0; k < 256; k++) {
         int n = k / 128, r = (k % 128) / 32, l = k % 32;
@@ -311,7 +312,7 @@ __device__ __forceinline__ float blk_q6_k(const u8* w, const u8* a) {
         int q = (low | (high << 4)) - 32;
         isum += scales[k / 16] * q * y[k];
     }
-    return (float)isum * (ldh(w + 208) * ldf(a));
+    return (float)isum * (ldh(w + 208) * ldf(a + Q8K_D));
 }
 
 // Weight type codes (GGUF's ggml type ids).
@@ -335,7 +336,7 @@ __device__ __forceinline__ float blk_iq2_s(const u8* w, const u8* a) {
     const u8* qs = w + 2;
     const u8* qh = w + 66;
     const u8* scales = w + 74;
-    const i8* y = (const i8*)(a + 4);
+    const i8* y = (const i8*)a;
     int isum = 0;
     for (int g = 0; g < 8; g++) {
         for (int half = 0; half < 2; half++) {
@@ -352,7 +353,7 @@ __device__ __forceinline__ float blk_iq2_s(const u8* w, const u8* a) {
             isum += (2 * s + 1) * hsum;
         }
     }
-    return (float)isum * (ldh(w) * ldf(a)) * 0.125f;
+    return (float)isum * (ldh(w) * ldf(a + Q8K_D)) * 0.125f;
 }
 
 // Stores a matrix kernel's result, or adds it to what is there (the residual add
@@ -461,138 +462,70 @@ __device__ __forceinline__ void scale_min_k4_regs(int j, unsigned int s0, unsign
     }
 }
 
-// The rows one warp of a matrix kernel computes: each row's weights (null for none)
-// and where its result for token t goes (out[t * stride]).
-template <int R>
-struct WarpRows {
-    const u8* w[R];
-    float* out[R];
-    int stride[R];
-};
-
-// Q4_K × Q8_K, eight lanes per 256-block and four blocks per warp step: lane p of a
-// block loads its 16 quant bytes at once (bytes 16p..16p+15: weights 64c + 16(p%2) + i
-// in the low nibbles, group 2c, and the same + 32 in the high nibbles, group 2c + 1,
-// c = p / 2) and also takes group p's minimum. Rows are 16-byte aligned (144-byte
-// blocks); activation blocks (292 bytes) are read as 4-byte words, and so are the
-// blocks' scales and the activations' scale and sums. A warp computes R rows against
-// T tokens; each (row, token) sum is the same lanes' in the same order for any R and T,
-// and the R rows share the activations' loads (decode takes R = 2).
-template <int T, int R>
-__device__ __forceinline__ void matvec_q4_k_rows(const WarpRows<R>& rows, const u8* a, int nb, int acc, int tokens) {
+// Q4_K × Q8_K, four lanes per 256-block and eight blocks per warp step: lane c of a
+// block loads its 32 quant bytes in two 16-byte reads (bytes 32c..32c+31: weights
+// 64c + i in the low nibbles, group 2c, and 64c + 32 + i in the high nibbles, group
+// 2c + 1), the block's d, dmin and scales in one more, and the activations' 64 quants
+// of those groups in four (Q8K_BYTES), with the four 16-element sums its two minimums
+// meet. Rows are 16-byte aligned (144-byte blocks). Four lanes rather than eight, each
+// with twice the bytes, unpack two scales and minimums per 32 bytes rather than three
+// per 16 (8B shape, H200: the same speed on its own, 2.5–3.0 TB/s with the activations'
+// 16-byte reads; two rows per warp sharing the activations measured slower for the
+// 28,672-row gate and up launch, 2.87 against 2.99 TB/s). Each (row, token) sum is the
+// same lanes' in the same order for any T.
+template <int T>
+__device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
     ROW_TOKENS(T)
     int lane = threadIdx.x % WARP;
-    int p = lane % 8, c = p / 2, half = 16 * (p % 2);
-    float sum[R][T];
+    int c = lane % 4;
+    const u8* wr = w + (long)r * nb * 144;
+    float sum[T];
 #pragma unroll
-    for (int j = 0; j < R; j++)
-#pragma unroll
-        for (int k = 0; k < T; k++) sum[j][k] = 0.0f;
+    for (int k = 0; k < T; k++) sum[k] = 0.0f;
 #pragma unroll 2
-    for (int b = lane / 8; b < nb; b += 4) {
-        int qw[R][4], sc_lo[R], sc_hi[R], m_p[R];
-        float dw[R], mw[R];
-#pragma unroll
-        for (int j = 0; j < R; j++) {
-            if (!rows.w[j]) continue;
-            const u8* wb = rows.w[j] + (long)b * 144;
-            int4 q = *(const int4*)(wb + 16 + 16 * p);
-            qw[j][0] = q.x; qw[j][1] = q.y; qw[j][2] = q.z; qw[j][3] = q.w;
-            const unsigned int* hw = (const unsigned int*)wb;
-            unsigned int dm = hw[0], s0 = hw[1], s1 = hw[2], s2 = hw[3];
-            int m_lo, m_hi, sc_p;
-            scale_min_k4_regs(2 * c, s0, s1, s2, &sc_lo[j], &m_lo);
-            scale_min_k4_regs(2 * c + 1, s0, s1, s2, &sc_hi[j], &m_hi);
-            scale_min_k4_regs(p, s0, s1, s2, &sc_p, &m_p[j]);
-            dw[j] = h2f((u16)(dm & 0xffffu));
-            mw[j] = h2f((u16)(dm >> 16));
-        }
+    for (int b = lane / 4; b < nb; b += 8) {
+        const u8* wb = wr + (long)b * 144;
+        uint4 h = *(const uint4*)wb;
+        int4 q0 = *(const int4*)(wb + 16 + 32 * c), q1 = *(const int4*)(wb + 32 + 32 * c);
+        int q[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+        int sc_lo, m_lo, sc_hi, m_hi;
+        scale_min_k4_regs(2 * c, h.y, h.z, h.w, &sc_lo, &m_lo);
+        scale_min_k4_regs(2 * c + 1, h.y, h.z, h.w, &sc_hi, &m_hi);
+        float dw = h2f((u16)(h.x & 0xffffu)), mw = h2f((u16)(h.x >> 16));
 #pragma unroll
         for (int k = 0; k < T; k++) {
             if (k >= nt) break;
-            const u8* ab = a + ((long)k * nb + b) * 292;
-            const int* ylo = (const int*)(ab + 4 + 64 * c + half);
-            const int* yhi = (const int*)(ab + 4 + 64 * c + 32 + half);
-            int y[8];
+            const u8* ab = a + ((long)k * nb + b) * Q8K_BYTES;
+            const int4* yv = (const int4*)(ab + 64 * c);
+            int y[16];
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                y[i] = ylo[i];
-                y[4 + i] = yhi[i];
+                int4 t = yv[i];
+                y[4 * i] = t.x;
+                y[4 * i + 1] = t.y;
+                y[4 * i + 2] = t.z;
+                y[4 * i + 3] = t.w;
             }
-            float da = *(const float*)ab;
-            unsigned int bs = *(const unsigned int*)(ab + 260 + 4 * p);
-            int bsum = (int)(i16)(bs & 0xffffu) + (int)(i16)(bs >> 16);
+            uint2 bs = *(const uint2*)(ab + Q8K_SUMS + 8 * c);
+            float da = *(const float*)(ab + Q8K_D);
+            int dlo = 0, dhi = 0;
 #pragma unroll
-            for (int j = 0; j < R; j++) {
-                if (!rows.w[j]) continue;
-                int dlo = 0, dhi = 0;
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    dlo = dp4a(qw[j][i] & 0x0f0f0f0f, y[i], dlo);
-                    dhi = dp4a((qw[j][i] >> 4) & 0x0f0f0f0f, y[4 + i], dhi);
-                }
-                int msum = m_p[j] * bsum;
-                sum[j][k] += (float)(sc_lo[j] * dlo + sc_hi[j] * dhi) * (dw[j] * da) - (float)msum * (mw[j] * da);
+            for (int i = 0; i < 8; i++) {
+                dlo = dp4a(q[i] & 0x0f0f0f0f, y[i], dlo);
+                dhi = dp4a((q[i] >> 4) & 0x0f0f0f0f, y[8 + i], dhi);
             }
+            int bs_lo = (int)(i16)(bs.x & 0xffffu) + (int)(i16)(bs.x >> 16);
+            int bs_hi = (int)(i16)(bs.y & 0xffffu) + (int)(i16)(bs.y >> 16);
+            sum[k] += (float)(sc_lo * dlo + sc_hi * dhi) * (dw * da) - (float)(m_lo * bs_lo + m_hi * bs_hi) * (mw * da);
         }
     }
 #pragma unroll
-    for (int j = 0; j < R; j++) {
-#pragma unroll
-        for (int k = 0; k < T; k++) {
-            float total = warp_sum(sum[j][k]);
-            if (lane == 0 && k < nt && rows.w[j]) put(rows.out[j], (long)(t0 + k) * rows.stride[j], total, acc);
-        }
+    for (int k = 0; k < T; k++) {
+        float total = warp_sum(sum[k]);
+        if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
     }
 }
-
-// One row per warp, as the other types' row functions.
-template <int T>
-__device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
-    WarpRows<1> wr = {{w + (long)r * nb * 144}, {out + r}, {rows}};
-    matvec_q4_k_rows<T, 1>(wr, a, nb, acc, tokens);
-}
-MATVEC_KERNELS(matvec_q4_k, 144, 292)
-
-// Decode with two rows per warp: one matrix, and up to three (as MATVEC_ENTRY), a
-// warp's two rows possibly in two of them. Grid (ceil(rows / 8), 1), 128 threads.
-__device__ __forceinline__ void warp_row(WarpRows<2>& wr, int j, const u8* w, long row_bytes, float* out, int rows, int r) {
-    wr.w[j] = w + r * row_bytes;
-    wr.out[j] = out + r;
-    wr.stride[j] = rows;
-}
-
-#define PAIR_ENTRY(name, WBYTES)                                                                          \
-    extern "C" __global__ void name##_pair(const u8* w, const u8* a, float* out, int rows, int nb, int acc, int tokens) { \
-        int r = (blockIdx.x * 4 + threadIdx.x / WARP) * 2;                                                \
-        if (r >= rows) return;                                                                            \
-        PDL_PREFETCH(w + r * (long)nb * (WBYTES), min(2, rows - r) * (long)nb * (WBYTES));               \
-        PDL_START                                                                                         \
-        WarpRows<2> wr;                                                                                   \
-        for (int j = 0; j < 2; j++) {                                                                     \
-            wr.w[j] = nullptr;                                                                            \
-            if (r + j < rows) warp_row(wr, j, w, (long)nb * (WBYTES), out, rows, r + j);                  \
-        }                                                                                                 \
-        name##_rows<1, 2>(wr, a, nb, acc, tokens);                                                        \
-    }                                                                                                     \
-    extern "C" __global__ void name##_3_pair(const u8* w0, const u8* w1, const u8* w2, const u8* a,       \
-                                             float* o0, float* o1, float* o2, int r0, int r1, int r2, int nb, int tokens) { \
-        int r = (blockIdx.x * 4 + threadIdx.x / WARP) * 2;                                                \
-        if (r >= r0 + r1 + r2) return;                                                                    \
-        long rb = (long)nb * (WBYTES);                                                                    \
-        for (int j = 0; j < 2; j++) PDL_PREFETCH(row_of_3(w0, w1, w2, r0, r1, r2, r + j, rb), rb);        \
-        PDL_START                                                                                         \
-        WarpRows<2> wr;                                                                                   \
-        for (int j = 0; j < 2; j++) {                                                                     \
-            int rj = r + j;                                                                               \
-            wr.w[j] = nullptr;                                                                            \
-            if (rj < r0) warp_row(wr, j, w0, rb, o0, r0, rj);                                             \
-            else if (rj < r0 + r1) warp_row(wr, j, w1, rb, o1, r1, rj - r0);                              \
-            else if (rj < r0 + r1 + r2) warp_row(wr, j, w2, rb, o2, r2, rj - r0 - r1);                    \
-        }                                                                                                 \
-        name##_rows<1, 2>(wr, a, nb, 0, tokens);                                                          \
-    }
-PAIR_ENTRY(matvec_q4_k, 144)
+MATVEC_KERNELS(matvec_q4_k, 144, Q8K_BYTES)
 
 // A word of four bytes at a 2-byte aligned address.
 __device__ __forceinline__ int ld4_2(const u8* p) {
@@ -606,7 +539,7 @@ __device__ __forceinline__ int ld4_2(const u8* p) {
 // (bits 2(p%4) of bytes 32(p/4) + l), offset by −32 into signed bytes; its two
 // 16-weight halves take scales 8(p/4) + 2(p%4) and + 1. The eight lanes' integer sums
 // are added exactly (shuffles) before the block's one float product. Blocks (210
-// bytes) are 2-byte aligned; activation blocks (292 bytes) 4-byte aligned.
+// bytes) are 2-byte aligned; a lane reads its 32 activations in two 16-byte loads.
 template <int T>
 __device__ __forceinline__ void matvec_q6_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
     ROW_TOKENS(T)
@@ -641,18 +574,18 @@ __device__ __forceinline__ void matvec_q6_k_row(const u8* w, const u8* a, float*
         for (int k = 0; k < T; k++) {
             if (k >= nt) break;
             int part = 0;
-            const u8* ab = a + ((long)k * nb + b) * 292;
+            const u8* ab = a + ((long)k * nb + b) * Q8K_BYTES;
             if (b < nb) {
-                const int* y = (const int*)(ab + 4 + 128 * n + 32 * qr);
-                int half[2] = {0, 0};
-#pragma unroll
-                for (int i = 0; i < 8; i++) half[i / 4] = dp4a(q[i], y[i], half[i / 4]);
-                part = sc0 * half[0] + sc1 * half[1];
+                const int4* yv = (const int4*)(ab + 128 * n + 32 * qr);
+                int4 y0 = yv[0], y1 = yv[1];
+                int half0 = dp4a(q[3], y0.w, dp4a(q[2], y0.z, dp4a(q[1], y0.y, dp4a(q[0], y0.x, 0))));
+                int half1 = dp4a(q[7], y1.w, dp4a(q[6], y1.z, dp4a(q[5], y1.y, dp4a(q[4], y1.x, 0))));
+                part = sc0 * half0 + sc1 * half1;
             }
             part += __shfl_xor_sync(0xffffffffu, part, 1);
             part += __shfl_xor_sync(0xffffffffu, part, 2);
             part += __shfl_xor_sync(0xffffffffu, part, 4);
-            if (b < nb && p == 0) sum[k] += (float)part * (dw * ldf(ab));
+            if (b < nb && p == 0) sum[k] += (float)part * (dw * *(const float*)(ab + Q8K_D));
         }
     }
 #pragma unroll
@@ -661,7 +594,7 @@ __device__ __forceinline__ void matvec_q6_k_row(const u8* w, const u8* a, float*
         if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
     }
 }
-MATVEC_KERNELS(matvec_q6_k, 210, 292)
+MATVEC_KERNELS(matvec_q6_k, 210, Q8K_BYTES)
 
 // Q4_1 × Q8_1, four lanes per 32-block and eight blocks per warp step: lane p takes
 // quant bytes 4p..4p+3 (weights 4p + i in the low nibbles, 16 + 4p + i in the high);
@@ -970,7 +903,7 @@ __device__ __forceinline__ void norm_quantize_at(float v, u8* out, int n, int j,
     int i = j * N + threadIdx.x;
     if (kind == 2) {
         // Every group calls (the block synchronizes the CTA); those past the row write nothing.
-        q8_k_block(v, out + ((long)blockIdx.x * (n / 256) + min(i, n - 1) / 256) * 292, i < n);
+        q8_k_block(v, out + ((long)blockIdx.x * (n / 256) + min(i, n - 1) / 256) * Q8K_BYTES, i < n);
     } else if (i - threadIdx.x % WARP < n) {  // whole warps: n is a multiple of 32
         q8_32_block(v, out + ((long)blockIdx.x * (n / 32) + i / 32) * (kind == 1 ? 36 : 34), kind);
     }

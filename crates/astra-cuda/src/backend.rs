@@ -67,21 +67,21 @@ impl Kernels {
         let launches = |has: bool, n: &str, suffix: &str| -> Result<Option<(CudaFunction, CudaFunction)>, EngineError> {
             has.then(|| Ok((f(&format!("{n}{suffix}"))?, f(&format!("{n}_3{suffix}"))?))).transpose()
         };
-        let mv = |n: &str, batch: bool, pair: bool, glu: bool| -> Result<MatvecKernels, EngineError> {
+        let mv = |n: &str, batch: bool, glu: bool| -> Result<MatvecKernels, EngineError> {
             let (one, three) = launches(true, n, "")?.expect("always built");
-            let (batch, pair) = (launches(batch, n, "_8")?, launches(pair, n, "_pair")?);
+            let batch = launches(batch, n, "_8")?;
             let glu = glu.then(|| f(&format!("{n}_glu"))).transpose()?;
-            Ok(MatvecKernels { one, three, batch, pair, glu })
+            Ok(MatvecKernels { one, three, batch, glu })
         };
         let k = Kernels {
             quantize_q8_32: f("quantize_q8_32")?,
             quantize_q8_k: f("quantize_q8_k")?,
             matvec: f("matvec")?,
-            matvec_q4_k: mv("matvec_q4_k", true, true, false)?,
-            matvec_q4_1: mv("matvec_q4_1", false, false, true)?,
-            matvec_q5_0: mv("matvec_q5_0", true, false, false)?,
-            matvec_q8_0: mv("matvec_q8_0", true, false, false)?,
-            matvec_q6_k: mv("matvec_q6_k", true, false, false)?,
+            matvec_q4_k: mv("matvec_q4_k", true, false)?,
+            matvec_q4_1: mv("matvec_q4_1", false, true)?,
+            matvec_q5_0: mv("matvec_q5_0", true, false)?,
+            matvec_q8_0: mv("matvec_q8_0", true, false)?,
+            matvec_q6_k: mv("matvec_q6_k", true, false)?,
             embed: f("embed")?,
             dequantize: f("dequantize")?,
             rms_norm: f("rms_norm")?,
@@ -116,9 +116,6 @@ struct MatvecKernels {
     /// The same with eight tokens per warp, for batches; none for Q4_1, whose
     /// eight-token kernel measured slower than one token per warp.
     batch: Option<(CudaFunction, CudaFunction)>,
-    /// The same with one token and two rows per warp (sharing the activations' loads),
-    /// for decode; Q4_K only.
-    pair: Option<(CudaFunction, CudaFunction)>,
     /// A decode row's gate and up products, gated and quantized for the down product;
     /// Q4_1 only (astra.cu says why).
     glu: Option<CudaFunction>,
@@ -316,7 +313,7 @@ impl CudaBackend {
     /// if too small; `None` where it would have to grow during a capture (which is then
     /// dropped).
     fn reserve<'s>(&self, scratch: &'s mut Scratch, act: ActType, rows: usize, width: usize) -> Option<&'s mut CudaSlice<u8>> {
-        let need = act.row_bytes(width).expect("a whole number of blocks") * rows;
+        let need = device_row_bytes(act, width) * rows;
         if scratch.buf.as_ref().is_none_or(|b| b.len() < need) {
             if self.capturing.load(Ordering::Relaxed) {
                 self.capture_failed.store(true, Ordering::Relaxed);
@@ -404,7 +401,7 @@ impl CudaBackend {
             let acc = i32::from(add_to.is_some());
             // Warp-cooperative kernels where there is one; a lane per block otherwise.
             let Some(kernels) = self.matvec_kernels(w.ty) else {
-                let (wbytes, abytes) = (w.ty.block_bytes() as i32, w.act.ggml_type().block_bytes() as i32);
+                let (wbytes, abytes) = (w.ty.block_bytes() as i32, device_row_bytes(w.act, w.act.ggml_type().block_elems() as usize) as i32);
                 let (ty, rows) = (type_code(w.ty), w.rows as i32);
                 let cfg = matvec_grid(w.rows, tokens);
                 let out = match add_to.as_deref_mut() {
@@ -419,21 +416,17 @@ impl CudaBackend {
             };
             // Eight tokens per warp for a batch where the type has those kernels (a row's
             // sums are the same either way).
-            // Two rows per warp for decode where the type has those kernels and the launch
-            // has PAIR_MIN_ROWS rows (a row's sums are the same again).
             // The following matrices of the same type and width (Q, K, V; gate, up) go
             // in the same launch, up to three.
             let n = outs[i..].iter().take(3).take_while(|(m, _)| m.ty == w.ty && m.cols == w.cols).count();
-            let launch_rows: usize = outs[i..i + n].iter().map(|(m, _)| m.rows).sum();
-            let (one, three, per_warp, rows_per_warp) = match (&kernels.batch, &kernels.pair) {
-                (Some((one_8, three_8)), _) if tokens > 1 => (one_8, three_8, 8, 1),
-                (_, Some((one_2, three_2))) if tokens == 1 && launch_rows >= PAIR_MIN_ROWS => (one_2, three_2, 1, 2),
-                _ => (&kernels.one, &kernels.three, 1, 1),
+            let (one, three, per_warp) = match &kernels.batch {
+                Some((one_8, three_8)) if tokens > 1 => (one_8, three_8, 8),
+                _ => (&kernels.one, &kernels.three, 1),
             };
             let toks = tokens as i32;
             if n == 1 {
                 let rows = w.rows as i32;
-                let cfg = matvec_grid(w.rows.div_ceil(rows_per_warp), tokens.div_ceil(per_warp));
+                let cfg = matvec_grid(w.rows, tokens.div_ceil(per_warp));
                 let out = match add_to.as_deref_mut() {
                     Some(r) => &mut r.buf,
                     None => &mut outs[i].1.buf,
@@ -446,7 +439,7 @@ impl CudaBackend {
             }
             let group = &mut outs[i..i + n];
             let rows: [i32; 3] = std::array::from_fn(|j| group.get(j).map_or(0, |(m, _)| m.rows as i32));
-            let cfg = matvec_grid(rows.iter().map(|&r| r as usize).sum::<usize>().div_ceil(rows_per_warp), tokens.div_ceil(per_warp));
+            let cfg = matvec_grid(rows.iter().map(|&r| r as usize).sum::<usize>(), tokens.div_ceil(per_warp));
             // With two matrices the third slot repeats the second's pointers; it has no
             // rows, so they are never used.
             let weights: [&CudaSlice<u8>; 3] = std::array::from_fn(|j| &group[j.min(n - 1)].0.data);
@@ -647,14 +640,32 @@ fn glu_code(act: Activation) -> i32 {
     }
 }
 
-/// The fewest rows a decode launch has for two rows per warp: with fewer, the launch
-/// has too few warps to keep memory busy (8B shape: 4,096-row products at 1.4 TB/s with
-/// two rows per warp, 1.8 TB/s with one; 28,672 rows gain from sharing the loads).
-const PAIR_MIN_ROWS: usize = 8192;
+/// Bytes of a row of `n` activations quantized for `act` as the kernels keep it: the
+/// stored format's, but for Q8_K, whose blocks the kernels pad to 304 bytes (astra.cu,
+/// `Q8K_BYTES`: the same values, reordered for aligned loads).
+fn device_row_bytes(act: ActType, n: usize) -> usize {
+    match act {
+        ActType::Q8K => n / 256 * Q8K_DEVICE_BYTES,
+        _ => act.row_bytes(n).expect("a whole number of blocks"),
+    }
+}
 
-/// The matrix kernels' launch: a warp per output row, or per group of rows a warp
-/// takes (four warps per block of 128 threads), a grid row per token, or per group of
-/// tokens a warp takes.
+/// A Q8_K block as the kernels keep it: quants (256), sums (16 × i16), d (f32), padding.
+const Q8K_DEVICE_BYTES: usize = 304;
+
+/// A stored Q8_K block (d, quants, sums) in the kernels' order (quants, sums, d; the
+/// padding zero).
+#[cfg(test)]
+fn q8k_to_device(block: &[u8]) -> [u8; Q8K_DEVICE_BYTES] {
+    let mut out = [0u8; Q8K_DEVICE_BYTES];
+    out[..256].copy_from_slice(&block[4..260]);
+    out[256..288].copy_from_slice(&block[260..292]);
+    out[288..292].copy_from_slice(&block[..4]);
+    out
+}
+
+/// The matrix kernels' launch: a warp per output row (four warps per block of 128
+/// threads), a grid row per token, or per group of tokens a warp takes.
 fn matvec_grid(rows: usize, tokens: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: ((rows as u32).div_ceil(4), tokens as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
 }
@@ -981,13 +992,21 @@ mod tests {
             assert!(gpu.quantize(&Input::Rows(&t), act, &mut scratch));
             let rb = act.row_bytes(cols).unwrap();
             let mut got = gpu.stream.clone_dtoh(scratch.buf.as_ref().unwrap()).unwrap();
-            got.truncate(3 * rb);
+            got.truncate(3 * device_row_bytes(act, cols));
             let mut want = vec![0u8; 3 * rb];
             for (row, out) in x.chunks_exact(cols).zip(want.chunks_exact_mut(rb)) {
                 act.quantize(row, out);
             }
+            let mut block = act.ggml_type().block_bytes() as usize;
+            if act == ActType::Q8K {
+                // The kernels' order of the same values; their padding is never written.
+                want = want.chunks_exact(block).flat_map(q8k_to_device).collect();
+                block = Q8K_DEVICE_BYTES;
+                for (g, w) in got.chunks_exact_mut(block).zip(want.chunks_exact(block)) {
+                    g[292..].copy_from_slice(&w[292..]);
+                }
+            }
             let first = got.iter().zip(&want).position(|(a, b)| a != b);
-            let block = act.ggml_type().block_bytes() as usize;
             let diffs: Vec<(usize, u8, u8)> = got.iter().zip(&want).enumerate().filter(|(_, (a, b))| a != b).map(|(i, (a, b))| (i % block, *a, *b)).take(24).collect();
             eprintln!("{act:?}: {} differing bytes; (offset in block, gpu, cpu): {diffs:?}", got.iter().zip(&want).filter(|(a, b)| a != b).count());
             assert_eq!(first, None, "{act:?}: first differing byte (of {}); gpu {:?} cpu {:?}", want.len(),
