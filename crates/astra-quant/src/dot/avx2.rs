@@ -4,7 +4,8 @@
 //! Each block's integer dot product is computed in 8 i32 lanes (exact), converted to
 //! f32 and multiplied into 8 f32 accumulators with the block's scale; the lanes are
 //! summed at the end. The result therefore differs from the scalar reference only in
-//! the association of the float sums (parity bound: relative L2 ≤ 1e-6).
+//! the association of the float sums (parity bound: relative L2 ≤ 1e-6). Q4_1 and Q5_0
+//! are not here: they run eight rows in lanes (`avx2_lanes`).
 //!
 //! Safety: every kernel here requires AVX2, FMA and F16C. They are reachable only
 //! through [`dot_fn`], which `Kernels::new` calls after checking `Isa::Avx2.available()`.
@@ -19,7 +20,8 @@ use crate::GgmlType;
 /// Weight rows walked together against one token: two chains of multiply-adds in
 /// flight. Four had been taken for more chains, but measured far slower on an AVX2-only
 /// machine (AMD EPYC, two threads: Gemma's 178 MB Q8_0 output matrix streamed at 15-20
-/// GiB/s with four, 21-26 with two; one row gave less on SmolLM2's Q4_1 products).
+/// GiB/s with four, 21-26 with two; one row gave less on SmolLM2's Q4_1 products, which
+/// ran here then).
 /// The arithmetic of each output does not depend on it.
 const DECODE_ROWS: usize = 2;
 
@@ -58,8 +60,6 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, Option<VecDot1Fn>,
         }};
     }
     Some(match weights {
-        Q4_1 => rows!(Q4_1Rows, ActType::Q8_1),
-        Q5_0 => rows!(SignedRows<BlockQ5_0>, ActType::Q8_0),
         Q8_0 => rows!(SignedRows<BlockQ8_0>, ActType::Q8_0),
         F32 => (safe!(dot_f32_f32), None, None),
         F16 => (safe!(dot_f16_f32), None, None),
@@ -169,7 +169,7 @@ unsafe fn load_u8(p: &[u8]) -> __m256i {
 
 /// 16 bytes of nibbles → 32 lanes: the low nibbles, then the high nibbles.
 #[inline(always)]
-unsafe fn nibbles(qs: &[u8; 16]) -> __m256i {
+pub(super) unsafe fn nibbles(qs: &[u8; 16]) -> __m256i {
     let x = _mm_loadu_si128(qs.as_ptr().cast());
     let hi = _mm_srli_epi16(x, 4);
     _mm256_and_si256(_mm256_set_m128i(hi, x), _mm256_set1_epi8(0x0F))
@@ -177,7 +177,7 @@ unsafe fn nibbles(qs: &[u8; 16]) -> __m256i {
 
 /// Lane k = 0xFF where bit k of `x` is set, else 0.
 #[inline(always)]
-unsafe fn bits_to_bytes(x: u32) -> __m256i {
+pub(super) unsafe fn bits_to_bytes(x: u32) -> __m256i {
     let shuffle = _mm256_set_epi64x(
         0x0303030303030303,
         0x0202020202020202,
@@ -341,60 +341,11 @@ unsafe fn rows_avx2<K: RowKernel, const M: usize, const N: usize>(
     rows::<K, Madd, M, N>(w, row_bytes, a, out)
 }
 
-struct Q4_1Rows;
-
-impl RowKernel for Q4_1Rows {
-    type W = BlockQ4_1;
-    type A = BlockQ8_1;
-    const SCALES: usize = 2;
-
-    #[inline(always)]
-    unsafe fn dot<D: IntDot, const M: usize, const N: usize>(
-        w: [&[BlockQ4_1]; M],
-        q: [&[BlockQ8_1]; N],
-        s: [&[f32]; N],
-    ) -> [[f32; N]; M] {
-        let mut acc = [[_mm256_setzero_ps(); N]; M];
-        let mut mins = [[0.0f32; N]; M];
-        for i in 0..w[0].len() {
-            for m in 0..M {
-                // SAFETY (the unchecked indexing): the trait's contract.
-                let wb = w[m].get_unchecked(i);
-                let qx = nibbles(&wb.qs);
-                let (dw, mw) = f16_pair(wb.d, wb.m);
-                for r in 0..N {
-                    let p = _mm256_cvtepi32_ps(D::dot_u8_i8(qx, load(&q[r].get_unchecked(i).qs)));
-                    acc[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * s[r].get_unchecked(2 * i)), p, acc[m][r]);
-                    mins[m][r] += mw * s[r].get_unchecked(2 * i + 1);
-                }
-            }
-        }
-        let mut out = hsums(&acc);
-        for m in 0..M {
-            for r in 0..N {
-                out[m][r] += mins[m][r];
-            }
-        }
-        out
-    }
-}
-
 /// A 32-element format of signed codes with one f16 scale: how to decode a block.
 trait SignedBlock: Block {
     fn d(&self) -> F16Le;
     /// The block's 32 codes as signed bytes.
     unsafe fn codes(&self) -> __m256i;
-}
-
-impl SignedBlock for BlockQ5_0 {
-    fn d(&self) -> F16Le {
-        self.d
-    }
-    #[inline(always)]
-    unsafe fn codes(&self) -> __m256i {
-        let missing = _mm256_andnot_si256(bits_to_bytes(u32::from_le_bytes(self.qh)), _mm256_set1_epi8(0xF0u8 as i8));
-        _mm256_or_si256(nibbles(&self.qs), missing)
-    }
 }
 
 impl SignedBlock for BlockQ8_0 {

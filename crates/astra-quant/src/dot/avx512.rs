@@ -4,10 +4,9 @@
 //! vector k holds, in lane l, row l's codes 4k..4k+4. One `vpdpbusd` against the token's
 //! quants 4k..4k+4, broadcast, adds four products to every row's lane; eight of them
 //! leave each row's exact integer block sum in its lane, with no horizontal sums. Each
-//! output is then one float chain over the blocks in order,
-//! `acc ← fma(isum_b, d_w·d_a, acc)` (and, for formats with a minimum, `m_w·s_a` summed
-//! in a second chain added at the end): one fixed sequence per (row, token), which the
-//! tests write out in scalar code (`reference`) and the kernels match bit for bit.
+//! output is then the float chains of [`super::lanes`], which `lanes::reference` writes
+//! out in scalar code and the kernels match bit for bit (as do AVX2's eight lanes,
+//! `avx2_lanes`).
 //!
 //! Decode streams each 16-row group once, transposing it as it goes ([`rows_dot1`]);
 //! prefill transposes a group once into a scratch tile that every token of the batch
@@ -18,8 +17,7 @@
 //! chains, so that a batch equals AVX2's single-token kernel bit for bit.
 //!
 //! Signed codes (Q5_0, Q8_0) are read as unsigned `c + 2^SHIFT` so that `vpdpbusd` can
-//! take them; the offset comes back through the activations' block sums, in exact i32
-//! lanes: Σ c·a = Σ (c + 2^SHIFT)·a − 2^SHIFT·Σ a.
+//! take them (`lanes` says how the offset comes back).
 //!
 //! Safety: every kernel here requires AVX-512 F/BW/VL/VNNI and AVX2/FMA/F16C. They are
 //! reachable only through [`kernels`], which `Kernels::new` calls for
@@ -28,6 +26,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
+use super::lanes::{group, lane_entries, tile_rows, Act, LaneFormat, Q4_1Lanes, Q5_0Lanes, Q8_0Lanes};
 use super::{ActRow, ActType, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_ROWS};
 use crate::blocks::*;
 use crate::GgmlType;
@@ -44,20 +43,8 @@ pub(crate) struct LaneKernels {
 pub(crate) fn kernels(weights: GgmlType) -> Option<LaneKernels> {
     macro_rules! entries {
         ($f:ty, $act:expr) => {{
-            fn dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
-                // SAFETY: handed out only where the features are present (module doc).
-                unsafe { rows_dot1::<$f>(w, row_bytes, a, out) }
-            }
-            fn tile(w: &[u8], row_bytes: usize, a: &[ActRow], out: &mut [[f32; TILE_ROWS]]) {
-                // SAFETY: as for `dot1`.
-                unsafe { tile_dot::<$f>(w, row_bytes, a, out) }
-            }
-            fn dot(w: &[u8], a: &[u8]) -> f32 {
-                let mut out = [0.0];
-                super::with_act_row($act, a, |row| dot1(w, w.len(), row, &mut out));
-                out[0]
-            }
-            LaneKernels { single: Some((dot as VecDotFn, dot1 as VecDot1Fn)), tile: tile as VecDotTileFn }
+            let (dot, dot1, tile) = lane_entries!(rows_dot1, tile_dot, $f, $act);
+            LaneKernels { single: Some((dot, dot1)), tile }
         }};
     }
     macro_rules! k_tile {
@@ -79,29 +66,15 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<LaneKernels> {
     }
 }
 
-/// A weight format of 32-element blocks that these kernels take.
-pub(crate) trait LaneFormat {
-    type W: Block;
-    /// log2 of the offset added to signed codes; `None` for unsigned codes with a
-    /// minimum (`value = d·c + m`).
-    const SHIFT: Option<u32>;
-    /// The block's scale and (formats with a minimum) minimum, as f16 bits.
-    fn d(b: &Self::W) -> u16;
-    fn m(b: &Self::W) -> u16;
-    /// A block's 32 codes (offset where signed), in element order.
-    #[cfg(test)]
-    fn codes(b: &Self::W) -> [u8; 32];
-    /// Two blocks' codes as [`Self::codes`] gives them: `b0`'s in bytes 0..32, `b1`'s
-    /// in 32..64.
+/// A [`LaneFormat`] whose codes these kernels can load.
+pub(crate) trait Lanes16: LaneFormat {
+    /// Two blocks' codes as [`LaneFormat::codes`] gives them: `b0`'s in bytes 0..32,
+    /// `b1`'s in 32..64.
     ///
     /// # Safety
     /// The module's features.
     unsafe fn codes2(b0: &Self::W, b1: &Self::W) -> __m512i;
 }
-
-pub(crate) struct Q4_1Lanes;
-pub(crate) struct Q5_0Lanes;
-pub(crate) struct Q8_0Lanes;
 
 /// Two blocks' 16 bytes of nibbles as 64 codes in element order: block 0's low
 /// nibbles, its high nibbles, then block 1's.
@@ -112,45 +85,14 @@ unsafe fn nibbles2(qs0: &[u8; 16], qs1: &[u8; 16]) -> __m512i {
     _mm512_and_si512(_mm512_shuffle_i64x2::<0b11_01_10_00>(y, y), _mm512_set1_epi8(0x0F))
 }
 
-/// A block's nibbles in element order (scalar).
-#[cfg(test)]
-fn nibbles(qs: &[u8; 16]) -> [u8; 32] {
-    std::array::from_fn(|j| if j < 16 { qs[j] & 0x0F } else { qs[j - 16] >> 4 })
-}
-
-impl LaneFormat for Q4_1Lanes {
-    type W = BlockQ4_1;
-    const SHIFT: Option<u32> = None;
-    fn d(b: &BlockQ4_1) -> u16 {
-        u16::from_le_bytes(b.d.0)
-    }
-    fn m(b: &BlockQ4_1) -> u16 {
-        u16::from_le_bytes(b.m.0)
-    }
-    #[cfg(test)]
-    fn codes(b: &BlockQ4_1) -> [u8; 32] {
-        nibbles(&b.qs)
-    }
+impl Lanes16 for Q4_1Lanes {
     #[inline(always)]
     unsafe fn codes2(b0: &BlockQ4_1, b1: &BlockQ4_1) -> __m512i {
         nibbles2(&b0.qs, &b1.qs)
     }
 }
 
-impl LaneFormat for Q5_0Lanes {
-    type W = BlockQ5_0;
-    const SHIFT: Option<u32> = Some(4);
-    fn d(b: &BlockQ5_0) -> u16 {
-        u16::from_le_bytes(b.d.0)
-    }
-    fn m(_: &BlockQ5_0) -> u16 {
-        0
-    }
-    #[cfg(test)]
-    fn codes(b: &BlockQ5_0) -> [u8; 32] {
-        let (low, high) = (nibbles(&b.qs), u32::from_le_bytes(b.qh));
-        std::array::from_fn(|j| low[j] | (((high >> j) & 1) as u8) << 4)
-    }
+impl Lanes16 for Q5_0Lanes {
     #[inline(always)]
     unsafe fn codes2(b0: &BlockQ5_0, b1: &BlockQ5_0) -> __m512i {
         let nibbles = nibbles2(&b0.qs, &b1.qs);
@@ -160,19 +102,7 @@ impl LaneFormat for Q5_0Lanes {
     }
 }
 
-impl LaneFormat for Q8_0Lanes {
-    type W = BlockQ8_0;
-    const SHIFT: Option<u32> = Some(7);
-    fn d(b: &BlockQ8_0) -> u16 {
-        u16::from_le_bytes(b.d.0)
-    }
-    fn m(_: &BlockQ8_0) -> u16 {
-        0
-    }
-    #[cfg(test)]
-    fn codes(b: &BlockQ8_0) -> [u8; 32] {
-        b.qs.map(|q| (q as u8) ^ 0x80)
-    }
+impl Lanes16 for Q8_0Lanes {
     #[inline(always)]
     unsafe fn codes2(b0: &BlockQ8_0, b1: &BlockQ8_0) -> __m512i {
         let lo = _mm512_castsi256_si512(_mm256_loadu_si256(b0.qs.as_ptr().cast()));
@@ -232,7 +162,7 @@ unsafe fn transpose(p: [__m512i; 8]) -> [__m512i; 8] {
 
 /// Block `b` of the 16 rows `rows`, in lanes.
 #[inline(always)]
-unsafe fn lane_block<F: LaneFormat>(rows: &[&[F::W]; TILE_ROWS], b: usize) -> LaneBlock {
+unsafe fn lane_block<F: Lanes16>(rows: &[&[F::W]; TILE_ROWS], b: usize) -> LaneBlock {
     let mut p = [_mm512_setzero_si512(); 8];
     for (j, pj) in p.iter_mut().enumerate() {
         *pj = F::codes2(rows[j].get_unchecked(b), rows[j + 8].get_unchecked(b));
@@ -252,32 +182,12 @@ unsafe fn lane_block<F: LaneFormat>(rows: &[&[F::W]; TILE_ROWS], b: usize) -> La
     }
 }
 
-/// A token's view for these kernels: its contiguous quants, f32 scales and block sums.
-#[derive(Clone, Copy)]
-struct Act {
-    q: *const i8,
-    s: *const f32,
-    neg: *const i32,
-}
-
-impl Act {
-    fn new<F: LaneFormat>(a: &ActRow, blocks: usize) -> Act {
-        let scales = if F::SHIFT.is_none() { 2 * blocks } else { blocks };
-        let sums = if F::SHIFT.is_none() { 0 } else { blocks };
-        assert!(
-            a.quants.len() == 32 * blocks && a.scales.len() == scales && a.neg_sums.len() == sums,
-            "activation row does not match the weights"
-        );
-        Act { q: a.quants.as_ptr(), s: a.scales.as_ptr(), neg: a.neg_sums.as_ptr() }
-    }
-}
-
 /// The float chains (value, minimum) of 16 rows against one token, advanced by block b.
 ///
 /// # Safety
 /// The module's features; `a` fits the rows and `b` is one of their blocks.
 #[inline(always)]
-unsafe fn step<F: LaneFormat>(x: &LaneBlock, a: Act, b: usize, acc: &mut __m512, min: &mut __m512) {
+unsafe fn step<F: Lanes16>(x: &LaneBlock, a: Act, b: usize, acc: &mut __m512, min: &mut __m512) {
     // The block's integer sum in four independent chains of two `vpdpbusd`s rather
     // than one of eight (its latency bounded decode), added at the end: integer sums,
     // exact in any order.
@@ -302,32 +212,15 @@ unsafe fn step<F: LaneFormat>(x: &LaneBlock, a: Act, b: usize, acc: &mut __m512,
 
 /// The 16 results of a pair of chains.
 #[inline(always)]
-unsafe fn finish<F: LaneFormat>(acc: __m512, min: __m512) -> [f32; TILE_ROWS] {
+unsafe fn finish<F: Lanes16>(acc: __m512, min: __m512) -> [f32; TILE_ROWS] {
     let v = if F::SHIFT.is_none() { _mm512_add_ps(acc, min) } else { acc };
     std::mem::transmute::<__m512, [f32; TILE_ROWS]>(v)
-}
-
-/// The 16 rows starting at row `first` of `w`, the last one repeated past `n` rows.
-fn group<W: Block>(w: &[u8], row_bytes: usize, first: usize, n: usize) -> [&[W]; TILE_ROWS] {
-    std::array::from_fn(|l| {
-        let r = first + l.min(n - 1);
-        as_blocks::<W>(&w[r * row_bytes..(r + 1) * row_bytes])
-    })
-}
-
-/// The rows of a tile (`w`: 1..=16 rows of `row_bytes`, as [`group`] gives them) and
-/// their blocks per row, checked against a batch of `tokens` and its outputs.
-fn tile_rows<W: Block>(w: &[u8], row_bytes: usize, tokens: usize, outs: usize) -> ([&[W]; TILE_ROWS], usize) {
-    let n = w.len() / row_bytes.max(1);
-    assert!(row_bytes > 0 && w.len() == row_bytes * n && (1..=TILE_ROWS).contains(&n), "weights are not 1..=16 rows");
-    assert_eq!(tokens, outs, "one output row per token");
-    (group::<W>(w, row_bytes, 0, n), row_bytes / std::mem::size_of::<W>())
 }
 
 /// `out[i] = K·(row i of w, a)` for consecutive rows of `row_bytes`, 16 at a time, each
 /// group transposed as it streams past while the next one is prefetched.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows_dot1<F: LaneFormat>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
+unsafe fn rows_dot1<F: Lanes16>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
     assert!(row_bytes > 0 && w.len() == row_bytes * out.len(), "weights are not out.len() rows");
     let blocks = row_bytes / std::mem::size_of::<F::W>();
     let act = Act::new::<F>(&a, blocks);
@@ -352,7 +245,7 @@ thread_local! {
 /// `out[t][i] = K·(row i of w, a[t])` for the (at most 16) rows of `w`: the rows are
 /// transposed once, then every token runs its chains over the tile.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile_dot<F: LaneFormat>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], out: &mut [[f32; TILE_ROWS]]) {
+unsafe fn tile_dot<F: Lanes16>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], out: &mut [[f32; TILE_ROWS]]) {
     let (rows, blocks) = tile_rows::<F::W>(w, row_bytes, a.len(), out.len());
     // Taken out of the thread-local rather than used in a closure: a closure would not
     // inherit this function's target features.
@@ -571,89 +464,20 @@ unsafe fn k_tile_dot<F: KLaneFormat>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>
     K_TILE.set(tile);
 }
 
-/// The kernels' arithmetic in scalar code, for one row and one token: what they must
-/// equal bit for bit.
-#[cfg(test)]
-fn reference<F: LaneFormat>(w: &[u8], a: &ActRow) -> f32 {
-    let blocks = as_blocks::<F::W>(w);
-    let (mut acc, mut min) = (0.0f32, 0.0f32);
-    for (b, block) in blocks.iter().enumerate() {
-        let codes = F::codes(block);
-        let mut isum: i32 = codes.iter().zip(&a.quants[32 * b..32 * b + 32]).map(|(&c, &q)| c as i32 * q as i32).sum();
-        let d = half::f16::from_bits(F::d(block)).to_f32();
-        let da = match F::SHIFT {
-            Some(shift) => {
-                isum += a.neg_sums[b] << shift;
-                a.scales[b]
-            }
-            None => {
-                min = half::f16::from_bits(F::m(block)).to_f32().mul_add(a.scales[2 * b + 1], min);
-                a.scales[2 * b]
-            }
-        };
-        acc = (isum as f32).mul_add(d * da, acc);
-    }
-    if F::SHIFT.is_none() {
-        acc + min
-    } else {
-        acc
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::lanes::check_kernels;
     use super::*;
     use crate::parity::{random_weights, SplitMix};
 
-    fn check<F: LaneFormat>(ty: GgmlType, act: ActType) {
+    fn check<F: Lanes16>(ty: GgmlType, act: ActType) {
         if !crate::Isa::Avx512Vnni.available() {
             eprintln!("skipped: this machine has no AVX-512 VNNI");
             return;
         }
         let LaneKernels { single, tile } = kernels(ty).unwrap();
         let (dot, dot1) = single.expect("a whole set");
-        for (rows, cols) in [(1, 32), (16, 64), (21, 96), (40, 640)] {
-            let weights = random_weights(ty, rows, cols, 5).unwrap();
-            let row_bytes = weights.len() / rows;
-            let mut rng = SplitMix::new(6);
-            let tokens: Vec<Vec<u8>> = (0..5)
-                .map(|_| {
-                    let x: Vec<f32> = (0..cols).map(|_| rng.activation()).collect();
-                    let mut q = vec![0u8; act.row_bytes(cols).unwrap()];
-                    act.quantize(&x, &mut q);
-                    q
-                })
-                .collect();
-            for (t, q) in tokens.iter().enumerate() {
-                let want: Vec<u32> = (0..rows)
-                    .map(|r| super::super::with_act_row(act, q, |a| reference::<F>(&weights[r * row_bytes..(r + 1) * row_bytes], &a)).to_bits())
-                    .collect();
-                let mut got1 = vec![0.0f32; rows];
-                super::super::with_act_row(act, q, |a| dot1(&weights, row_bytes, a, &mut got1));
-                assert_eq!(got1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "{ty} {rows}x{cols} token {t} (decode)");
-                let single: Vec<u32> = (0..rows).map(|r| dot(&weights[r * row_bytes..(r + 1) * row_bytes], q).to_bits()).collect();
-                assert_eq!(single, want, "{ty} {rows}x{cols} token {t} (one row)");
-            }
-            // Every token of the batch at once, tile by tile.
-            let mut all = Vec::new();
-            for q in &tokens {
-                super::super::with_act_row(act, q, |a| {
-                    all.push((a.quants.to_vec(), a.scales.to_vec(), a.neg_sums.to_vec(), q.clone()))
-                });
-            }
-            let acts: Vec<ActRow> = all.iter().map(|(q, s, n, b)| ActRow { bytes: b, scales: s, quants: q, neg_sums: n }).collect();
-            for first in (0..rows).step_by(TILE_ROWS) {
-                let n = TILE_ROWS.min(rows - first);
-                let mut out = vec![[0.0f32; TILE_ROWS]; acts.len()];
-                tile(&weights[first * row_bytes..(first + n) * row_bytes], row_bytes, &acts, &mut out);
-                for (t, (a, got)) in acts.iter().zip(&out).enumerate() {
-                    for (r, got) in (first..first + n).zip(got) {
-                        let want = reference::<F>(&weights[r * row_bytes..(r + 1) * row_bytes], a);
-                        assert_eq!(got.to_bits(), want.to_bits(), "{ty} {rows}x{cols} row {r} token {t} (tile)");
-                    }
-                }
-            }
-        }
+        check_kernels::<F>(ty, act, (dot, dot1, tile));
     }
 
     /// Decode, single-row and tile entry points equal the scalar statement of their

@@ -11,6 +11,9 @@ pub mod scalar;
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
+#[cfg(target_arch = "x86_64")]
+pub mod avx2_lanes;
+pub(crate) mod lanes;
 
 use std::sync::OnceLock;
 
@@ -174,7 +177,9 @@ pub(crate) use row_entries;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
     Scalar,
-    /// AVX2 with FMA and F16C (x86-64 since Haswell / Zen).
+    /// AVX2 with FMA and F16C (x86-64 since Haswell / Zen): Q4_1 and Q5_0 put eight
+    /// weight rows in the lanes of a 256-bit vector (AVX-512's arithmetic, the same
+    /// bits); the other types run one row at a time.
     Avx2,
     /// AVX-512 (F, BW, VL) with VNNI (Ice Lake, Sapphire Rapids, Zen 4): Q4_1, Q5_0
     /// and Q8_0 put sixteen weight rows in the lanes of a 512-bit `vpdpbusd`, as do
@@ -278,6 +283,12 @@ impl Kernels {
                     Some((dot, dot1)) => Kernels { dot, dot1: Some(dot1), ..base },
                     None => base,
                 }
+            }
+            // Q4_1 and Q5_0 run in lanes: the arithmetic of AVX-512's lanes, bit for bit.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512Vnni if avx2_lanes::kernels(weights).is_some() => {
+                let (dot, dot1, tile) = avx2_lanes::kernels(weights).expect("just checked");
+                Kernels { weights, act, isa: Isa::Avx2, dot, dot1: Some(dot1), dot4: None, tile: Some(tile) }
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512Vnni => match avx2::kernels(weights) {
