@@ -44,19 +44,53 @@ pub(crate) trait Lanes8: LaneFormat {
     /// How many `vpmaddubsw` results are added in i16 before widening: the largest
     /// n with n · 2 · max code · 127 < 2^15 that divides 8.
     const I16_RUN: usize;
-    /// A block's 32 codes (offset where signed) in element order.
+    /// Block `b` of eight rows' codes (offset where signed) in lanes: vector k lane l
+    /// is row l's codes 4k..4k+4.
     ///
     /// # Safety
-    /// The module's features.
-    unsafe fn codes8(b: &Self::W) -> __m256i;
+    /// The module's features; `rows` has eight rows of more than `b` blocks.
+    unsafe fn lane_codes(rows: &[&[Self::W]], b: usize) -> [__m256i; 8];
+}
+
+/// Eight rows' 16 bytes of nibbles as lane codes: the bytes transposed as dwords
+/// (row l's dword k to lane l of vector k), then split, low nibbles (elements 4k..4k+4)
+/// into vector k and high (16 + 4k..) into vector 4 + k. Cheaper than splitting each
+/// row and transposing the 32 codes.
+#[inline(always)]
+unsafe fn nibble_lanes(qs: [&[u8; 16]; LANES]) -> [__m256i; 8] {
+    // p[j]: row j in the low 128-bit half, row j + 4 in the high.
+    let mut p = [_mm256_setzero_si256(); 4];
+    for (j, p) in p.iter_mut().enumerate() {
+        *p = _mm256_set_m128i(_mm_loadu_si128(qs[j + 4].as_ptr().cast()), _mm_loadu_si128(qs[j].as_ptr().cast()));
+    }
+    let t = [
+        _mm256_unpacklo_epi32(p[0], p[1]),
+        _mm256_unpackhi_epi32(p[0], p[1]),
+        _mm256_unpacklo_epi32(p[2], p[3]),
+        _mm256_unpackhi_epi32(p[2], p[3]),
+    ];
+    // Dword k of every row, rows 0..4 in the low half and 4..8 in the high.
+    let d = [
+        _mm256_unpacklo_epi64(t[0], t[2]),
+        _mm256_unpackhi_epi64(t[0], t[2]),
+        _mm256_unpacklo_epi64(t[1], t[3]),
+        _mm256_unpackhi_epi64(t[1], t[3]),
+    ];
+    let low = _mm256_set1_epi8(0x0F);
+    let mut out = [_mm256_setzero_si256(); 8];
+    for k in 0..4 {
+        out[k] = _mm256_and_si256(d[k], low);
+        out[4 + k] = _mm256_and_si256(_mm256_srli_epi16::<4>(d[k]), low);
+    }
+    out
 }
 
 impl Lanes8 for Q4_1Lanes {
     // 8 · 2 · 15 · 127 = 30,480.
     const I16_RUN: usize = 8;
     #[inline(always)]
-    unsafe fn codes8(b: &BlockQ4_1) -> __m256i {
-        super::avx2::nibbles(&b.qs)
+    unsafe fn lane_codes(rows: &[&[BlockQ4_1]], b: usize) -> [__m256i; 8] {
+        nibble_lanes(std::array::from_fn(|l| &rows.get_unchecked(l).get_unchecked(b).qs))
     }
 }
 
@@ -64,10 +98,24 @@ impl Lanes8 for Q5_0Lanes {
     // 4 · 2 · 31 · 127 = 31,496.
     const I16_RUN: usize = 4;
     #[inline(always)]
-    unsafe fn codes8(b: &BlockQ5_0) -> __m256i {
-        // Bit j of qh is element j's fifth bit: code + 16 where set.
-        let high = _mm256_and_si256(super::avx2::bits_to_bytes(u32::from_le_bytes(b.qh)), _mm256_set1_epi8(16));
-        _mm256_or_si256(super::avx2::nibbles(&b.qs), high)
+    unsafe fn lane_codes(rows: &[&[BlockQ5_0]], b: usize) -> [__m256i; 8] {
+        let block = |l: usize| rows.get_unchecked(l).get_unchecked(b);
+        let mut codes = nibble_lanes(std::array::from_fn(|l| &block(l).qs));
+        // Bit e of a row's qh is its element e's fifth bit: code + 16 where set. Lane
+        // l of `qh` holds row l's; vector k takes bits 4k..4k+4 (byte k / 2 of the
+        // lane, from bit 4(k % 2)) into bytes 0..4 of the lane.
+        let qh = _mm256_loadu_si256(std::array::from_fn::<u32, LANES, _>(|l| u32::from_le_bytes(block(l).qh)).as_ptr().cast());
+        let dword_base = _mm256_setr_epi8(
+            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+        );
+        let (bits_low, bits_high) = (_mm256_set1_epi32(0x0804_0201), _mm256_set1_epi32(0x8040_2010u32 as i32));
+        for (k, c) in codes.iter_mut().enumerate() {
+            let bytes = _mm256_shuffle_epi8(qh, _mm256_add_epi8(dword_base, _mm256_set1_epi8((k / 2) as i8)));
+            let bit = if k % 2 == 0 { bits_low } else { bits_high };
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+            *c = _mm256_or_si256(*c, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+        }
+        codes
     }
 }
 
@@ -81,57 +129,19 @@ struct LaneBlock {
     m: __m256,
 }
 
-/// Eight 32-byte rows as eight vectors of eight dwords: vector k lane l is row l's
-/// dword k.
-#[inline(always)]
-unsafe fn transpose(p: [__m256i; 8]) -> [__m256i; 8] {
-    // t: in each 128-bit half H, dwords 2i..2i+2 (low) or 2i+2.. (high) of row pairs.
-    let t = [
-        _mm256_unpacklo_epi32(p[0], p[1]),
-        _mm256_unpackhi_epi32(p[0], p[1]),
-        _mm256_unpacklo_epi32(p[2], p[3]),
-        _mm256_unpackhi_epi32(p[2], p[3]),
-        _mm256_unpacklo_epi32(p[4], p[5]),
-        _mm256_unpackhi_epi32(p[4], p[5]),
-        _mm256_unpacklo_epi32(p[6], p[7]),
-        _mm256_unpackhi_epi32(p[6], p[7]),
-    ];
-    // u[i] (v[i]): rows 0..4 (4..8), dword i in the low half and 4 + i in the high.
-    let u = [
-        _mm256_unpacklo_epi64(t[0], t[2]),
-        _mm256_unpackhi_epi64(t[0], t[2]),
-        _mm256_unpacklo_epi64(t[1], t[3]),
-        _mm256_unpackhi_epi64(t[1], t[3]),
-    ];
-    let v = [
-        _mm256_unpacklo_epi64(t[4], t[6]),
-        _mm256_unpackhi_epi64(t[4], t[6]),
-        _mm256_unpacklo_epi64(t[5], t[7]),
-        _mm256_unpackhi_epi64(t[5], t[7]),
-    ];
-    let mut out = [_mm256_setzero_si256(); 8];
-    for i in 0..4 {
-        out[i] = _mm256_permute2x128_si256::<0x20>(u[i], v[i]);
-        out[4 + i] = _mm256_permute2x128_si256::<0x31>(u[i], v[i]);
-    }
-    out
-}
-
 /// Block `b` of the eight rows `rows`, in lanes.
 #[inline(always)]
 unsafe fn lane_block<F: Lanes8>(rows: &[&[F::W]], b: usize) -> LaneBlock {
-    let mut p = [_mm256_setzero_si256(); 8];
     let (mut d, mut m) = ([0u16; LANES], [0u16; LANES]);
     for l in 0..LANES {
         let block = rows.get_unchecked(l).get_unchecked(b);
-        p[l] = F::codes8(block);
         d[l] = F::d(block);
         if F::SHIFT.is_none() {
             m[l] = F::m(block);
         }
     }
     LaneBlock {
-        codes: transpose(p),
+        codes: F::lane_codes(rows, b),
         d: _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().cast())),
         m: if F::SHIFT.is_none() { _mm256_cvtph_ps(_mm_loadu_si128(m.as_ptr().cast())) } else { _mm256_setzero_ps() },
     }
@@ -196,12 +206,12 @@ unsafe fn rows_dot1<F: Lanes8>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &
     let act = Act::new::<F>(&a, blocks);
     let span = LANES * row_bytes;
     for (g, out) in out.chunks_mut(LANES).enumerate() {
-        let rows = group::<F::W>(w, row_bytes, g * LANES, out.len());
+        let rows = group::<F::W, LANES>(w, row_bytes, g * LANES, out.len());
         let (mut acc, mut min) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         let next = (g + 1) * span;
         for b in 0..blocks {
             super::avx2::prefetch_ahead(w, next + b * span / blocks, span / blocks);
-            let x = lane_block::<F>(&rows[..LANES], b);
+            let x = lane_block::<F>(&rows, b);
             let isum = block_sums::<F>(&x, &broadcasts(act, b), act, b);
             step::<F>(&x, isum, act, b, &mut acc, &mut min);
         }

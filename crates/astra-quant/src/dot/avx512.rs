@@ -226,7 +226,7 @@ unsafe fn rows_dot1<F: Lanes16>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: 
     let act = Act::new::<F>(&a, blocks);
     let span = TILE_ROWS * row_bytes;
     for (g, out) in out.chunks_mut(TILE_ROWS).enumerate() {
-        let rows = group::<F::W>(w, row_bytes, g * TILE_ROWS, out.len());
+        let rows = group::<F::W, TILE_ROWS>(w, row_bytes, g * TILE_ROWS, out.len());
         let (mut acc, mut min) = (_mm512_setzero_ps(), _mm512_setzero_ps());
         let next = (g + 1) * span;
         for b in 0..blocks {

@@ -133,8 +133,9 @@ impl Act {
     }
 }
 
-/// The 16 rows starting at row `first` of `w`, the last one repeated past `n` rows.
-pub(crate) fn group<W: Block>(w: &[u8], row_bytes: usize, first: usize, n: usize) -> [&[W]; TILE_ROWS] {
+/// The N rows starting at row `first` of `w`, the last one repeated past `n` rows.
+#[inline(always)]
+pub(crate) fn group<W: Block, const N: usize>(w: &[u8], row_bytes: usize, first: usize, n: usize) -> [&[W]; N] {
     std::array::from_fn(|l| {
         let r = first + l.min(n - 1);
         as_blocks::<W>(&w[r * row_bytes..(r + 1) * row_bytes])
@@ -147,7 +148,7 @@ pub(crate) fn tile_rows<W: Block>(w: &[u8], row_bytes: usize, tokens: usize, out
     let n = w.len() / row_bytes.max(1);
     assert!(row_bytes > 0 && w.len() == row_bytes * n && (1..=TILE_ROWS).contains(&n), "weights are not 1..=16 rows");
     assert_eq!(tokens, outs, "one output row per token");
-    (group::<W>(w, row_bytes, 0, n), row_bytes / std::mem::size_of::<W>())
+    (group::<W, TILE_ROWS>(w, row_bytes, 0, n), row_bytes / std::mem::size_of::<W>())
 }
 
 /// The kernels' arithmetic in scalar code, for one row and one token: what they must
