@@ -132,19 +132,22 @@ struct LaneBlock {
 /// Block `b` of the eight rows `rows`, in lanes.
 #[inline(always)]
 unsafe fn lane_block<F: Lanes8>(rows: &[&[F::W]], b: usize) -> LaneBlock {
-    let (mut d, mut m) = ([0u16; LANES], [0u16; LANES]);
-    for l in 0..LANES {
-        let block = rows.get_unchecked(l).get_unchecked(b);
-        d[l] = F::d(block);
-        if F::SHIFT.is_none() {
-            m[l] = F::m(block);
-        }
-    }
+    // Both formats start with d (f16); Q4_1 follows it with m. Lane l: row l's first
+    // four bytes.
+    let word = |l: usize| std::ptr::from_ref(rows.get_unchecked(l).get_unchecked(b)).cast::<i32>().read_unaligned();
+    let words = _mm256_setr_epi32(word(0), word(1), word(2), word(3), word(4), word(5), word(6), word(7));
     LaneBlock {
         codes: F::lane_codes(rows, b),
-        d: _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().cast())),
-        m: if F::SHIFT.is_none() { _mm256_cvtph_ps(_mm_loadu_si128(m.as_ptr().cast())) } else { _mm256_setzero_ps() },
+        d: _mm256_cvtph_ps(low_halves(_mm256_and_si256(words, _mm256_set1_epi32(0xFFFF)))),
+        m: if F::SHIFT.is_none() { _mm256_cvtph_ps(low_halves(_mm256_srli_epi32::<16>(words))) } else { _mm256_setzero_ps() },
     }
+}
+
+/// The eight dwords of `v` (each below 2^16) as eight u16.
+#[inline(always)]
+unsafe fn low_halves(v: __m256i) -> __m128i {
+    // Per 128-bit half: its four values twice; then the halves' first copies together.
+    _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(v, v)))
 }
 
 /// The token's quants 4k..4k+4 of block b, each broadcast to every lane.
@@ -204,13 +207,15 @@ unsafe fn rows_dot1<F: Lanes8>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &
     assert!(row_bytes > 0 && w.len() == row_bytes * out.len(), "weights are not out.len() rows");
     let blocks = row_bytes / std::mem::size_of::<F::W>();
     let act = Act::new::<F>(&a, blocks);
+    // The next group's bytes are asked for a block's share at a time.
     let span = LANES * row_bytes;
+    let per_block = span.div_ceil(blocks);
     for (g, out) in out.chunks_mut(LANES).enumerate() {
         let rows = group::<F::W, LANES>(w, row_bytes, g * LANES, out.len());
         let (mut acc, mut min) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         let next = (g + 1) * span;
         for b in 0..blocks {
-            super::avx2::prefetch_ahead(w, next + b * span / blocks, span / blocks);
+            super::avx2::prefetch_ahead(w, next + b * per_block, per_block);
             let x = lane_block::<F>(&rows, b);
             let isum = block_sums::<F>(&x, &broadcasts(act, b), act, b);
             step::<F>(&x, isum, act, b, &mut acc, &mut min);
