@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use astra_engine::backend::{add_to_residual, compose_feed_forward, Activation, Attend, Backend, FeedForward, Heads, Input, Rope, SeqRows};
 use astra_engine::weights::MatRef;
-use astra_engine::attention::{KvLayout, LayerSlots, CHUNK};
+use astra_engine::attention::{KvLayout, KvType, LayerSlots, CHUNK};
 use astra_engine::EngineError;
 use astra_gguf::{GgmlType, GgufFile};
 use astra_quant::ActType;
@@ -719,6 +719,9 @@ impl Backend for CudaBackend {
     }
 
     fn kv_cache(&self, layout: &KvLayout) -> Result<GpuKv, EngineError> {
+        if layout.elem != KvType::F16 {
+            return Err(EngineError::Invalid(format!("the CUDA backend keeps its KV cache in f16, not {}", layout.elem.name())));
+        }
         let layers = layout
             .layers
             .iter()

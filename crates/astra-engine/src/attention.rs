@@ -1,6 +1,7 @@
 //! The KV cache and split attention.
 //!
-//! Keys and values are stored in f16, per layer as `(kv_head, slot, head_dim)`; a
+//! Keys and values are stored in f16 (or f32, [`KvType`]), per layer as
+//! `(kv_head, slot, head_dim)`; a
 //! sliding-window layer keeps a ring of `window + max_batch` slots (rounded up to whole
 //! chunks: the window, plus room for a batch written before it is attended to), a
 //! global layer one slot per context position.
@@ -14,13 +15,12 @@
 //! (queries sharing each converted chunk), or after its prefix came from the cache.
 
 use half::f16;
-use half::slice::HalfFloatSliceExt;
 use std::sync::Mutex;
 
 use astra_quant::matmul::Parallel;
 
 use crate::config::Config;
-use crate::ops::{attend_rows, axpy};
+use crate::ops::{attend_rows, axpy, KvElem};
 
 /// KV positions per partial. A constant: changing it changes results (in the last
 /// bits), never how they depend on threads or batching. At 64 a chunk's f16 keys and
@@ -32,9 +32,57 @@ pub const CHUNK: usize = 64;
 /// in cache.
 const QUERY_BLOCK: usize = 16;
 
+/// What the KV cache stores keys and values as.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvType {
+    /// Half the memory; keys and values rounded to f16 as they are stored.
+    #[default]
+    F16,
+    /// Keys and values as computed.
+    F32,
+}
+
+impl KvType {
+    pub fn bytes(self) -> usize {
+        match self {
+            KvType::F16 => 2,
+            KvType::F32 => 4,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F16 => "f16",
+            KvType::F32 => "f32",
+        }
+    }
+}
+
+/// One layer's keys (or values), `(kv_head, slot, head_dim)`, in the cache's type.
+enum KvRows {
+    F16(Vec<f16>),
+    F32(Vec<f32>),
+}
+
+impl KvRows {
+    fn new(ty: KvType, n: usize) -> KvRows {
+        match ty {
+            KvType::F16 => KvRows::F16(vec![f16::ZERO; n]),
+            KvType::F32 => KvRows::F32(vec![0.0; n]),
+        }
+    }
+
+    fn store(&mut self, at: usize, row: &[f32]) {
+        match self {
+            KvRows::F16(x) => KvElem::store(&mut x[at..at + row.len()], row),
+            KvRows::F32(x) => KvElem::store(&mut x[at..at + row.len()], row),
+        }
+    }
+}
+
 struct LayerCache {
-    k: Vec<f16>, // (kv_head, slot, head_dim)
-    v: Vec<f16>, // (kv_head, slot, head_dim)
+    k: KvRows,
+    v: KvRows,
     slots: usize,
     /// Positions attended back (the sliding window), or unlimited.
     window: Option<usize>,
@@ -49,7 +97,7 @@ pub struct LayerSlots {
 }
 
 /// The shape of one sequence's KV cache, the same on every backend: per layer
-/// `(kv_head, slot, head_dim)` keys and values in f16; a global layer has a slot per
+/// `(kv_head, slot, head_dim)` keys and values in `elem`; a global layer has a slot per
 /// context position, a sliding-window layer a ring of `window + max_batch` slots
 /// rounded up to whole chunks (the window, plus room for a batch written before it is
 /// attended to; a ring of whole chunks never splits a chunk across its end).
@@ -59,6 +107,7 @@ pub struct KvLayout {
     pub n_head: usize,
     pub n_head_kv: usize,
     pub head_dim: usize,
+    pub elem: KvType,
 }
 
 impl KvLayout {
@@ -72,7 +121,12 @@ impl KvLayout {
                 LayerSlots { slots, window }
             })
             .collect();
-        KvLayout { layers, n_head: cfg.n_head, n_head_kv: cfg.n_head_kv, head_dim: cfg.head_dim }
+        KvLayout { layers, n_head: cfg.n_head, n_head_kv: cfg.n_head_kv, head_dim: cfg.head_dim, elem: KvType::F16 }
+    }
+
+    /// The same layout storing `elem`.
+    pub fn of(self, elem: KvType) -> KvLayout {
+        KvLayout { elem, ..self }
     }
 
     /// Elements of one layer's keys (or values).
@@ -80,9 +134,9 @@ impl KvLayout {
         self.n_head_kv * self.layers[layer].slots * self.head_dim
     }
 
-    /// Bytes of the whole cache (f16 keys and values).
+    /// Bytes of the whole cache (keys and values).
     pub fn bytes(&self) -> usize {
-        (0..self.layers.len()).map(|l| 2 * self.layer_elems(l) * 2).sum()
+        (0..self.layers.len()).map(|l| 2 * self.layer_elems(l) * self.elem.bytes()).sum()
     }
 
     /// How far below the highest position written a sequence may be cut back and
@@ -108,7 +162,7 @@ impl KvCache {
             .enumerate()
             .map(|(l, &LayerSlots { slots, window })| {
                 let n = layout.layer_elems(l);
-                LayerCache { k: vec![f16::ZERO; n], v: vec![f16::ZERO; n], slots, window }
+                LayerCache { k: KvRows::new(layout.elem, n), v: KvRows::new(layout.elem, n), slots, window }
             })
             .collect();
         KvCache { layers, n_head: layout.n_head, n_head_kv: layout.n_head_kv, head_dim: layout.head_dim }
@@ -119,8 +173,8 @@ impl KvCache {
         let (c, hd) = (&mut self.layers[layer], self.head_dim);
         for g in 0..self.n_head_kv {
             let at = (g * c.slots + pos % c.slots) * hd;
-            c.k[at..at + hd].convert_from_f32_slice(&k[g * hd..(g + 1) * hd]);
-            c.v[at..at + hd].convert_from_f32_slice(&v[g * hd..(g + 1) * hd]);
+            c.k.store(at, &k[g * hd..(g + 1) * hd]);
+            c.v.store(at, &v[g * hd..(g + 1) * hd]);
         }
     }
 
@@ -172,11 +226,15 @@ impl AttnLayer<'_> {
     /// length is a whole number of chunks).
     fn partial(&self, q: &[f32], g: usize, lo: usize, hi: usize) -> Partial {
         let (c, hd) = (self.cache, self.head_dim);
-        let rows = g * c.slots + lo % c.slots..=g * c.slots + hi % c.slots;
-        let (k, v) = (&c.k[rows.start() * hd..(rows.end() + 1) * hd], &c.v[rows.start() * hd..(rows.end() + 1) * hd]);
+        let rows = (g * c.slots + lo % c.slots) * hd..(g * c.slots + hi % c.slots + 1) * hd;
         let mut weights = [0.0f32; CHUNK];
         let mut acc = vec![0.0f32; hd];
-        let (max, sum) = attend_rows(q, k, v, self.scale, &mut weights[..hi + 1 - lo], &mut acc);
+        let w = &mut weights[..hi + 1 - lo];
+        let (max, sum) = match (&c.k, &c.v) {
+            (KvRows::F16(k), KvRows::F16(v)) => attend_rows(q, &k[rows.clone()], &v[rows], self.scale, w, &mut acc),
+            (KvRows::F32(k), KvRows::F32(v)) => attend_rows(q, &k[rows.clone()], &v[rows], self.scale, w, &mut acc),
+            _ => unreachable!("keys and values are made in one type"),
+        };
         Partial { max, sum, acc }
     }
 

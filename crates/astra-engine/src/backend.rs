@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use astra_gguf::GgufFile;
 
-use crate::attention::KvLayout;
+use crate::attention::{KvLayout, KvType};
 use crate::weights::MatRef;
 use crate::EngineError;
 
@@ -179,6 +179,10 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn tensor_from(&self, data: &[f32], width: usize) -> Self::Tensor;
     /// A zeroed KV cache of `layout`.
     fn kv_cache(&self, layout: &KvLayout) -> Result<Self::KvCache, EngineError>;
+    /// What this backend's KV caches store.
+    fn kv_type(&self) -> KvType {
+        KvType::F16
+    }
     /// The whole tensor, on the host.
     fn read(&self, t: &Self::Tensor) -> Vec<f32>;
 

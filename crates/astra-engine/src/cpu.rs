@@ -6,7 +6,7 @@ use std::sync::Arc;
 use astra_gguf::GgufFile;
 use astra_quant::matmul::{matmul_many_on, MatmulJob, Parallel, QuantizedActivations};
 
-use crate::attention::{KvCache, KvLayout};
+use crate::attention::{KvCache, KvLayout, KvType};
 use crate::backend::{Activation, Attend, Backend, Rope, SeqRows};
 use crate::ops::{add_inplace, rms_norm, rms_norm_inplace, rope};
 use crate::pool::Pool;
@@ -15,12 +15,19 @@ use crate::EngineError;
 
 pub struct CpuBackend {
     pool: Pool,
+    kv: KvType,
 }
 
 impl CpuBackend {
-    /// A backend running on `threads` threads (the caller's and `threads - 1` more).
+    /// A backend running on `threads` threads (the caller's and `threads - 1` more),
+    /// its KV caches in f16.
     pub fn new(threads: usize) -> CpuBackend {
-        CpuBackend { pool: Pool::new(threads.max(1)) }
+        Self::with_kv_type(threads, KvType::F16)
+    }
+
+    /// As [`CpuBackend::new`], its KV caches storing `kv`.
+    pub fn with_kv_type(threads: usize, kv: KvType) -> CpuBackend {
+        CpuBackend { pool: Pool::new(threads.max(1)), kv }
     }
 
     pub fn threads(&self) -> usize {
@@ -63,7 +70,7 @@ impl Backend for CpuBackend {
     }
 
     fn describe(&self) -> String {
-        format!("cpu ({} threads, {})", self.threads(), astra_quant::Isa::selected().name())
+        format!("cpu ({} threads, {}, {} KV cache)", self.threads(), astra_quant::Isa::selected().name(), self.kv.name())
     }
 
     fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<CpuMatrix, EngineError> {
@@ -84,6 +91,10 @@ impl Backend for CpuBackend {
 
     fn kv_cache(&self, layout: &KvLayout) -> Result<KvCache, EngineError> {
         Ok(KvCache::new(layout))
+    }
+
+    fn kv_type(&self) -> KvType {
+        self.kv
     }
 
     fn read(&self, t: &CpuTensor) -> Vec<f32> {

@@ -21,6 +21,7 @@ pub mod stop;
 pub mod weights;
 
 pub use config::{Arch, Config};
+pub use attention::KvType;
 pub use backend::Backend;
 pub use cpu::CpuBackend;
 pub use model::{Model, Session, Step, MAX_BATCH};

@@ -178,7 +178,7 @@ impl<B: Backend> Model<B> {
                 self.cfg.ctx_train
             )));
         }
-        let layout = KvLayout::new(&self.cfg, ctx, MAX_BATCH);
+        let layout = KvLayout::new(&self.cfg, ctx, MAX_BATCH).of(self.backend.kv_type());
         Ok(Session {
             kv: self.backend.kv_cache(&layout)?,
             kv_bytes: layout.bytes(),

@@ -92,31 +92,81 @@ const GELU_COEF_A: f32 = 0.044715;
 /// the weights moved a SmolLM2 chat prompt's second-ranked token by 2% in
 /// probability through the activation quantization downstream), and
 /// `acc = Σ_r weight_r · v_r` in row order. Returns (max, Σ weights). Keys and values
-/// are the cache's f16, each converted exactly to f32 where it is used, so the arithmetic
-/// is [`dot`] and [`axpy`]'s on the converted rows, in one AVX2 + F16C function where
-/// the CPU has them.
-pub fn attend_rows(q: &[f32], k: &[f16], v: &[f16], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
+/// are the cache's elements (f16 or f32), each converted exactly to f32 where it is
+/// used, so the arithmetic is [`dot`] and [`axpy`]'s on the converted rows, in one AVX2
+/// + F16C function where the CPU has them.
+pub fn attend_rows<T: KvElem>(q: &[f32], k: &[T], v: &[T], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
         // SAFETY: AVX2 and F16C are present.
         return unsafe { simd::attend_rows(q, k, v, scale, weights, acc) };
     }
     let hd = q.len();
-    let mut row = vec![0.0f32; hd];
     let mut max = f32::NEG_INFINITY;
     for (w, kr) in weights.iter_mut().zip(k.chunks_exact(hd)) {
-        kr.convert_to_f32_slice(&mut row);
-        *w = dot_scalar(q, &row) * scale;
+        *w = T::with_f32(kr, |row| dot_scalar(q, row)) * scale;
         max = max.max(*w);
     }
     let mut sum = 0.0f32;
     for (w, vr) in weights.iter_mut().zip(v.chunks_exact(hd)) {
         let w = (*w - max).exp();
         sum += w;
-        vr.convert_to_f32_slice(&mut row);
-        axpy_scalar(acc, w, &row);
+        T::with_f32(vr, |row| axpy_scalar(acc, w, row));
     }
     (max, sum)
+}
+
+/// An element of the KV cache: f16 (the default, half the memory) or f32 (keys and
+/// values as computed). Every use converts it exactly to f32.
+pub trait KvElem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    /// A row of f32 stored as elements (rounded to nearest for f16).
+    fn store(dst: &mut [Self], src: &[f32]);
+    /// `f` on the row as f32 (converted into a scratch row for f16).
+    fn with_f32<R>(row: &[Self], f: impl FnOnce(&[f32]) -> R) -> R;
+    /// Eight elements at `p` as f32.
+    ///
+    /// # Safety
+    /// AVX and F16C are present; eight elements are readable at `p`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl KvElem for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn store(dst: &mut [f16], src: &[f32]) {
+        dst.convert_from_f32_slice(src);
+    }
+    fn with_f32<R>(row: &[f16], f: impl FnOnce(&[f32]) -> R) -> R {
+        let mut tmp = vec![0.0f32; row.len()];
+        row.convert_to_f32_slice(&mut tmp);
+        f(&tmp)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+    }
+}
+
+impl KvElem for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn store(dst: &mut [f32], src: &[f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn with_f32<R>(row: &[f32], f: impl FnOnce(&[f32]) -> R) -> R {
+        f(row)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
 }
 
 
@@ -195,7 +245,7 @@ pub fn axpy_scalar(acc: &mut [f32], w: f32, v: &[f32]) {
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
-    use half::f16;
+    use super::KvElem;
     use std::arch::x86_64::*;
 
     /// [`super::exp_approx`] in eight lanes, operation for operation.
@@ -217,23 +267,17 @@ mod simd {
         _mm256_blendv_ps(_mm256_mul_ps(e, _mm256_castsi256_ps(scale)), _mm256_set1_ps(f32::INFINITY), big)
     }
 
-    /// Eight f16 values at `p`, converted (exactly) to f32.
-    #[inline(always)]
-    unsafe fn load_f16(p: *const f16) -> __m256 {
-        _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
-    }
-
     /// [`super::attend_rows`] with AVX2 and F16C, in its arithmetic: the scores four keys
     /// at a time (the query loaded once for four independent chains), their maximum in
     /// eight lanes (a maximum is exact in any order), then the weighted values 64
     /// elements at a time with their sums held in registers across every key (each
     /// element still takes the keys in order, a multiply then an add).
     #[target_feature(enable = "avx2,f16c")]
-    pub unsafe fn attend_rows(q: &[f32], k: &[f16], v: &[f16], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
+    pub unsafe fn attend_rows<T: KvElem>(q: &[f32], k: &[T], v: &[T], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
         let (hd, n) = (q.len(), weights.len());
         assert!(k.len() >= n * hd && v.len() >= n * hd && acc.len() == hd, "keys, values or output do not fit");
         // Rows past the last repeat it (their scores are not kept).
-        let row = |r: usize| -> *const f16 { k[r.min(n - 1) * hd..].as_ptr() };
+        let row = |r: usize| -> *const T { k[r.min(n - 1) * hd..].as_ptr() };
         for r in (0..n).step_by(4) {
             let s = dot4(q, [row(r), row(r + 1), row(r + 2), row(r + 3)]);
             for i in 0..4.min(n - r) {
@@ -261,7 +305,7 @@ mod simd {
             for (j, &w) in weights.iter().enumerate() {
                 let (wv, vr) = (_mm256_set1_ps(w), v.as_ptr().add(j * hd + e));
                 for (i, a) in a.iter_mut().enumerate() {
-                    *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, load_f16(vr.add(8 * i))));
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, T::load8(vr.add(8 * i))));
                 }
             }
             for (i, a) in a.iter().enumerate() {
@@ -277,15 +321,16 @@ mod simd {
         (max, sum)
     }
 
-    /// [`dot`] of `a` with four f16 rows of its length at once (each converted exactly).
+    /// [`dot`] of `a` with four rows of cache elements of its length at once (each
+    /// converted exactly).
     #[inline(always)]
-    unsafe fn dot4(a: &[f32], b: [*const f16; 4]) -> [f32; 4] {
+    unsafe fn dot4<T: KvElem>(a: &[f32], b: [*const T; 4]) -> [f32; 4] {
         let chunks = a.len() / 8;
         let mut acc = [_mm256_setzero_ps(); 4];
         for c in 0..chunks {
             let x = _mm256_loadu_ps(a.as_ptr().add(8 * c));
             for (acc, b) in acc.iter_mut().zip(b) {
-                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(x, load_f16(b.add(8 * c))));
+                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(x, T::load8(b.add(8 * c))));
             }
         }
         let mut out = [0.0f32; 4];
@@ -438,29 +483,36 @@ mod tests {
         assert!(worst <= 2.0, "worst error {worst} ulp");
     }
 
-    /// The fused attention rows give the bits of the scalar reference ops composed.
+    /// The fused attention rows give the bits of the scalar reference ops composed, on
+    /// either cache element.
     #[test]
     fn attend_rows_equals_the_composed_reference() {
         for hd in [64, 256, 20] {
             for n in [1usize, 3, 7, 9, 64] {
-                let q: Vec<f32> = (0..hd).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7).collect();
-                let k16: Vec<f16> = (0..n * hd).map(|i| f16::from_f32(((i * 53 % 17) as f32 - 8.0) * 0.31)).collect();
-                let v16: Vec<f16> = (0..n * hd).map(|i| f16::from_f32(((i * 29 % 13) as f32 - 6.0) * 0.53)).collect();
-                let (k, v): (Vec<f32>, Vec<f32>) = (k16.iter().map(|x| x.to_f32()).collect(), v16.iter().map(|x| x.to_f32()).collect());
-                let (mut weights, mut acc) = (vec![0.0; n], vec![0.0; hd]);
-                let (max, sum) = attend_rows(&q, &k16, &v16, 0.125, &mut weights, &mut acc);
-                let scores: Vec<f32> = (0..n).map(|r| dot_scalar(&q, &k[r * hd..(r + 1) * hd]) * 0.125).collect();
-                let want_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let (mut want_sum, mut want_acc) = (0.0f32, vec![0.0f32; hd]);
-                for r in 0..n {
-                    let w = (scores[r] - want_max).exp();
-                    want_sum += w;
-                    axpy_scalar(&mut want_acc, w, &v[r * hd..(r + 1) * hd]);
-                }
-                assert_eq!((max.to_bits(), sum.to_bits()), (want_max.to_bits(), want_sum.to_bits()), "hd {hd} n {n}");
-                assert_eq!(acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want_acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+                composed_reference_case::<f16>(hd, n, |x| f16::from_f32(x));
+                // f32 values that f16 cannot hold.
+                composed_reference_case::<f32>(hd, n, |x| x * 1.000_1);
             }
         }
+    }
+
+    fn composed_reference_case<T: KvElem>(hd: usize, n: usize, elem: fn(f32) -> T) {
+        let q: Vec<f32> = (0..hd).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7).collect();
+        let kc: Vec<T> = (0..n * hd).map(|i| elem(((i * 53 % 17) as f32 - 8.0) * 0.31)).collect();
+        let vc: Vec<T> = (0..n * hd).map(|i| elem(((i * 29 % 13) as f32 - 6.0) * 0.53)).collect();
+        let (k, v): (Vec<f32>, Vec<f32>) = (kc.iter().map(|x| x.to_f32()).collect(), vc.iter().map(|x| x.to_f32()).collect());
+        let (mut weights, mut acc) = (vec![0.0; n], vec![0.0; hd]);
+        let (max, sum) = attend_rows(&q, &kc, &vc, 0.125, &mut weights, &mut acc);
+        let scores: Vec<f32> = (0..n).map(|r| dot_scalar(&q, &k[r * hd..(r + 1) * hd]) * 0.125).collect();
+        let want_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let (mut want_sum, mut want_acc) = (0.0f32, vec![0.0f32; hd]);
+        for r in 0..n {
+            let w = (scores[r] - want_max).exp();
+            want_sum += w;
+            axpy_scalar(&mut want_acc, w, &v[r * hd..(r + 1) * hd]);
+        }
+        assert_eq!((max.to_bits(), sum.to_bits()), (want_max.to_bits(), want_sum.to_bits()), "hd {hd} n {n}");
+        assert_eq!(acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want_acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
     }
 
     /// The AVX2 GLU gives the scalar functions' bits, tails included.

@@ -140,6 +140,23 @@ fn run_greedy_continues_as_llama_cpp_and_is_reproducible() {
     assert_eq!(json(&astra(&sampled))["tokens"], json(&astra(&sampled))["tokens"], "same seed, same tokens");
 }
 
+/// `--kv-type f32` runs (the same greedy start as the f16 cache here) and says so in
+/// the bench report; with `--backend cuda` it is refused in one line, GPU or not.
+#[test]
+fn an_f32_kv_cache_is_chosen_by_a_flag() {
+    let Some(path) = model("smollm2-135m") else { return };
+    let run = json(&astra(&["run", "-m", &path, "-p", "The capital of France is", "--temp", "0", "-n", "4", "--json", "--kv-type", "f32"]));
+    assert!(run["text"].as_str().unwrap().starts_with(" Paris."), "{run}");
+    let bench = json(&astra(&["bench", "-m", &path, "-p", "8", "-n", "2", "-r", "1", "--json", "--kv-type", "f32"]));
+    assert!(bench["backend"].as_str().unwrap().contains("f32 KV cache"), "{bench}");
+    let out = astra(&["run", "-m", &path, "-p", "hi", "--backend", "cuda", "--kv-type", "f32"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("--kv-type f32 is for the CPU backend") && err.lines().count() == 1, "{err}");
+    let out = astra(&["run", "-m", &path, "-p", "hi", "--kv-type", "f8"]);
+    assert!(!out.status.success());
+}
+
 #[test]
 fn perplexity_command_reports_llama_cpp_format() {
     let Some(path) = model("smollm2-135m") else { return };

@@ -1,12 +1,12 @@
-//! `--backend cpu|cuda` and `--deterministic`: which engine backend a command runs on,
-//! and how.
+//! `--backend cpu|cuda`, `--deterministic` and `--kv-type`: which engine backend a
+//! command runs on, and how.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
 use astra_cuda::{CudaBackend, Mode};
-use astra_engine::{Backend, Model};
+use astra_engine::{Backend, CpuBackend, KvType, Model};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum BackendKind {
@@ -28,11 +28,44 @@ pub struct BackendArgs {
     /// cache (the CPU engine always is); batches of 64+ tokens run slower.
     #[arg(long)]
     pub deterministic: bool,
+    /// What the KV cache stores: f16 (half the memory) or f32 (the CPU backend only).
+    #[arg(long, value_enum, default_value = "f16")]
+    pub kv_type: KvTypeArg,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvTypeArg {
+    #[default]
+    F16,
+    F32,
+}
+
+impl From<KvTypeArg> for KvType {
+    fn from(a: KvTypeArg) -> KvType {
+        match a {
+            KvTypeArg::F16 => KvType::F16,
+            KvTypeArg::F32 => KvType::F32,
+        }
+    }
 }
 
 impl BackendArgs {
+    /// The CPU backend as chosen, on `threads` threads.
+    pub fn cpu(&self, threads: usize) -> CpuBackend {
+        CpuBackend::with_kv_type(threads, self.kv_type.into())
+    }
+
+    /// Whether the options go together (the CUDA backend's cache is f16 only).
+    pub fn check(&self) -> Result<(), String> {
+        if self.backend == BackendKind::Cuda && self.kv_type != KvTypeArg::F16 {
+            return Err("--kv-type f32 is for the CPU backend: the CUDA backend keeps its KV cache in f16".into());
+        }
+        Ok(())
+    }
+
     /// The CUDA backend as chosen, on GPU 0.
     pub fn cuda(&self) -> Result<CudaBackend, String> {
+        self.check()?;
         let mode = if self.deterministic { Mode::Deterministic } else { Mode::Fast };
         CudaBackend::new(0, mode).map_err(|e| e.to_string())
     }
@@ -46,7 +79,7 @@ pub trait OnModel {
 /// Loads the model at `path` on the chosen backend and runs `body` on it.
 pub fn with_model(choice: BackendArgs, path: &Path, threads: usize, body: impl OnModel) -> Result<()> {
     match choice.backend {
-        BackendKind::Cpu => body.run(Model::load(path, threads)?),
+        BackendKind::Cpu => body.run(Model::load_on(choice.cpu(threads), path)?),
         BackendKind::Cuda => {
             let backend = choice.cuda().map_err(|e| anyhow!(e))?;
             body.run(Model::load_on(backend, path)?)

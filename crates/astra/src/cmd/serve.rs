@@ -120,9 +120,13 @@ pub fn run(args: Args) -> Result<()> {
         api_key: args.api_key.filter(|k| !k.is_empty()),
     };
     match backend.backend {
-        BackendKind::Cpu => astra_server::serve(opts),
+        BackendKind::Cpu => {
+            let threads = opts.threads;
+            astra_server::serve_on(opts, Arc::new(move || Ok(backend.cpu(threads))))
+        }
         BackendKind::Cuda => {
             // Fail before opening the port when there is no GPU.
+            backend.check().map_err(|e| anyhow!(e))?;
             if let Some(why) = astra_cuda::unavailable_reason() {
                 return Err(anyhow!(why));
             }
