@@ -601,7 +601,7 @@ MATVEC_KERNELS(matvec_q6_k, 210, Q8K_BYTES)
 // lane 0 of each block adds the minimum's term. Blocks (20 and 36 bytes) are 4-byte
 // aligned; d and m of a block are read as one word. One warp per row; grid
 // (ceil(rows / 4), ceil(tokens / T)), 128 threads. (Two rows per warp sharing the
-// activations' loads, as Q4_K decodes, measured slower here: 1,225–1,245 → 1,168–1,194
+// activations' loads, as Q4_K once decoded, measured slower here: 1,225–1,245 → 1,168–1,194
 // tok/s on the smollm2 shape.)
 template <int T>
 __device__ __forceinline__ void matvec_q4_1_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
