@@ -101,17 +101,23 @@ pub fn attend_rows<T: KvElem>(q: &[f32], k: &[T], v: &[T], scale: f32, weights: 
         // SAFETY: AVX2 and F16C are present.
         return unsafe { simd::attend_rows(q, k, v, scale, weights, acc) };
     }
+    attend_rows_scalar(q, k, v, scale, weights, acc)
+}
+
+/// [`attend_rows`] without SIMD: the composed scalar ops on each converted row.
+fn attend_rows_scalar<T: KvElem>(q: &[f32], k: &[T], v: &[T], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
     let hd = q.len();
+    let mut scratch = vec![0.0f32; if T::IS_F32 { 0 } else { hd }];
     let mut max = f32::NEG_INFINITY;
     for (w, kr) in weights.iter_mut().zip(k.chunks_exact(hd)) {
-        *w = T::with_f32(kr, |row| dot_scalar(q, row)) * scale;
+        *w = dot_scalar(q, T::as_f32(kr, &mut scratch)) * scale;
         max = max.max(*w);
     }
     let mut sum = 0.0f32;
     for (w, vr) in weights.iter_mut().zip(v.chunks_exact(hd)) {
         let w = (*w - max).exp();
         sum += w;
-        T::with_f32(vr, |row| axpy_scalar(acc, w, row));
+        axpy_scalar(acc, w, T::as_f32(vr, &mut scratch));
     }
     (max, sum)
 }
@@ -122,8 +128,10 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     /// A row of f32 stored as elements (rounded to nearest for f16).
     fn store(dst: &mut [Self], src: &[f32]);
-    /// `f` on the row as f32 (converted into a scratch row for f16).
-    fn with_f32<R>(row: &[Self], f: impl FnOnce(&[f32]) -> R) -> R;
+    /// Whether the element is f32 already (rows need no conversion).
+    const IS_F32: bool;
+    /// The row as f32: itself, or converted into `scratch` (of the row's length).
+    fn as_f32<'a>(row: &'a [Self], scratch: &'a mut [f32]) -> &'a [f32];
     /// Eight elements at `p` as f32.
     ///
     /// # Safety
@@ -139,10 +147,10 @@ impl KvElem for f16 {
     fn store(dst: &mut [f16], src: &[f32]) {
         dst.convert_from_f32_slice(src);
     }
-    fn with_f32<R>(row: &[f16], f: impl FnOnce(&[f32]) -> R) -> R {
-        let mut tmp = vec![0.0f32; row.len()];
-        row.convert_to_f32_slice(&mut tmp);
-        f(&tmp)
+    const IS_F32: bool = false;
+    fn as_f32<'a>(row: &'a [f16], scratch: &'a mut [f32]) -> &'a [f32] {
+        row.convert_to_f32_slice(scratch);
+        scratch
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -159,8 +167,9 @@ impl KvElem for f32 {
     fn store(dst: &mut [f32], src: &[f32]) {
         dst.copy_from_slice(src);
     }
-    fn with_f32<R>(row: &[f32], f: impl FnOnce(&[f32]) -> R) -> R {
-        f(row)
+    const IS_F32: bool = true;
+    fn as_f32<'a>(row: &'a [f32], _: &'a mut [f32]) -> &'a [f32] {
+        row
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -483,8 +492,8 @@ mod tests {
         assert!(worst <= 2.0, "worst error {worst} ulp");
     }
 
-    /// The fused attention rows give the bits of the scalar reference ops composed, on
-    /// either cache element.
+    /// The fused attention rows, and the fallback without SIMD, give the bits of the
+    /// scalar reference ops composed, on either cache element.
     #[test]
     fn attend_rows_equals_the_composed_reference() {
         for hd in [64, 256, 20] {
@@ -503,6 +512,8 @@ mod tests {
         let (k, v): (Vec<f32>, Vec<f32>) = (kc.iter().map(|x| x.to_f32()).collect(), vc.iter().map(|x| x.to_f32()).collect());
         let (mut weights, mut acc) = (vec![0.0; n], vec![0.0; hd]);
         let (max, sum) = attend_rows(&q, &kc, &vc, 0.125, &mut weights, &mut acc);
+        let (mut weights_scalar, mut acc_scalar) = (vec![0.0; n], vec![0.0; hd]);
+        let fallback = attend_rows_scalar(&q, &kc, &vc, 0.125, &mut weights_scalar, &mut acc_scalar);
         let scores: Vec<f32> = (0..n).map(|r| dot_scalar(&q, &k[r * hd..(r + 1) * hd]) * 0.125).collect();
         let want_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let (mut want_sum, mut want_acc) = (0.0f32, vec![0.0f32; hd]);
@@ -511,8 +522,11 @@ mod tests {
             want_sum += w;
             axpy_scalar(&mut want_acc, w, &v[r * hd..(r + 1) * hd]);
         }
-        assert_eq!((max.to_bits(), sum.to_bits()), (want_max.to_bits(), want_sum.to_bits()), "hd {hd} n {n}");
-        assert_eq!(acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want_acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (got_max, got_sum, got_acc) in [(max, sum, &acc), (fallback.0, fallback.1, &acc_scalar)] {
+            assert_eq!((got_max.to_bits(), got_sum.to_bits()), (want_max.to_bits(), want_sum.to_bits()), "hd {hd} n {n}");
+            assert_eq!(bits(got_acc), bits(&want_acc), "hd {hd} n {n}");
+        }
     }
 
     /// The AVX2 GLU gives the scalar functions' bits, tails included.
