@@ -171,8 +171,8 @@ unsafe fn block_sums<F: Lanes8>(x: &LaneBlock, y: &[__m256i; 8], a: Act, b: usiz
     };
     for run in (0..8).step_by(F::I16_RUN) {
         let mut pairs = _mm256_maddubs_epi16(x.codes[run], y[run]);
-        for k in run + 1..run + F::I16_RUN {
-            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(x.codes[k], y[k]));
+        for (&c, &y) in x.codes[run + 1..run + F::I16_RUN].iter().zip(&y[run + 1..]) {
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(c, y));
         }
         isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
     }
