@@ -1,18 +1,18 @@
 //! The KV cache and split attention.
 //!
-//! Keys and values are stored in f16 (or f32, [`KvType`]), per layer as
-//! `(kv_head, slot, head_dim)`; a
-//! sliding-window layer keeps a ring of `window + max_batch` slots (rounded up to whole
-//! chunks: the window, plus room for a batch written before it is attended to), a
-//! global layer one slot per context position.
+//! Keys and values are stored in f16 (or f32: [`KvType`]), per layer as `(kv_head,
+//! slot, head_dim)`; a sliding-window layer keeps a ring of `window + max_batch` slots
+//! (rounded up to whole chunks: the window, plus room for a batch written before it is
+//! attended to), a global layer one slot per context position.
 //!
 //! Attention of one query head over positions `lo..=p` is split at absolute positions
 //! that are multiples of [`CHUNK`]: each chunk gives a partial (max score, Σ exp,
 //! Σ exp·v), and the partials are merged in chunk order. The chunks are fixed by
 //! position, never by thread count or batch, and every partial is computed by the same
-//! function from the same f32 copy of the chunk, so a query gets the same bits however
-//! the work is scheduled: decoded alone (chunks in parallel), in a prefill batch
-//! (queries sharing each converted chunk), or after its prefix came from the cache.
+//! function from the chunk's keys and values as stored, so a query gets the same bits
+//! however the work is scheduled: decoded alone (chunks in parallel), in a prefill
+//! batch (queries sharing each chunk while it is in cache), or after its prefix came
+//! from the cache.
 
 use half::f16;
 use std::sync::Mutex;
