@@ -401,7 +401,7 @@ impl CudaBackend {
             let acc = i32::from(add_to.is_some());
             // Warp-cooperative kernels where there is one; a lane per block otherwise.
             let Some(kernels) = self.matvec_kernels(w.ty) else {
-                let (wbytes, abytes) = (w.ty.block_bytes() as i32, device_row_bytes(w.act, w.act.ggml_type().block_elems() as usize) as i32);
+                let (wbytes, abytes) = (w.ty.block_bytes() as i32, device_block_bytes(w.act) as i32);
                 let (ty, rows) = (type_code(w.ty), w.rows as i32);
                 let cfg = matvec_grid(w.rows, tokens);
                 let out = match add_to.as_deref_mut() {
@@ -640,14 +640,19 @@ fn glu_code(act: Activation) -> i32 {
     }
 }
 
-/// Bytes of a row of `n` activations quantized for `act` as the kernels keep it: the
+/// Bytes of a block of activations quantized for `act` as the kernels keep it: the
 /// stored format's, but for Q8_K, whose blocks the kernels pad to 304 bytes (astra.cu,
 /// `Q8K_BYTES`: the same values, reordered for aligned loads).
-fn device_row_bytes(act: ActType, n: usize) -> usize {
+fn device_block_bytes(act: ActType) -> usize {
     match act {
-        ActType::Q8K => n / 256 * Q8K_DEVICE_BYTES,
-        _ => act.row_bytes(n).expect("a whole number of blocks"),
+        ActType::Q8K => Q8K_DEVICE_BYTES,
+        _ => act.ggml_type().block_bytes() as usize,
     }
+}
+
+/// Bytes of a row of `n` activations quantized for `act` as the kernels keep it.
+fn device_row_bytes(act: ActType, n: usize) -> usize {
+    n / act.ggml_type().block_elems() as usize * device_block_bytes(act)
 }
 
 /// A Q8_K block as the kernels keep it: quants (256), sums (16 × i16), d (f32), padding.
