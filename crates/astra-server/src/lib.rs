@@ -11,4 +11,4 @@ pub mod scheduler;
 mod serve;
 pub mod telemetry;
 
-pub use serve::{serve, serve_on, BackendFactory, ServeOptions};
+pub use serve::{serve_on, BackendFactory, ServeOptions};

@@ -141,12 +141,6 @@ async fn shutdown_signal() {
     }
 }
 
-/// Runs the server on the CPU backend with `opts.threads` threads.
-pub fn serve(opts: ServeOptions) -> Result<(), String> {
-    let threads = opts.threads;
-    serve_on(opts, Arc::new(move || Ok(astra_engine::CpuBackend::new(threads))))
-}
-
 /// Runs the server until a shutdown signal (SIGTERM, Ctrl-C) and the end of in-flight
 /// requests, the model on backends made by `backend`. Prints `astra: listening on
 /// http://ADDR` once the port is open.

@@ -60,7 +60,7 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, Option<VecDot1Fn>,
         }};
     }
     Some(match weights {
-        Q8_0 => rows!(SignedRows<BlockQ8_0>, ActType::Q8_0),
+        Q8_0 => rows!(Q8_0Rows, ActType::Q8_0),
         F32 => (safe!(dot_f32_f32), None, None),
         F16 => (safe!(dot_f16_f32), None, None),
         BF16 => (safe!(dot_bf16_f32), None, None),
@@ -169,7 +169,7 @@ unsafe fn load_u8(p: &[u8]) -> __m256i {
 
 /// 16 bytes of nibbles → 32 lanes: the low nibbles, then the high nibbles.
 #[inline(always)]
-pub(super) unsafe fn nibbles(qs: &[u8; 16]) -> __m256i {
+unsafe fn nibbles(qs: &[u8; 16]) -> __m256i {
     let x = _mm_loadu_si128(qs.as_ptr().cast());
     let hi = _mm_srli_epi16(x, 4);
     _mm256_and_si256(_mm256_set_m128i(hi, x), _mm256_set1_epi8(0x0F))
@@ -177,7 +177,7 @@ pub(super) unsafe fn nibbles(qs: &[u8; 16]) -> __m256i {
 
 /// Lane k = 0xFF where bit k of `x` is set, else 0.
 #[inline(always)]
-pub(super) unsafe fn bits_to_bytes(x: u32) -> __m256i {
+unsafe fn bits_to_bytes(x: u32) -> __m256i {
     let shuffle = _mm256_set_epi64x(
         0x0303030303030303,
         0x0202020202020202,
@@ -341,41 +341,24 @@ unsafe fn rows_avx2<K: RowKernel, const M: usize, const N: usize>(
     rows::<K, Madd, M, N>(w, row_bytes, a, out)
 }
 
-/// A 32-element format of signed codes with one f16 scale: how to decode a block.
-trait SignedBlock: Block {
-    fn d(&self) -> F16Le;
-    /// The block's 32 codes as signed bytes.
-    unsafe fn codes(&self) -> __m256i;
-}
+/// Q8_0 × Q8_0, by the sign trick (|w| · sign(a, w)).
+struct Q8_0Rows;
 
-impl SignedBlock for BlockQ8_0 {
-    fn d(&self) -> F16Le {
-        self.d
-    }
-    #[inline(always)]
-    unsafe fn codes(&self) -> __m256i {
-        load(&self.qs)
-    }
-}
-
-/// Signed codes × Q8_0 activations, by the sign trick (|w| · sign(a, w)).
-struct SignedRows<B>(std::marker::PhantomData<B>);
-
-impl<B: SignedBlock> RowKernel for SignedRows<B> {
-    type W = B;
+impl RowKernel for Q8_0Rows {
+    type W = BlockQ8_0;
     type A = BlockQ8_0;
     const SCALES: usize = 1;
 
     #[inline(always)]
-    unsafe fn dot<D: IntDot, const M: usize, const N: usize>(w: [&[B]; M], q: [&[BlockQ8_0]; N], s: [&[f32]; N]) -> [[f32; N]; M] {
+    unsafe fn dot<D: IntDot, const M: usize, const N: usize>(w: [&[BlockQ8_0]; M], q: [&[BlockQ8_0]; N], s: [&[f32]; N]) -> [[f32; N]; M] {
         let mut acc = [[_mm256_setzero_ps(); N]; M];
         for i in 0..w[0].len() {
             for m in 0..M {
                 // SAFETY (the unchecked indexing): the trait's contract.
                 let wb = w[m].get_unchecked(i);
-                let qx = wb.codes();
+                let qx = load(&wb.qs);
                 let ax = _mm256_sign_epi8(qx, qx);
-                let dw = f16(wb.d());
+                let dw = f16(wb.d);
                 for r in 0..N {
                     let p = _mm256_cvtepi32_ps(D::dot_u8_i8(ax, _mm256_sign_epi8(load(&q[r].get_unchecked(i).qs), qx)));
                     acc[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * s[r].get_unchecked(i)), p, acc[m][r]);

@@ -129,6 +129,11 @@ struct LaneBlock {
     m: __m256,
 }
 
+// `lane_block` reads a row's first four bytes as d and (Q4_1) m: both blocks begin so.
+const _: () = assert!(
+    std::mem::offset_of!(BlockQ4_1, d) == 0 && std::mem::offset_of!(BlockQ4_1, m) == 2 && std::mem::offset_of!(BlockQ5_0, d) == 0
+);
+
 /// Block `b` of the eight rows `rows`, in lanes.
 #[inline(always)]
 unsafe fn lane_block<F: Lanes8>(rows: &[&[F::W]], b: usize) -> LaneBlock {

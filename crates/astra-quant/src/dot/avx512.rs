@@ -542,15 +542,10 @@ mod tests {
                 let weights = random_weights(ty, rows, cols, 7).unwrap();
                 let row_bytes = weights.len() / rows;
                 let mut rng = SplitMix::new(8);
-                let tokens: Vec<Vec<u8>> = (0..3)
-                    .map(|_| {
-                        let x: Vec<f32> = (0..cols).map(|_| rng.activation()).collect();
-                        let mut q = vec![0u8; ActType::Q8K.row_bytes(cols).unwrap()];
-                        ActType::Q8K.quantize(&x, &mut q);
-                        q
-                    })
-                    .collect();
-                let acts: Vec<ActRow> = tokens.iter().map(|b| ActRow { bytes: b, scales: &[], quants: &[], neg_sums: &[] }).collect();
+                let x: Vec<f32> = (0..3 * cols).map(|_| rng.activation()).collect();
+                let quantized = crate::matmul::QuantizedActivations::new(ActType::Q8K, &x, cols).unwrap();
+                let acts: Vec<ActRow> = (0..quantized.tokens).map(|t| quantized.act_row(t)).collect();
+                let tokens: Vec<&[u8]> = acts.iter().map(|a| a.bytes).collect();
                 for first in (0..rows).step_by(TILE_ROWS) {
                     let n = TILE_ROWS.min(rows - first);
                     let mut out = vec![[0.0f32; TILE_ROWS]; acts.len()];

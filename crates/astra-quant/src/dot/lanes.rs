@@ -184,24 +184,15 @@ pub(crate) fn reference<F: LaneFormat>(w: &[u8], a: &ActRow) -> f32 {
 /// bit for bit for format `F`, on ragged row counts and a batch of five tokens.
 #[cfg(test)]
 pub(crate) fn check_kernels<F: LaneFormat>(ty: GgmlType, act: ActType, (dot, dot1, tile): (VecDotFn, VecDot1Fn, VecDotTileFn)) {
+    use crate::matmul::QuantizedActivations;
     use crate::parity::{random_weights, SplitMix};
     for (rows, cols) in [(1, 32), (8, 64), (16, 64), (21, 96), (40, 640)] {
         let weights = random_weights(ty, rows, cols, 5).unwrap();
         let row_bytes = weights.len() / rows;
         let mut rng = SplitMix::new(6);
-        let tokens: Vec<Vec<u8>> = (0..5)
-            .map(|_| {
-                let x: Vec<f32> = (0..cols).map(|_| rng.activation()).collect();
-                let mut q = vec![0u8; act.row_bytes(cols).unwrap()];
-                act.quantize(&x, &mut q);
-                q
-            })
-            .collect();
-        let mut all = Vec::new();
-        for q in &tokens {
-            super::with_act_row(act, q, |a| all.push((a.quants.to_vec(), a.scales.to_vec(), a.neg_sums.to_vec(), q.clone())));
-        }
-        let acts: Vec<ActRow> = all.iter().map(|(q, s, n, b)| ActRow { bytes: b, scales: s, quants: q, neg_sums: n }).collect();
+        let x: Vec<f32> = (0..5 * cols).map(|_| rng.activation()).collect();
+        let quantized = QuantizedActivations::new(act, &x, cols).unwrap();
+        let acts: Vec<ActRow> = (0..quantized.tokens).map(|t| quantized.act_row(t)).collect();
         let want: Vec<Vec<u32>> = acts
             .iter()
             .map(|a| (0..rows).map(|r| reference::<F>(&weights[r * row_bytes..(r + 1) * row_bytes], a).to_bits()).collect())
