@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use astra_gguf::GgufFile;
-use astra_quant::matmul::{matmul_many_on, MatmulJob, Parallel, QuantizedActivations};
+use astra_quant::matmul::{matmul_many_on, MatmulJob, Parallel, QuantMatrix, QuantizedActivations};
 
 use crate::attention::{KvCache, KvLayout, KvType};
 use crate::backend::{Activation, Attend, Backend, Rope, SeqRows};
@@ -51,10 +51,38 @@ impl CpuTensor {
     }
 }
 
-/// A weight matrix read in place from the mapped file.
+/// A weight matrix read in place from the mapped file, or, where the kernels read
+/// groups of rows packed ([`astra_quant::dot::Packing`]), from a packed copy made at
+/// load (the file's rows still serve embedding lookups).
 pub struct CpuMatrix {
     file: Arc<GgufFile>,
     m: MatRef,
+    packed: Option<memmap2::MmapMut>,
+}
+
+impl CpuMatrix {
+    /// The matrix as the kernels read it.
+    fn kernel_view(&self) -> QuantMatrix<'_> {
+        match &self.packed {
+            Some(bytes) => QuantMatrix::packed(self.m.ty, self.m.rows, self.m.cols, bytes).expect("packed from this shape"),
+            None => self.m.view(&self.file),
+        }
+    }
+}
+
+/// `w` packed for `kernels` in memory of its own, where they pack its rows. The memory
+/// is asked for in huge pages where the system gives them: a copy in 4 KiB pages costs
+/// a page fault per page as it is written, which on a model of hundreds of megabytes
+/// takes longer than the packing itself.
+fn packed_copy(w: &QuantMatrix, kernels: &astra_quant::Kernels) -> Result<Option<memmap2::MmapMut>, EngineError> {
+    if kernels.packing.is_none() || w.bytes().is_empty() {
+        return Ok(None);
+    }
+    let mut map = memmap2::MmapMut::map_anon(w.bytes().len()).map_err(|e| EngineError::Load(format!("memory for packed weights: {e}")))?;
+    #[cfg(target_os = "linux")]
+    // Advice only: without huge pages the copy is the same, made more slowly.
+    let _ = map.advise(memmap2::Advice::HugePage);
+    Ok(astra_quant::matmul::pack_into(w, kernels, &mut map).then_some(map))
 }
 
 impl Backend for CpuBackend {
@@ -74,7 +102,7 @@ impl Backend for CpuBackend {
     }
 
     fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<CpuMatrix, EngineError> {
-        Ok(CpuMatrix { file: Arc::clone(file), m: m.clone() })
+        Ok(CpuMatrix { file: Arc::clone(file), m: m.clone(), packed: packed_copy(&m.view(file), &m.kernels)? })
     }
 
     fn vector(&self, v: &[f32]) -> Result<Vec<f32>, EngineError> {
@@ -138,7 +166,7 @@ impl Backend for CpuBackend {
                 acts.push(QuantizedActivations::new_on(&self.pool, act, &x.data, x.width).expect("activation shape"));
             }
         }
-        let views: Vec<_> = outs.iter().map(|(w, _)| w.m.view(&w.file)).collect();
+        let views: Vec<_> = outs.iter().map(|(w, _)| w.kernel_view()).collect();
         let mut jobs: Vec<MatmulJob> = outs
             .iter_mut()
             .zip(&views)

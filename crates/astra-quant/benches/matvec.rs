@@ -6,7 +6,8 @@
 //! - `stream_read/{1,2}t`: summing a 1 GiB buffer of u64 (the bandwidth ceiling).
 //! - `matvec_4096/{type}/{1,2}t`: a 4096 × 4096 matrix of every supported type.
 //! - `matvec_models/{type}/{cols}x{rows}`: the real models' matrix shapes and types, on
-//!   all threads.
+//!   all threads (`BENCH_THREADS` sets how many), packed where the kernels pack rows as
+//!   the engine does; `.../stored` beside it, the same rows unpacked.
 //! - `matmul_prefill/{type}/{cols}x{rows}`: the models' shapes against a batch of 128
 //!   tokens on one thread, in multiply-adds per second (the prefill kernels' compute
 //!   rate; weights and activations stay in cache).
@@ -16,7 +17,7 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use astra_quant::matmul::{matmul_quantized, QuantMatrix, QuantizedActivations};
+use astra_quant::matmul::{matmul_quantized, pack, QuantMatrix, QuantizedActivations};
 use astra_quant::parity::{random_weights, SplitMix};
 use astra_quant::{GgmlType, Kernels, SUPPORTED_TYPES};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -84,10 +85,23 @@ fn stream_read(c: &mut Criterion) {
     g.finish();
 }
 
-fn bench_matvec(g: &mut criterion::BenchmarkGroup<criterion::measurement::WallTime>, id: BenchmarkId, ty: GgmlType, cols: usize, rows: usize, threads: usize) {
+/// `rows × cols` of `ty` times one token on `threads` threads; the rows packed where
+/// `packed` and the kernels have a packing.
+fn bench_matvec(
+    g: &mut criterion::BenchmarkGroup<criterion::measurement::WallTime>,
+    id: BenchmarkId,
+    (ty, cols, rows): (GgmlType, usize, usize),
+    threads: usize,
+    packed: bool,
+) {
     let weights = random_weights(ty, rows, cols, 1).expect("weights");
-    let w = QuantMatrix::new(ty, rows, cols, &weights).expect("matrix");
     let kernels = Kernels::best(ty).expect("kernels");
+    let stored = QuantMatrix::new(ty, rows, cols, &weights).expect("matrix");
+    let packed_bytes = pack(&stored, &kernels).filter(|_| packed);
+    let w = match &packed_bytes {
+        Some(bytes) => QuantMatrix::packed(ty, rows, cols, bytes).expect("matrix"),
+        None => stored,
+    };
     let mut rng = SplitMix::new(2);
     let x: Vec<f32> = (0..cols).map(|_| rng.activation()).collect();
     let mut out = vec![0.0f32; rows];
@@ -110,14 +124,14 @@ fn matvec_4096(c: &mut Criterion) {
     g.sample_size(20).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
     for ty in SUPPORTED_TYPES {
         for threads in [1, 2] {
-            bench_matvec(&mut g, BenchmarkId::new(ty.name(), format!("{threads}t")), ty, 4096, 4096, threads);
+            bench_matvec(&mut g, BenchmarkId::new(ty.name(), format!("{threads}t")), (ty, 4096, 4096), threads, true);
         }
     }
     g.finish();
 }
 
 fn matvec_models(c: &mut Criterion) {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads: usize = std::env::var("BENCH_THREADS").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     // (type, cols, rows) of the real models' matrices: SmolLM2 (Q4_1 blocks, Q8_0
     // embeddings/output) and Gemma 3 (Q5_0, Q4_K, Q6_K, Q8_0 output).
     let shapes = [
@@ -128,7 +142,10 @@ fn matvec_models(c: &mut Criterion) {
     let mut g = c.benchmark_group("matvec_models");
     g.sample_size(20).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
     for (ty, cols, rows) in shapes {
-        bench_matvec(&mut g, BenchmarkId::new(ty.name(), format!("{cols}x{rows}")), ty, cols, rows, threads);
+        bench_matvec(&mut g, BenchmarkId::new(ty.name(), format!("{cols}x{rows}")), (ty, cols, rows), threads, true);
+        if Kernels::best(ty).is_ok_and(|k| k.packing.is_some()) {
+            bench_matvec(&mut g, BenchmarkId::new(ty.name(), format!("{cols}x{rows}/stored")), (ty, cols, rows), threads, false);
+        }
     }
     g.finish();
 }

@@ -26,6 +26,8 @@ pub struct QuantMatrix<'a> {
     pub cols: usize,
     data: &'a [u8],
     row_bytes: usize,
+    /// Whether `data` is packed ([`pack`]) for the kernels' [`Packing`](crate::dot::Packing).
+    packed: bool,
 }
 
 impl<'a> QuantMatrix<'a> {
@@ -35,17 +37,46 @@ impl<'a> QuantMatrix<'a> {
         if data.len() != expected {
             return Err(QuantError::WrongLength { ty, expected, actual: data.len() });
         }
-        Ok(QuantMatrix { ty, rows, cols, data, row_bytes })
+        Ok(QuantMatrix { ty, rows, cols, data, row_bytes, packed: false })
     }
 
+    /// A matrix whose bytes [`pack`] made: only the kernels that packed them (the same
+    /// weight type and instruction set) read it.
+    pub fn packed(ty: GgmlType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, QuantError> {
+        Ok(QuantMatrix { packed: true, ..Self::new(ty, rows, cols, data)? })
+    }
+
+    /// Row `r` as stored (not for a packed matrix, whose rows are interleaved).
     #[inline]
     pub fn row(&self, r: usize) -> &'a [u8] {
+        assert!(!self.packed, "a packed matrix has no rows as stored");
         &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
     }
 
     pub fn bytes(&self) -> &'a [u8] {
         self.data
     }
+
+    pub fn is_packed(&self) -> bool {
+        self.packed
+    }
+}
+
+/// `w`'s bytes packed for `kernels` ([`Packing`](crate::dot::Packing)), where they
+/// have a packing for its type; the result is read through [`QuantMatrix::packed`]
+/// with the same kernels.
+pub fn pack(w: &QuantMatrix, kernels: &Kernels) -> Option<Vec<u8>> {
+    kernels.packing?;
+    let mut out = vec![0u8; w.data.len()];
+    pack_into(w, kernels, &mut out).then_some(out)
+}
+
+/// As [`pack`], into `out` (as long as `w`'s bytes); `false`, `out` untouched, where
+/// `kernels` have no packing for `w`.
+pub fn pack_into(w: &QuantMatrix, kernels: &Kernels, out: &mut [u8]) -> bool {
+    let Some(p) = kernels.packing.filter(|_| kernels.weights == w.ty && !w.packed) else { return false };
+    (p.pack)(w.data, w.row_bytes, out);
+    true
 }
 
 /// A batch of activation rows quantized for one activation type, with each row's block
@@ -156,7 +187,8 @@ unsafe impl Sync for SharedOut {}
 
 /// Rows per task: two tasks per thread (a thread that falls behind leaves the other
 /// one to take over half its share; more tasks cost more claims per step than they
-/// win back in decode), whole cache lines of output.
+/// win back in decode), whole cache lines of output (and so whole groups of a
+/// [`Packing`](crate::dot::Packing), which has eight rows).
 fn chunk_rows(rows: usize, threads: usize) -> usize {
     rows.div_ceil(2 * threads).next_multiple_of(16).max(16)
 }
@@ -225,11 +257,17 @@ pub fn matmul_many_on(par: &dyn Parallel, jobs: &mut [MatmulJob]) {
 
 /// Rows `task_rows` of `out = w · acts`, for every token.
 fn run_rows(w: &QuantMatrix, acts: &QuantizedActivations, out: SharedOut, kernels: &Kernels, task_rows: std::ops::Range<usize>) {
-    let (rows, tokens, dot, dot1, dot4) = (w.rows, acts.tokens, kernels.dot, kernels.dot1, kernels.dot4);
+    let (rows, tokens, dot, mut dot1, mut dot4, mut tile) = (w.rows, acts.tokens, kernels.dot, kernels.dot1, kernels.dot4, kernels.tile);
+    if w.packed {
+        // Packed rows are read only by the packing's own variants, from a group's start.
+        let p = kernels.packing.expect("packed rows meet the kernels that packed them");
+        assert_eq!(task_rows.start % p.rows, 0, "a task starts at a group");
+        (dot1, dot4, tile) = (Some(p.dot1), None, Some(p.tile));
+    }
     // SAFETY (every write): t * rows + r < out.len() (checked by the caller), and row r
     // belongs to this task only.
     let put = |t: usize, r: usize, v: f32| unsafe { *out.0.add(t * rows + r) = v };
-    if let (Some(tile_fn), 2..) = (kernels.tile, tokens) {
+    if let (Some(tile_fn), 2..) = (tile, tokens) {
         // Each tile of rows is rearranged once and meets every token of the batch.
         let a: Vec<ActRow> = (0..tokens).map(|t| acts.act_row(t)).collect();
         let mut tile_out = vec![[0.0f32; TILE_ROWS]; tokens];
@@ -324,6 +362,41 @@ mod tests {
         pool.install(|| matmul_many_on(&Rayon, &mut jobs));
         for (got, want) in outs.iter().zip(&alone) {
             assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        }
+    }
+
+    /// A packed matrix gives what the same rows as stored give, bit for bit, for every
+    /// thread count and batch, whole groups or not.
+    #[test]
+    fn packed_rows_give_the_stored_results() {
+        let cols = 640;
+        let x = pseudo_random(17 * cols, 8);
+        for ty in [GgmlType::Q4_1, GgmlType::Q5_0] {
+            for isa in Isa::available_sets() {
+                let k = Kernels::new(ty, isa).unwrap();
+                let Some(p) = k.packing else { continue };
+                assert_eq!(16 % p.rows, 0, "tasks of 16 rows start at a group");
+                for rows in [5, 8, 21, 64, 100] {
+                    let weights = crate::parity::random_weights(ty, rows, cols, rows as u64).unwrap();
+                    let w = QuantMatrix::new(ty, rows, cols, &weights).unwrap();
+                    let packed = pack(&w, &k).expect("a packing for the type");
+                    assert_eq!(packed[rows / 8 * 8 * w.row_bytes..], weights[rows / 8 * 8 * w.row_bytes..], "rows past the groups as stored");
+                    if rows >= 8 {
+                        assert_ne!(packed, weights, "{ty} {rows} rows: nothing packed");
+                    }
+                    let pw = QuantMatrix::packed(ty, rows, cols, &packed).unwrap();
+                    for threads in [1, 2, 3] {
+                        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                        for batch in [1, 2, 17] {
+                            let (mut want, mut got) = (vec![0.0; batch * rows], vec![0.0; batch * rows]);
+                            pool.install(|| matmul(&w, &x[..batch * cols], &mut want, &k)).unwrap();
+                            pool.install(|| matmul(&pw, &x[..batch * cols], &mut got, &k)).unwrap();
+                            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(bits(&got), bits(&want), "{ty} {isa:?} rows {rows} threads {threads} batch {batch}");
+                        }
+                    }
+                }
+            }
         }
     }
 

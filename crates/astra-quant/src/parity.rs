@@ -273,15 +273,21 @@ impl Reference {
 /// Runs one case: `tokens` activation rows through a `rows × cols` matrix of `ty`.
 pub fn run_case(ty: GgmlType, isa: Isa, cols: usize, rows: usize, tokens: usize, seed: u64) -> Result<CaseReport, QuantError> {
     let weights = random_weights(ty, rows, cols, seed)?;
-    let w = QuantMatrix::new(ty, rows, cols, &weights)?;
     let kernels = Kernels::new(ty, isa)?;
+    // The rows as the engine gives them to these kernels: packed where they pack.
+    let stored = QuantMatrix::new(ty, rows, cols, &weights)?;
+    let packed = crate::matmul::pack(&stored, &kernels);
+    let w = match &packed {
+        Some(bytes) => QuantMatrix::packed(ty, rows, cols, bytes)?,
+        None => stored,
+    };
     let mut rng = SplitMix::new(seed ^ 0x5eed);
     let x: Vec<f32> = (0..tokens * cols).map(|_| rng.activation()).collect();
     let acts = QuantizedActivations::new(kernels.act, &x, cols)?;
     let mut outputs = vec![0.0f32; tokens * rows];
     matmul_quantized(&w, &acts, &mut outputs, &kernels);
     let mut scalar = vec![0.0f32; tokens * rows];
-    matmul_quantized(&w, &acts, &mut scalar, &Kernels::new(ty, Isa::Scalar)?);
+    matmul_quantized(&stored, &acts, &mut scalar, &Kernels::new(ty, Isa::Scalar)?);
     let reference = Reference::compute(ty, &weights, rows, cols, &acts)?;
     let scalar_f64: Vec<f64> = scalar.iter().map(|&v| v as f64).collect();
     Ok(CaseReport {

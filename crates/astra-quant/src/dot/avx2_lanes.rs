@@ -8,9 +8,11 @@
 //! cannot leave i16 ([`Lanes8::I16_RUN`]), so every lane ends with its row's exact
 //! integer block sum and no horizontal sums are needed.
 //!
-//! Decode streams each group of eight rows once, transposing it as it goes
-//! ([`rows_dot1`]); prefill transposes a tile of sixteen rows once into scratch, and
-//! every token of the batch meets both halves with the same broadcasts ([`tile_dot`]).
+//! Decode streams each group of eight rows once ([`rows_dot1`]); prefill decodes a
+//! tile of sixteen rows once into scratch, and every token of the batch meets both
+//! halves with the same broadcasts ([`tile_dot`]). Rows as stored are transposed as
+//! they stream past; rows packed at load ([`pack`]) are stored block by block in lane
+//! order already, so decoding a block is loads and masks, with the same results.
 //!
 //! Q8_0 is not here: its offset codes reach 255, and 2 · 255 · 127 leaves i16, which
 //! `vpmaddubsw` would saturate.
@@ -22,7 +24,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::lanes::{group, lane_entries, tile_rows, Act, LaneFormat, Q4_1Lanes, Q5_0Lanes};
-use super::{ActRow, ActType, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_ROWS};
+use super::{ActRow, ActType, Packing, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_ROWS};
 use crate::blocks::*;
 use crate::GgmlType;
 
@@ -30,11 +32,26 @@ use crate::GgmlType;
 const LANES: usize = 8;
 
 /// The entry points for a weight type, if it runs in lanes on AVX2: the dot on bytes,
-/// decode, and the batch tile.
-pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, VecDot1Fn, VecDotTileFn)> {
+/// decode, the batch tile, and the packing with its decode and tile.
+pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, VecDot1Fn, VecDotTileFn, Packing)> {
+    macro_rules! entries {
+        ($f:ty, $act:expr) => {{
+            let (dot, dot1, tile) = lane_entries!(rows_dot1, tile_dot, $f, $act);
+            fn packed_dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
+                // SAFETY: handed out only where AVX2/FMA/F16C are present (module doc).
+                unsafe { rows_dot1_packed::<$f>(w, row_bytes, a, out) }
+            }
+            fn packed_tile(w: &[u8], row_bytes: usize, a: &[ActRow], out: &mut [[f32; TILE_ROWS]]) {
+                // SAFETY: as for `packed_dot1`.
+                unsafe { tile_dot_packed::<$f>(w, row_bytes, a, out) }
+            }
+            let packing = Packing { rows: LANES, pack: pack::<$f>, dot1: packed_dot1, tile: packed_tile };
+            Some((dot, dot1, tile, packing))
+        }};
+    }
     match weights {
-        GgmlType::Q4_1 => Some(lane_entries!(rows_dot1, tile_dot, Q4_1Lanes, ActType::Q8_1)),
-        GgmlType::Q5_0 => Some(lane_entries!(rows_dot1, tile_dot, Q5_0Lanes, ActType::Q8_0)),
+        GgmlType::Q4_1 => entries!(Q4_1Lanes, ActType::Q8_1),
+        GgmlType::Q5_0 => entries!(Q5_0Lanes, ActType::Q8_0),
         _ => None,
     }
 }
@@ -50,6 +67,61 @@ pub(crate) trait Lanes8: LaneFormat {
     /// # Safety
     /// The module's features; `rows` has eight rows of more than `b` blocks.
     unsafe fn lane_codes(rows: &[&[Self::W]], b: usize) -> [__m256i; 8];
+    /// A block's 16 bytes of nibbles.
+    fn qs(b: &Self::W) -> &[u8; 16];
+    /// Bytes of a packed block before its nibbles: the eight scales, then the eight
+    /// minimums (Q4_1) or the fifth bits (Q5_0).
+    const PACKED_HEAD: usize;
+    /// Writes the part of a packed block after the scales (bytes 16..PACKED_HEAD).
+    fn pack_extra(blocks: [&Self::W; LANES], out: &mut [u8]);
+    /// [`Lanes8::lane_codes`] of the packed block at `p`.
+    ///
+    /// # Safety
+    /// The module's features; `p` points at a packed block of this format.
+    unsafe fn packed_codes(p: *const u8) -> [__m256i; 8];
+}
+
+/// Eight blocks (one per row) packed: the scales (f16, lane order), the format's
+/// extra bytes, then the nibbles as four vectors, vector k lane l holding row l's
+/// nibble bytes 4k..4k+4 (what [`nibble_lanes`] builds in registers).
+fn pack_blocks<F: Lanes8>(blocks: [&F::W; LANES], out: &mut [u8]) {
+    for (l, b) in blocks.iter().enumerate() {
+        out[2 * l..2 * l + 2].copy_from_slice(&F::d(b).to_le_bytes());
+        for k in 0..4 {
+            let at = F::PACKED_HEAD + 32 * k + 4 * l;
+            out[at..at + 4].copy_from_slice(&F::qs(b)[4 * k..4 * k + 4]);
+        }
+    }
+    F::pack_extra(blocks, out);
+}
+
+/// `out` is `w` (whole rows) with each whole group of eight rows packed, block by
+/// block, in the group's place; the rows after the last whole group are copied.
+fn pack<F: Lanes8>(w: &[u8], row_bytes: usize, out: &mut [u8]) {
+    assert!(row_bytes > 0 && w.len() % row_bytes == 0 && out.len() == w.len(), "packing whole rows");
+    let (span, block) = (LANES * row_bytes, std::mem::size_of::<F::W>());
+    let whole = w.len() / span * span;
+    for (g, out) in w[..whole].chunks_exact(span).zip(out[..whole].chunks_exact_mut(span)) {
+        let rows: [&[F::W]; LANES] = std::array::from_fn(|l| as_blocks::<F::W>(&g[l * row_bytes..(l + 1) * row_bytes]));
+        for (b, out) in out.chunks_exact_mut(LANES * block).enumerate() {
+            pack_blocks::<F>(std::array::from_fn(|l| &rows[l][b]), out);
+        }
+    }
+    out[whole..].copy_from_slice(&w[whole..]);
+}
+
+/// The nibbles of a packed block (at `p`) as lane codes: low nibbles of vector k are
+/// codes 4k..4k+4, high ones codes 16 + 4k...
+#[inline(always)]
+unsafe fn packed_nibbles(p: *const u8) -> [__m256i; 8] {
+    let low = _mm256_set1_epi8(0x0F);
+    let mut out = [_mm256_setzero_si256(); 8];
+    for k in 0..4 {
+        let v = _mm256_loadu_si256(p.add(32 * k).cast());
+        out[k] = _mm256_and_si256(v, low);
+        out[4 + k] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+    }
+    out
 }
 
 /// Eight rows' 16 bytes of nibbles as lane codes: the bytes transposed as dwords
@@ -92,6 +164,20 @@ impl Lanes8 for Q4_1Lanes {
     unsafe fn lane_codes(rows: &[&[BlockQ4_1]], b: usize) -> [__m256i; 8] {
         nibble_lanes(std::array::from_fn(|l| &rows.get_unchecked(l).get_unchecked(b).qs))
     }
+    fn qs(b: &BlockQ4_1) -> &[u8; 16] {
+        &b.qs
+    }
+    // Eight scales, eight minimums.
+    const PACKED_HEAD: usize = 32;
+    fn pack_extra(blocks: [&BlockQ4_1; LANES], out: &mut [u8]) {
+        for (l, b) in blocks.iter().enumerate() {
+            out[16 + 2 * l..18 + 2 * l].copy_from_slice(&b.m.0);
+        }
+    }
+    #[inline(always)]
+    unsafe fn packed_codes(p: *const u8) -> [__m256i; 8] {
+        packed_nibbles(p.add(Self::PACKED_HEAD))
+    }
 }
 
 impl Lanes8 for Q5_0Lanes {
@@ -114,6 +200,42 @@ impl Lanes8 for Q5_0Lanes {
             let bit = if k % 2 == 0 { bits_low } else { bits_high };
             let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
             *c = _mm256_or_si256(*c, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+        }
+        codes
+    }
+    fn qs(b: &BlockQ5_0) -> &[u8; 16] {
+        &b.qs
+    }
+    // Eight scales, then the fifth bits as 32 bytes: bit k of byte 4l + j is row l's
+    // fifth bit of element 4k + j, the code in byte j of lane l of vector k.
+    const PACKED_HEAD: usize = 48;
+    fn pack_extra(blocks: [&BlockQ5_0; LANES], out: &mut [u8]) {
+        for (l, b) in blocks.iter().enumerate() {
+            let qh = u32::from_le_bytes(b.qh);
+            for j in 0..4 {
+                out[16 + 4 * l + j] = (0..8).map(|k| (((qh >> (4 * k + j)) & 1) as u8) << k).sum();
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn packed_codes(p: *const u8) -> [__m256i; 8] {
+        let mut codes = packed_nibbles(p.add(Self::PACKED_HEAD));
+        // Vector k's fifth bits are bit k of every byte: shifted to bit 4 (16-bit
+        // shifts; the mask drops what crosses from the neighbouring byte).
+        let bits = _mm256_loadu_si256(p.add(16).cast());
+        let sixteen = _mm256_set1_epi8(16);
+        let at4 = [
+            _mm256_slli_epi16::<4>(bits),
+            _mm256_slli_epi16::<3>(bits),
+            _mm256_slli_epi16::<2>(bits),
+            _mm256_slli_epi16::<1>(bits),
+            bits,
+            _mm256_srli_epi16::<1>(bits),
+            _mm256_srli_epi16::<2>(bits),
+            _mm256_srli_epi16::<3>(bits),
+        ];
+        for (c, h) in codes.iter_mut().zip(at4) {
+            *c = _mm256_or_si256(*c, _mm256_and_si256(h, sixteen));
         }
         codes
     }
@@ -205,10 +327,51 @@ unsafe fn finish<F: Lanes8>(acc: __m256, min: __m256) -> [f32; LANES] {
     std::mem::transmute::<__m256, [f32; LANES]>(v)
 }
 
+/// A packed block (at `p`), in lanes: the same values [`lane_block`] makes of the
+/// rows it was packed from.
+#[inline(always)]
+unsafe fn packed_block<F: Lanes8>(p: *const u8) -> LaneBlock {
+    LaneBlock {
+        codes: F::packed_codes(p),
+        d: _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+        m: if F::SHIFT.is_none() { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast())) } else { _mm256_setzero_ps() },
+    }
+}
+
+/// Where a group of eight rows' blocks come from.
+trait Blocks<F: Lanes8> {
+    /// Block `b`, in lanes.
+    ///
+    /// # Safety
+    /// The module's features; the group has more than `b` blocks.
+    unsafe fn block(&self, b: usize) -> LaneBlock;
+}
+
+/// Eight rows as stored.
+struct Stored<'a, W>([&'a [W]; LANES]);
+
+impl<F: Lanes8> Blocks<F> for Stored<'_, F::W> {
+    #[inline(always)]
+    unsafe fn block(&self, b: usize) -> LaneBlock {
+        lane_block::<F>(&self.0, b)
+    }
+}
+
+/// A packed group starting at the pointer.
+struct Packed(*const u8);
+
+impl<F: Lanes8> Blocks<F> for Packed {
+    #[inline(always)]
+    unsafe fn block(&self, b: usize) -> LaneBlock {
+        packed_block::<F>(self.0.add(b * LANES * std::mem::size_of::<F::W>()))
+    }
+}
+
 /// `out[i] = K·(row i of w, a)` for consecutive rows of `row_bytes`, eight at a time,
-/// each group transposed as it streams past while the next one is prefetched.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_dot1<F: Lanes8>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
+/// each group decoded as it streams past (from packed groups where `PACKED`, the last
+/// rows, short of a group, as stored) while the next one is prefetched.
+#[inline(always)]
+unsafe fn dot1_groups<F: Lanes8, const PACKED: bool>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
     assert!(row_bytes > 0 && w.len() == row_bytes * out.len(), "weights are not out.len() rows");
     let blocks = row_bytes / std::mem::size_of::<F::W>();
     let act = Act::new::<F>(&a, blocks);
@@ -216,36 +379,66 @@ unsafe fn rows_dot1<F: Lanes8>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &
     let span = LANES * row_bytes;
     let per_block = span.div_ceil(blocks);
     for (g, out) in out.chunks_mut(LANES).enumerate() {
-        let rows = group::<F::W, LANES>(w, row_bytes, g * LANES, out.len());
-        let (mut acc, mut min) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         let next = (g + 1) * span;
-        for b in 0..blocks {
-            super::avx2::prefetch_ahead(w, next + b * per_block, per_block);
-            let x = lane_block::<F>(&rows, b);
-            let isum = block_sums::<F>(&x, &broadcasts(act, b), act, b);
-            step::<F>(&x, isum, act, b, &mut acc, &mut min);
-        }
-        out.copy_from_slice(&finish::<F>(acc, min)[..out.len()]);
+        let v = if PACKED && out.len() == LANES {
+            group_dot::<F, _>(&Packed(w.as_ptr().add(g * span)), act, blocks, (w, next, per_block))
+        } else {
+            let rows = group::<F::W, LANES>(w, row_bytes, g * LANES, out.len());
+            group_dot::<F, _>(&Stored(rows), act, blocks, (w, next, per_block))
+        };
+        out.copy_from_slice(&v[..out.len()]);
     }
 }
 
+/// One group's eight results against one token, asking for `(w, at, per_block)`:
+/// `per_block` bytes of `w` from `at + b · per_block` as block b is read.
+#[inline(always)]
+unsafe fn group_dot<F: Lanes8, S: Blocks<F>>(src: &S, act: Act, blocks: usize, (w, at, per_block): (&[u8], usize, usize)) -> [f32; LANES] {
+    let (mut acc, mut min) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    for b in 0..blocks {
+        super::avx2::prefetch_ahead(w, at + b * per_block, per_block);
+        let x = src.block(b);
+        let isum = block_sums::<F>(&x, &broadcasts(act, b), act, b);
+        step::<F>(&x, isum, act, b, &mut acc, &mut min);
+    }
+    finish::<F>(acc, min)
+}
+
+/// Decode over rows as stored.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_dot1<F: Lanes8>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
+    dot1_groups::<F, false>(w, row_bytes, a, out)
+}
+
+/// Decode over packed rows (`w` begins at a group).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_dot1_packed<F: Lanes8>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
+    dot1_groups::<F, true>(w, row_bytes, a, out)
+}
+
 thread_local! {
-    /// A thread's transposed tile (both halves of each block), reused from call to call.
+    /// A thread's decoded tile (both halves of each block), reused from call to call.
     static TILE: RefCell<Vec<[LaneBlock; 2]>> = const { RefCell::new(Vec::new()) };
 }
 
 /// `out[t][i] = K·(row i of w, a[t])` for the (at most 16) rows of `w`: the rows are
-/// transposed once, in two halves of eight, then every token runs both halves' chains
-/// over the tile, each block's broadcasts shared by the two.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_dot<F: Lanes8>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], out: &mut [[f32; TILE_ROWS]]) {
+/// decoded once, in two halves of eight (from packed groups where `PACKED` and the
+/// half is a whole group), then every token runs both halves' chains over the tile,
+/// each block's broadcasts shared by the two.
+#[inline(always)]
+unsafe fn tile_groups<F: Lanes8, const PACKED: bool>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], out: &mut [[f32; TILE_ROWS]]) {
     let (rows, blocks) = tile_rows::<F::W>(w, row_bytes, a.len(), out.len());
+    let n = w.len() / row_bytes;
     // Taken out of the thread-local rather than used in a closure: a closure would not
     // inherit this function's target features.
     let mut tile = TILE.take();
     tile.clear();
+    let (first, second) = (Stored(rows[..LANES].try_into().expect("eight")), Stored(rows[LANES..].try_into().expect("eight")));
+    let (p_first, p_second) = (Packed(w.as_ptr()), Packed(w.as_ptr().wrapping_add(LANES * row_bytes)));
     for b in 0..blocks {
-        tile.push([lane_block::<F>(&rows[..LANES], b), lane_block::<F>(&rows[LANES..], b)]);
+        let x0 = if PACKED && n >= LANES { Blocks::<F>::block(&p_first, b) } else { Blocks::<F>::block(&first, b) };
+        let x1 = if PACKED && n == TILE_ROWS { Blocks::<F>::block(&p_second, b) } else { Blocks::<F>::block(&second, b) };
+        tile.push([x0, x1]);
     }
     for (a, out) in a.iter().zip(out.iter_mut()) {
         let act = Act::new::<F>(a, blocks);
@@ -264,6 +457,18 @@ unsafe fn tile_dot<F: Lanes8>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], out:
     TILE.set(tile);
 }
 
+/// The batch tile over rows as stored.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_dot<F: Lanes8>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], out: &mut [[f32; TILE_ROWS]]) {
+    tile_groups::<F, false>(w, row_bytes, a, out)
+}
+
+/// The batch tile over packed rows (`w` begins at a group).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_dot_packed<F: Lanes8>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], out: &mut [[f32; TILE_ROWS]]) {
+    tile_groups::<F, true>(w, row_bytes, a, out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::lanes::{check_kernels, reference};
@@ -278,8 +483,13 @@ mod tests {
             eprintln!("skipped: this machine has no AVX2");
             return;
         }
-        check_kernels::<Q4_1Lanes>(GgmlType::Q4_1, ActType::Q8_1, kernels(GgmlType::Q4_1).unwrap());
-        check_kernels::<Q5_0Lanes>(GgmlType::Q5_0, ActType::Q8_0, kernels(GgmlType::Q5_0).unwrap());
+        for (ty, act) in [(GgmlType::Q4_1, ActType::Q8_1), (GgmlType::Q5_0, ActType::Q8_0)] {
+            let (dot, dot1, tile, packing) = kernels(ty).unwrap();
+            match ty {
+                GgmlType::Q4_1 => check_kernels::<Q4_1Lanes>(ty, act, (dot, dot1, tile), Some(packing)),
+                _ => check_kernels::<Q5_0Lanes>(ty, act, (dot, dot1, tile), Some(packing)),
+            }
+        }
     }
 
     /// The i16 runs stay exact at the extremes: every code at its largest against
@@ -291,7 +501,7 @@ mod tests {
             return;
         }
         for (ty, act) in [(GgmlType::Q5_0, ActType::Q8_0), (GgmlType::Q4_1, ActType::Q8_1)] {
-            let (_, dot1, _) = kernels(ty).unwrap();
+            let (_, dot1, _, packing) = kernels(ty).unwrap();
             let cols = 64;
             // All codes at their maximum: every quant byte 0xFF, every fifth bit set.
             let mut weights = random_weights(ty, 8, cols, 1).unwrap();
@@ -308,9 +518,12 @@ mod tests {
                 let x = vec![sign; cols];
                 let mut q = vec![0u8; act.row_bytes(cols).unwrap()];
                 act.quantize(&x, &mut q);
-                let mut got = [0.0f32; 8];
-                super::super::with_act_row(act, &q, |a| dot1(&weights, weights.len() / 8, a, &mut got));
                 let row_bytes = weights.len() / 8;
+                let mut packed = vec![0u8; weights.len()];
+                (packing.pack)(&weights, row_bytes, &mut packed);
+                let (mut got, mut got_packed) = ([0.0f32; 8], [0.0f32; 8]);
+                super::super::with_act_row(act, &q, |a| dot1(&weights, row_bytes, a, &mut got));
+                super::super::with_act_row(act, &q, |a| (packing.dot1)(&packed, row_bytes, a, &mut got_packed));
                 let want: Vec<f32> = (0..8)
                     .map(|r| {
                         let w = &weights[r * row_bytes..(r + 1) * row_bytes];
@@ -321,6 +534,7 @@ mod tests {
                     })
                     .collect();
                 assert_eq!(got.to_vec(), want, "{ty} sign {sign}");
+                assert_eq!(got_packed.to_vec(), want, "{ty} sign {sign} (packed)");
             }
         }
     }

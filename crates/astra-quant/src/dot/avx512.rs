@@ -477,7 +477,7 @@ mod tests {
         }
         let LaneKernels { single, tile } = kernels(ty).unwrap();
         let (dot, dot1) = single.expect("a whole set");
-        check_kernels::<F>(ty, act, (dot, dot1, tile));
+        check_kernels::<F>(ty, act, (dot, dot1, tile), None);
     }
 
     /// Decode, single-row and tile entry points equal the scalar statement of their

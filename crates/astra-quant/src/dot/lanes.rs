@@ -14,7 +14,7 @@
 
 use super::{ActRow, TILE_ROWS};
 #[cfg(test)]
-use super::{ActType, VecDot1Fn, VecDotFn, VecDotTileFn};
+use super::{ActType, Packing, VecDot1Fn, VecDotFn, VecDotTileFn};
 #[cfg(test)]
 use crate::GgmlType;
 use crate::blocks::*;
@@ -180,10 +180,16 @@ pub(crate) fn reference<F: LaneFormat>(w: &[u8], a: &ActRow) -> f32 {
     }
 }
 
-/// A lane kernel family's entry points (dot on bytes, decode, tile) equal [`reference`]
-/// bit for bit for format `F`, on ragged row counts and a batch of five tokens.
+/// A lane kernel family's entry points (dot on bytes, decode, tile, and with a packing
+/// its decode and tile over packed rows) equal [`reference`] bit for bit for format
+/// `F`, on ragged row counts and a batch of five tokens.
 #[cfg(test)]
-pub(crate) fn check_kernels<F: LaneFormat>(ty: GgmlType, act: ActType, (dot, dot1, tile): (VecDotFn, VecDot1Fn, VecDotTileFn)) {
+pub(crate) fn check_kernels<F: LaneFormat>(
+    ty: GgmlType,
+    act: ActType,
+    (dot, dot1, tile): (VecDotFn, VecDot1Fn, VecDotTileFn),
+    packing: Option<Packing>,
+) {
     use crate::matmul::QuantizedActivations;
     use crate::parity::{random_weights, SplitMix};
     for (rows, cols) in [(1, 32), (8, 64), (16, 64), (21, 96), (40, 640)] {
@@ -197,21 +203,34 @@ pub(crate) fn check_kernels<F: LaneFormat>(ty: GgmlType, act: ActType, (dot, dot
             .iter()
             .map(|a| (0..rows).map(|r| reference::<F>(&weights[r * row_bytes..(r + 1) * row_bytes], a).to_bits()).collect())
             .collect();
+        let packed = packing.map(|p| {
+            let mut out = vec![0u8; weights.len()];
+            (p.pack)(&weights, row_bytes, &mut out);
+            (p, out)
+        });
+        let mut variants = vec![("stored", weights.as_slice(), dot1, tile)];
+        if let Some((p, bytes)) = &packed {
+            variants.push(("packed", bytes.as_slice(), p.dot1, p.tile));
+        }
         for (t, (a, want)) in acts.iter().zip(&want).enumerate() {
-            let mut got1 = vec![0.0f32; rows];
-            dot1(&weights, row_bytes, *a, &mut got1);
-            assert_eq!(got1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), *want, "{ty} {rows}x{cols} token {t} (decode)");
+            for &(name, w, dot1, _) in &variants {
+                let mut got1 = vec![0.0f32; rows];
+                dot1(w, row_bytes, *a, &mut got1);
+                assert_eq!(got1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), *want, "{ty} {rows}x{cols} token {t} (decode, {name})");
+            }
             let single: Vec<u32> = (0..rows).map(|r| dot(&weights[r * row_bytes..(r + 1) * row_bytes], a.bytes).to_bits()).collect();
             assert_eq!(single, *want, "{ty} {rows}x{cols} token {t} (one row)");
         }
         // Every token of the batch at once, tile by tile.
-        for first in (0..rows).step_by(TILE_ROWS) {
-            let n = TILE_ROWS.min(rows - first);
-            let mut out = vec![[0.0f32; TILE_ROWS]; acts.len()];
-            tile(&weights[first * row_bytes..(first + n) * row_bytes], row_bytes, &acts, &mut out);
-            for (t, got) in out.iter().enumerate() {
-                let got: Vec<u32> = got[..n].iter().map(|v| v.to_bits()).collect();
-                assert_eq!(got, want[t][first..first + n], "{ty} {rows}x{cols} rows {first}.. token {t} (tile)");
+        for &(name, w, _, tile) in &variants {
+            for first in (0..rows).step_by(TILE_ROWS) {
+                let n = TILE_ROWS.min(rows - first);
+                let mut out = vec![[0.0f32; TILE_ROWS]; acts.len()];
+                tile(&w[first * row_bytes..(first + n) * row_bytes], row_bytes, &acts, &mut out);
+                for (t, got) in out.iter().enumerate() {
+                    let got: Vec<u32> = got[..n].iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(got, want[t][first..first + n], "{ty} {rows}x{cols} rows {first}.. token {t} (tile, {name})");
+                }
             }
         }
     }

@@ -264,6 +264,26 @@ pub struct Kernels {
     pub dot4: Option<VecDot4Fn>,
     /// The whole-batch variant over tiles of rows, where the set has one.
     pub tile: Option<VecDotTileFn>,
+    /// Where the set reads groups of rows faster rearranged at load: how, and the
+    /// variants over rearranged rows.
+    pub packing: Option<Packing>,
+}
+
+/// Weight rows rearranged once, at load, for kernels that read a group of rows
+/// together: each whole group of [`Packing::rows`] consecutive rows keeps its bytes'
+/// place in the matrix, but block by block in the order the kernels load them, so
+/// that no transposition is left for every token; the rows past the last whole group
+/// stay as stored. The variants over packed rows give bit for bit what [`Kernels`]'
+/// `dot1` and `tile` give over stored rows; their slices begin at a group.
+#[derive(Clone, Copy, Debug)]
+pub struct Packing {
+    /// Rows per group.
+    pub rows: usize,
+    /// `out` (as long as `w`, whole rows of `row_bytes` from a group's start) is `w`
+    /// packed.
+    pub pack: fn(w: &[u8], row_bytes: usize, out: &mut [u8]),
+    pub dot1: VecDot1Fn,
+    pub tile: VecDotTileFn,
 }
 
 impl Kernels {
@@ -271,14 +291,14 @@ impl Kernels {
     pub fn new(weights: GgmlType, isa: Isa) -> Result<Kernels, QuantError> {
         let act = ActType::for_weights(weights)?;
         assert!(isa.available(), "{} kernels requested on a machine without {}", isa.name(), isa.name());
-        let scalar = Kernels { weights, act, isa: Isa::Scalar, dot: scalar_dot_fn(weights)?, dot1: None, dot4: None, tile: None };
+        let scalar = Kernels { weights, act, isa: Isa::Scalar, dot: scalar_dot_fn(weights)?, dot1: None, dot4: None, tile: None, packing: None };
         Ok(match isa {
             Isa::Scalar => scalar,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni if avx512::kernels(weights).is_some() => {
                 let own = avx512::kernels(weights).expect("just checked");
                 // Batches run the tile; single tokens AVX-512's entry points or AVX2's.
-                let base = Kernels { isa, dot4: None, tile: Some(own.tile), ..Kernels::new(weights, Isa::Avx2)? };
+                let base = Kernels { isa, dot4: None, tile: Some(own.tile), packing: None, ..Kernels::new(weights, Isa::Avx2)? };
                 match own.single {
                     Some((dot, dot1)) => Kernels { dot, dot1: Some(dot1), ..base },
                     None => base,
@@ -287,12 +307,12 @@ impl Kernels {
             // Q4_1 and Q5_0 run in lanes: the arithmetic of AVX-512's lanes, bit for bit.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512Vnni if avx2_lanes::kernels(weights).is_some() => {
-                let (dot, dot1, tile) = avx2_lanes::kernels(weights).expect("just checked");
-                Kernels { weights, act, isa: Isa::Avx2, dot, dot1: Some(dot1), dot4: None, tile: Some(tile) }
+                let (dot, dot1, tile, packing) = avx2_lanes::kernels(weights).expect("just checked");
+                Kernels { weights, act, isa: Isa::Avx2, dot, dot1: Some(dot1), dot4: None, tile: Some(tile), packing: Some(packing) }
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512Vnni => match avx2::kernels(weights) {
-                Some((dot, dot1, dot4)) => Kernels { weights, act, isa: Isa::Avx2, dot, dot1, dot4, tile: None },
+                Some((dot, dot1, dot4)) => Kernels { weights, act, isa: Isa::Avx2, dot, dot1, dot4, tile: None, packing: None },
                 None => scalar,
             },
             #[cfg(not(target_arch = "x86_64"))]
