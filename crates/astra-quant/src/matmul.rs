@@ -371,7 +371,7 @@ mod tests {
     fn packed_rows_give_the_stored_results() {
         let cols = 640;
         let x = pseudo_random(17 * cols, 8);
-        for ty in [GgmlType::Q4_1, GgmlType::Q5_0] {
+        for ty in [GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
             for isa in Isa::available_sets() {
                 let k = Kernels::new(ty, isa).unwrap();
                 let Some(p) = k.packing else { continue };

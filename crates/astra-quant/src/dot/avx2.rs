@@ -4,30 +4,22 @@
 //! Each block's integer dot product is computed in 8 i32 lanes (exact), converted to
 //! f32 and multiplied into 8 f32 accumulators with the block's scale; the lanes are
 //! summed at the end. The result therefore differs from the scalar reference only in
-//! the association of the float sums (parity bound: relative L2 ≤ 1e-6). Q4_1 and Q5_0
-//! are not here: they run eight rows in lanes (`avx2_lanes`).
+//! the association of the float sums (parity bound: relative L2 ≤ 1e-6). Q4_1, Q5_0
+//! and Q8_0 are not here: they run eight rows in lanes (`avx2_lanes`).
 //!
 //! Safety: every kernel here requires AVX2, FMA and F16C. They are reachable only
 //! through [`dot_fn`], which `Kernels::new` calls after checking `Isa::Avx2.available()`.
 
 use std::arch::x86_64::*;
 
-use super::{ActRow, ActType, VecDot1Fn, VecDot4Fn, VecDotFn};
+use super::{ActRow, VecDot4Fn, VecDotFn};
 use crate::blocks::*;
 use crate::dequant::{iq2s_grid_point, iq2s_signs};
 use crate::GgmlType;
 
-/// Weight rows walked together against one token: two chains of multiply-adds in
-/// flight. Four had been taken for more chains, but measured far slower on an AVX2-only
-/// machine (AMD EPYC, two threads: Gemma's 178 MB Q8_0 output matrix streamed at 15-20
-/// GiB/s with four, 21-26 with two; one row gave less on SmolLM2's Q4_1 products, which
-/// ran here then).
-/// The arithmetic of each output does not depend on it.
-const DECODE_ROWS: usize = 2;
-
-/// The kernels for a weight type: the dot product on bytes, and the variants on
-/// [`ActRow`]s where there are some.
-pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, Option<VecDot1Fn>, Option<VecDot4Fn>)> {
+/// The kernels for a weight type: the dot product on bytes, and the four-token variant
+/// where there is one.
+pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, Option<VecDot4Fn>)> {
     use GgmlType::*;
     macro_rules! safe {
         ($f:ident) => {{
@@ -52,29 +44,21 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, Option<VecDot1Fn>,
             Some(wrapper as VecDot4Fn)
         }};
     }
-    // A `RowKernel`'s entry points.
-    macro_rules! rows {
-        ($k:ty, $act:expr) => {{
-            let (dot, dot1, dot4) = super::row_entries!(rows_avx2, $k, $act, DECODE_ROWS);
-            (dot, Some(dot1), Some(dot4))
-        }};
-    }
     Some(match weights {
-        Q8_0 => rows!(Q8_0Rows, ActType::Q8_0),
-        F32 => (safe!(dot_f32_f32), None, None),
-        F16 => (safe!(dot_f16_f32), None, None),
-        BF16 => (safe!(dot_bf16_f32), None, None),
-        Q4_0 => (safe!(dot_q4_0_q8_0), None, None),
-        Q5_1 => (safe!(dot_q5_1_q8_1), None, None),
-        IQ4_NL => (safe!(dot_iq4_nl_q8_0), None, None),
-        Q2_0 => (safe!(dot_q2_0_q8_0), None, None),
-        Q2_K => (safe!(dot_q2_k_q8_k), None, None),
-        Q3_K => (safe!(dot_q3_k_q8_k), None, None),
-        Q4_K => (safe!(dot_q4_k_q8_k), None, four!(dotn_q4_k_q8_k)),
-        Q5_K => (safe!(dot_q5_k_q8_k), None, None),
-        Q6_K => (safe!(dot_q6_k_q8_k), None, four!(dotn_q6_k_q8_k)),
-        Q8_K => (safe!(dot_q8_k_q8_k), None, None),
-        IQ2_S => (safe!(dot_iq2_s_q8_k), None, None),
+        F32 => (safe!(dot_f32_f32), None),
+        F16 => (safe!(dot_f16_f32), None),
+        BF16 => (safe!(dot_bf16_f32), None),
+        Q4_0 => (safe!(dot_q4_0_q8_0), None),
+        Q5_1 => (safe!(dot_q5_1_q8_1), None),
+        IQ4_NL => (safe!(dot_iq4_nl_q8_0), None),
+        Q2_0 => (safe!(dot_q2_0_q8_0), None),
+        Q2_K => (safe!(dot_q2_k_q8_k), None),
+        Q3_K => (safe!(dot_q3_k_q8_k), None),
+        Q4_K => (safe!(dot_q4_k_q8_k), four!(dotn_q4_k_q8_k)),
+        Q5_K => (safe!(dot_q5_k_q8_k), None),
+        Q6_K => (safe!(dot_q6_k_q8_k), four!(dotn_q6_k_q8_k)),
+        Q8_K => (safe!(dot_q8_k_q8_k), None),
+        IQ2_S => (safe!(dot_iq2_s_q8_k), None),
         _ => return None,
     })
 }
@@ -142,18 +126,6 @@ pub(super) unsafe fn prefetch_ahead(w: &[u8], at: usize, len: usize) {
     }
 }
 
-/// Every accumulator's horizontal sum, in loops rather than closures: a closure does
-/// not inherit its caller's target features, so its intrinsics would become calls.
-#[inline(always)]
-unsafe fn hsums<const M: usize, const N: usize>(acc: &[[__m256; N]; M]) -> [[f32; N]; M] {
-    let mut out = [[0.0; N]; M];
-    for m in 0..M {
-        for r in 0..N {
-            out[m][r] = hsum_f32(acc[m][r]);
-        }
-    }
-    out
-}
 
 #[inline(always)]
 unsafe fn load(p: &[i8]) -> __m256i {
@@ -250,123 +222,6 @@ unsafe fn dot_q5_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
         mins = _mm_add_ps(mins, prods);
     }
     hsum_f32(acc) + _mm_cvtss_f32(_mm_movehdup_ps(mins))
-}
-
-// ------------------------------------------------------------------ 32-blocks on ActRows
-
-/// How a block's bytes meet: Σ of products of unsigned bytes `x` with signed bytes `y`
-/// in 8 i32 lanes, lane k covering bytes 4k..4k+4 (no i16 pair sum saturates for the
-/// inputs the kernels pass: |x| ≤ 128 with |y| ≤ 127, or x ≤ 31). A parameter of the
-/// kernels so that another instruction for it slots in.
-trait IntDot {
-    unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256i;
-}
-
-/// AVX2: `vpmaddubsw` into i16 pairs, then `vpmaddwd` with ones.
-struct Madd;
-
-impl IntDot for Madd {
-    #[inline(always)]
-    unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256i {
-        dot_u8_i8(x, y)
-    }
-}
-
-/// A weight type's dot products of M weight rows with N activation rows at once: each
-/// weight block decoded once for all N, and M independent chains of multiply-adds in
-/// flight (one row's chain alone waits on the FMA latency every block). Every (row,
-/// token) pair gets the arithmetic it gets alone (M = N = 1), so an output is one
-/// fixed sequence of operations whatever M and N are.
-trait RowKernel {
-    /// The weight block.
-    type W: Block;
-    /// The activation block.
-    type A: Block;
-    /// f32 scales per activation block in an [`ActRow`].
-    const SCALES: usize;
-
-    /// # Safety
-    /// The instruction set `D` needs is present; every `w[m]` has as many blocks as
-    /// `w[0]`, every `q[r]` as many, and every `s[r]` `SCALES` times as many ([`rows`]
-    /// checks it once per call).
-    unsafe fn dot<D: IntDot, const M: usize, const N: usize>(
-        w: [&[Self::W]; M],
-        q: [&[Self::A]; N],
-        s: [&[f32]; N],
-    ) -> [[f32; N]; M];
-}
-
-/// `out[i] = K·(row i of w, a)` for consecutive rows of `row_bytes`, M rows at a time,
-/// the activation rows checked against the row length once.
-#[inline(always)]
-unsafe fn rows<K: RowKernel, D: IntDot, const M: usize, const N: usize>(
-    w: &[u8],
-    row_bytes: usize,
-    a: [ActRow<'_>; N],
-    out: &mut [[f32; N]],
-) {
-    assert!(row_bytes > 0 && w.len() == row_bytes * out.len(), "weights are not out.len() rows");
-    let blocks = row_bytes / std::mem::size_of::<K::W>();
-    // Plain loops rather than `map`/`from_fn`, whose closures cost calls per use here.
-    let (mut q, mut s): ([&[K::A]; N], [&[f32]; N]) = ([&[]; N], [&[]; N]);
-    for r in 0..N {
-        (q[r], s[r]) = (as_blocks::<K::A>(a[r].bytes), a[r].scales);
-        assert!(q[r].len() == blocks && s[r].len() == K::SCALES * blocks, "activation row does not match the weights");
-    }
-    let row = |i: usize| as_blocks::<K::W>(&w[i * row_bytes..(i + 1) * row_bytes]);
-    let whole = out.len() / M * M;
-    for first in (0..whole).step_by(M) {
-        let mut rows: [&[K::W]; M] = [&[]; M];
-        for (m, r) in rows.iter_mut().enumerate() {
-            *r = row(first + m);
-        }
-        if N == 1 {
-            prefetch_ahead(w, (first + 4 * M) * row_bytes, M * row_bytes);
-        }
-        let v = K::dot::<D, M, N>(rows, q, s);
-        out[first..first + M].copy_from_slice(&v);
-    }
-    for i in whole..out.len() {
-        out[i] = K::dot::<D, 1, N>([row(i)], q, s)[0];
-    }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_avx2<K: RowKernel, const M: usize, const N: usize>(
-    w: &[u8],
-    row_bytes: usize,
-    a: [ActRow<'_>; N],
-    out: &mut [[f32; N]],
-) {
-    rows::<K, Madd, M, N>(w, row_bytes, a, out)
-}
-
-/// Q8_0 × Q8_0, by the sign trick (|w| · sign(a, w)).
-struct Q8_0Rows;
-
-impl RowKernel for Q8_0Rows {
-    type W = BlockQ8_0;
-    type A = BlockQ8_0;
-    const SCALES: usize = 1;
-
-    #[inline(always)]
-    unsafe fn dot<D: IntDot, const M: usize, const N: usize>(w: [&[BlockQ8_0]; M], q: [&[BlockQ8_0]; N], s: [&[f32]; N]) -> [[f32; N]; M] {
-        let mut acc = [[_mm256_setzero_ps(); N]; M];
-        for i in 0..w[0].len() {
-            for m in 0..M {
-                // SAFETY (the unchecked indexing): the trait's contract.
-                let wb = w[m].get_unchecked(i);
-                let qx = load(&wb.qs);
-                let ax = _mm256_sign_epi8(qx, qx);
-                let dw = f16(wb.d);
-                for r in 0..N {
-                    let p = _mm256_cvtepi32_ps(D::dot_u8_i8(ax, _mm256_sign_epi8(load(&q[r].get_unchecked(i).qs), qx)));
-                    acc[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * s[r].get_unchecked(i)), p, acc[m][r]);
-                }
-            }
-        }
-        hsums(&acc)
-    }
 }
 
 // ------------------------------------------------------------------ 256-blocks, N rows

@@ -14,8 +14,9 @@
 //! they stream past; rows packed at load ([`pack`]) are stored block by block in lane
 //! order already, so decoding a block is loads and masks, with the same results.
 //!
-//! Q8_0 is not here: its offset codes reach 255, and 2 · 255 · 127 leaves i16, which
-//! `vpmaddubsw` would saturate.
+//! Q8_0's codes are kept signed ([`Lanes8::SIGNED`]): offset, they would reach 255,
+//! and 2 · 255 · 127 leaves i16, which `vpmaddubsw` would saturate. Its integer sums
+//! are the same.
 //!
 //! Safety: every kernel here requires AVX2, FMA and F16C; they are reachable only
 //! through [`kernels`], which `Kernels::new` calls after checking `Isa::available`.
@@ -23,7 +24,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::lanes::{group, lane_entries, tile_rows, Act, LaneFormat, Q4_1Lanes, Q5_0Lanes};
+use super::lanes::{group, lane_entries, tile_rows, Act, LaneFormat, Q4_1Lanes, Q5_0Lanes, Q8_0Lanes};
 use super::{ActRow, ActType, Packing, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_ROWS};
 use crate::blocks::*;
 use crate::GgmlType;
@@ -52,6 +53,7 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, VecDot1Fn, VecDotT
     match weights {
         GgmlType::Q4_1 => entries!(Q4_1Lanes, ActType::Q8_1),
         GgmlType::Q5_0 => entries!(Q5_0Lanes, ActType::Q8_0),
+        GgmlType::Q8_0 => entries!(Q8_0Lanes, ActType::Q8_0),
         _ => None,
     }
 }
@@ -61,19 +63,21 @@ pub(crate) trait Lanes8: LaneFormat {
     /// How many `vpmaddubsw` results are added in i16 before widening: the largest
     /// n with n · 2 · max code · 127 < 2^15 that divides 8.
     const I16_RUN: usize;
+    /// Whether the codes are the signed weights themselves, multiplied as |w| times
+    /// the activation with w's sign, each pair of products widened at once (2 · 128 ·
+    /// 127 < 2^15): the same integer sums as the offset codes with the offset's term.
+    const SIGNED: bool = false;
     /// Block `b` of eight rows' codes (offset where signed) in lanes: vector k lane l
     /// is row l's codes 4k..4k+4.
     ///
     /// # Safety
     /// The module's features; `rows` has eight rows of more than `b` blocks.
     unsafe fn lane_codes(rows: &[&[Self::W]], b: usize) -> [__m256i; 8];
-    /// A block's 16 bytes of nibbles.
-    fn qs(b: &Self::W) -> &[u8; 16];
-    /// Bytes of a packed block before its nibbles: the eight scales, then the eight
+    /// Bytes of a packed block before its codes: the eight scales, then the eight
     /// minimums (Q4_1) or the fifth bits (Q5_0).
     const PACKED_HEAD: usize;
-    /// Writes the part of a packed block after the scales (bytes 16..PACKED_HEAD).
-    fn pack_extra(blocks: [&Self::W; LANES], out: &mut [u8]);
+    /// Writes the part of a packed block after the scales.
+    fn pack_rest(blocks: [&Self::W; LANES], out: &mut [u8]);
     /// [`Lanes8::lane_codes`] of the packed block at `p`.
     ///
     /// # Safety
@@ -81,24 +85,30 @@ pub(crate) trait Lanes8: LaneFormat {
     unsafe fn packed_codes(p: *const u8) -> [__m256i; 8];
 }
 
-/// Eight blocks (one per row) packed: the scales (f16, lane order), the format's
-/// extra bytes, then the nibbles as four vectors, vector k lane l holding row l's
-/// nibble bytes 4k..4k+4 (what [`nibble_lanes`] builds in registers).
+/// Eight blocks (one per row) packed: the scales (f16, lane order), then the rest as
+/// the format packs it.
 fn pack_blocks<F: Lanes8>(blocks: [&F::W; LANES], out: &mut [u8]) {
     for (l, b) in blocks.iter().enumerate() {
         out[2 * l..2 * l + 2].copy_from_slice(&F::d(b).to_le_bytes());
-        for k in 0..4 {
-            let at = F::PACKED_HEAD + 32 * k + 4 * l;
-            out[at..at + 4].copy_from_slice(&F::qs(b)[4 * k..4 * k + 4]);
+    }
+    F::pack_rest(blocks, out);
+}
+
+/// Eight rows' codes of four bytes each (`codes[l]`, 4 · `n` bytes) as `n` vectors:
+/// vector k lane l holds row l's bytes 4k..4k+4 (what the transposes build in
+/// registers).
+fn pack_dwords(codes: [&[u8]; LANES], n: usize, out: &mut [u8]) {
+    for (l, c) in codes.iter().enumerate() {
+        for k in 0..n {
+            out[32 * k + 4 * l..32 * k + 4 * l + 4].copy_from_slice(&c[4 * k..4 * k + 4]);
         }
     }
-    F::pack_extra(blocks, out);
 }
 
 /// `out` is `w` (whole rows) with each whole group of eight rows packed, block by
 /// block, in the group's place; the rows after the last whole group are copied.
 fn pack<F: Lanes8>(w: &[u8], row_bytes: usize, out: &mut [u8]) {
-    assert!(row_bytes > 0 && w.len() % row_bytes == 0 && out.len() == w.len(), "packing whole rows");
+    assert!(row_bytes > 0 && w.len().is_multiple_of(row_bytes) && out.len() == w.len(), "packing whole rows");
     let (span, block) = (LANES * row_bytes, std::mem::size_of::<F::W>());
     let whole = w.len() / span * span;
     for (g, out) in w[..whole].chunks_exact(span).zip(out[..whole].chunks_exact_mut(span)) {
@@ -164,15 +174,13 @@ impl Lanes8 for Q4_1Lanes {
     unsafe fn lane_codes(rows: &[&[BlockQ4_1]], b: usize) -> [__m256i; 8] {
         nibble_lanes(std::array::from_fn(|l| &rows.get_unchecked(l).get_unchecked(b).qs))
     }
-    fn qs(b: &BlockQ4_1) -> &[u8; 16] {
-        &b.qs
-    }
     // Eight scales, eight minimums.
     const PACKED_HEAD: usize = 32;
-    fn pack_extra(blocks: [&BlockQ4_1; LANES], out: &mut [u8]) {
+    fn pack_rest(blocks: [&BlockQ4_1; LANES], out: &mut [u8]) {
         for (l, b) in blocks.iter().enumerate() {
             out[16 + 2 * l..18 + 2 * l].copy_from_slice(&b.m.0);
         }
+        pack_dwords(blocks.map(|b| &b.qs[..]), 4, &mut out[Self::PACKED_HEAD..]);
     }
     #[inline(always)]
     unsafe fn packed_codes(p: *const u8) -> [__m256i; 8] {
@@ -203,19 +211,17 @@ impl Lanes8 for Q5_0Lanes {
         }
         codes
     }
-    fn qs(b: &BlockQ5_0) -> &[u8; 16] {
-        &b.qs
-    }
     // Eight scales, then the fifth bits as 32 bytes: bit k of byte 4l + j is row l's
     // fifth bit of element 4k + j, the code in byte j of lane l of vector k.
     const PACKED_HEAD: usize = 48;
-    fn pack_extra(blocks: [&BlockQ5_0; LANES], out: &mut [u8]) {
+    fn pack_rest(blocks: [&BlockQ5_0; LANES], out: &mut [u8]) {
         for (l, b) in blocks.iter().enumerate() {
             let qh = u32::from_le_bytes(b.qh);
             for j in 0..4 {
                 out[16 + 4 * l + j] = (0..8).map(|k| (((qh >> (4 * k + j)) & 1) as u8) << k).sum();
             }
         }
+        pack_dwords(blocks.map(|b| &b.qs[..]), 4, &mut out[Self::PACKED_HEAD..]);
     }
     #[inline(always)]
     unsafe fn packed_codes(p: *const u8) -> [__m256i; 8] {
@@ -241,6 +247,48 @@ impl Lanes8 for Q5_0Lanes {
     }
 }
 
+impl Lanes8 for Q8_0Lanes {
+    // Not used: the codes are signed.
+    const I16_RUN: usize = 1;
+    const SIGNED: bool = true;
+    #[inline(always)]
+    unsafe fn lane_codes(rows: &[&[BlockQ8_0]], b: usize) -> [__m256i; 8] {
+        // An 8 × 8 transpose of dwords: row l's dword k to lane l of vector k.
+        let r: [__m256i; LANES] = std::array::from_fn(|l| _mm256_loadu_si256(rows.get_unchecked(l).get_unchecked(b).qs.as_ptr().cast()));
+        // t[2i] / t[2i + 1]: rows 2i and 2i + 1 interleaved, dwords (0, 1 | 4, 5) / (2, 3 | 6, 7).
+        let mut t = [_mm256_setzero_si256(); 8];
+        for i in 0..4 {
+            t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        // u[4h + j]: rows 4h..4h + 4's dword j in the low half and j + 4 in the high.
+        let mut u = [_mm256_setzero_si256(); 8];
+        for h in 0..2 {
+            let (a, c) = (4 * h, 4 * h + 2);
+            u[4 * h] = _mm256_unpacklo_epi64(t[a], t[c]);
+            u[4 * h + 1] = _mm256_unpackhi_epi64(t[a], t[c]);
+            u[4 * h + 2] = _mm256_unpacklo_epi64(t[a + 1], t[c + 1]);
+            u[4 * h + 3] = _mm256_unpackhi_epi64(t[a + 1], t[c + 1]);
+        }
+        let mut out = [_mm256_setzero_si256(); 8];
+        for j in 0..4 {
+            out[j] = _mm256_permute2x128_si256::<0x20>(u[j], u[4 + j]);
+            out[4 + j] = _mm256_permute2x128_si256::<0x31>(u[j], u[4 + j]);
+        }
+        out
+    }
+    // Eight scales.
+    const PACKED_HEAD: usize = 16;
+    fn pack_rest(blocks: [&BlockQ8_0; LANES], out: &mut [u8]) {
+        let codes = blocks.map(|b| b.qs.map(|q| q as u8));
+        pack_dwords(std::array::from_fn(|l| &codes[l][..]), 8, &mut out[Self::PACKED_HEAD..]);
+    }
+    #[inline(always)]
+    unsafe fn packed_codes(p: *const u8) -> [__m256i; 8] {
+        std::array::from_fn(|k| _mm256_loadu_si256(p.add(Self::PACKED_HEAD + 32 * k).cast()))
+    }
+}
+
 /// One block of eight rows in lanes: `codes[k]` lane l is row l's codes 4k..4k+4; `d`
 /// and `m` lane l are row l's scale and minimum.
 #[derive(Clone, Copy)]
@@ -253,7 +301,10 @@ struct LaneBlock {
 
 // `lane_block` reads a row's first four bytes as d and (Q4_1) m: both blocks begin so.
 const _: () = assert!(
-    std::mem::offset_of!(BlockQ4_1, d) == 0 && std::mem::offset_of!(BlockQ4_1, m) == 2 && std::mem::offset_of!(BlockQ5_0, d) == 0
+    std::mem::offset_of!(BlockQ4_1, d) == 0
+        && std::mem::offset_of!(BlockQ4_1, m) == 2
+        && std::mem::offset_of!(BlockQ5_0, d) == 0
+        && std::mem::offset_of!(BlockQ8_0, d) == 0
 );
 
 /// Block `b` of the eight rows `rows`, in lanes.
@@ -292,6 +343,14 @@ unsafe fn broadcasts(a: Act, b: usize) -> [__m256i; 8] {
 #[inline(always)]
 unsafe fn block_sums<F: Lanes8>(x: &LaneBlock, y: &[__m256i; 8], a: Act, b: usize) -> __m256i {
     let ones = _mm256_set1_epi16(1);
+    if F::SIGNED {
+        let mut isum = _mm256_setzero_si256();
+        for (&w, &y) in x.codes.iter().zip(y) {
+            let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(y, w));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+        }
+        return isum;
+    }
     let mut isum = match F::SHIFT {
         Some(shift) => _mm256_set1_epi32(*a.neg.add(b) << shift),
         None => _mm256_setzero_si256(),
@@ -483,32 +542,36 @@ mod tests {
             eprintln!("skipped: this machine has no AVX2");
             return;
         }
-        for (ty, act) in [(GgmlType::Q4_1, ActType::Q8_1), (GgmlType::Q5_0, ActType::Q8_0)] {
+        for (ty, act) in [(GgmlType::Q4_1, ActType::Q8_1), (GgmlType::Q5_0, ActType::Q8_0), (GgmlType::Q8_0, ActType::Q8_0)] {
             let (dot, dot1, tile, packing) = kernels(ty).unwrap();
             match ty {
                 GgmlType::Q4_1 => check_kernels::<Q4_1Lanes>(ty, act, (dot, dot1, tile), Some(packing)),
-                _ => check_kernels::<Q5_0Lanes>(ty, act, (dot, dot1, tile), Some(packing)),
+                GgmlType::Q5_0 => check_kernels::<Q5_0Lanes>(ty, act, (dot, dot1, tile), Some(packing)),
+                _ => check_kernels::<Q8_0Lanes>(ty, act, (dot, dot1, tile), Some(packing)),
             }
         }
     }
 
-    /// The i16 runs stay exact at the extremes: every code at its largest against
-    /// activations of ±127, where a longer run would wrap.
+    /// The i16 sums stay exact at the extremes: every code at its largest magnitude
+    /// against activations of ±127, where a longer run would wrap (or, for Q8_0's
+    /// signed codes, -128 times 127 in every pair).
     #[test]
     fn extreme_codes_do_not_leave_i16() {
         if !crate::Isa::Avx2.available() {
             eprintln!("skipped: this machine has no AVX2");
             return;
         }
-        for (ty, act) in [(GgmlType::Q5_0, ActType::Q8_0), (GgmlType::Q4_1, ActType::Q8_1)] {
+        for (ty, act) in [(GgmlType::Q5_0, ActType::Q8_0), (GgmlType::Q4_1, ActType::Q8_1), (GgmlType::Q8_0, ActType::Q8_0)] {
             let (_, dot1, _, packing) = kernels(ty).unwrap();
             let cols = 64;
-            // All codes at their maximum: every quant byte 0xFF, every fifth bit set.
+            // Every quant byte 0xFF (every nibble 15, every fifth bit set) or, for Q8_0,
+            // 0x80 (-128).
+            let fill = if ty == GgmlType::Q8_0 { 0x80 } else { 0xFF };
             let mut weights = random_weights(ty, 8, cols, 1).unwrap();
             let block = ty.block_bytes() as usize;
             for b in weights.chunks_exact_mut(block) {
                 for byte in &mut b[2..] {
-                    *byte = 0xFF;
+                    *byte = fill;
                 }
                 if ty == GgmlType::Q4_1 {
                     b[2..4].copy_from_slice(&half::f16::from_f32(0.0).to_bits().to_le_bytes());
@@ -529,7 +592,8 @@ mod tests {
                         let w = &weights[r * row_bytes..(r + 1) * row_bytes];
                         super::super::with_act_row(act, &q, |a| match ty {
                             GgmlType::Q5_0 => reference::<Q5_0Lanes>(w, &a),
-                            _ => reference::<Q4_1Lanes>(w, &a),
+                            GgmlType::Q4_1 => reference::<Q4_1Lanes>(w, &a),
+                            _ => reference::<Q8_0Lanes>(w, &a),
                         })
                     })
                     .collect();

@@ -146,40 +146,14 @@ pub(crate) fn with_act_row<R>(act: ActType, row: &[u8], f: impl FnOnce(ActRow) -
     f(ActRow { bytes: row, scales: &scales, quants: &quants, neg_sums: &sums })
 }
 
-/// The entry points of a kernel family that runs M weight rows × N tokens over runs of
-/// consecutive rows (`$rows::<$k, M, N>(w, row_bytes, acts, out)`, an unsafe fn that
-/// needs the features of the set whose `kernels` hands these out): the dot on bytes,
-/// one token (M = `$decode_rows`), four tokens (M = 1).
-macro_rules! row_entries {
-    ($rows:ident, $k:ty, $act:expr, $decode_rows:expr) => {{
-        fn dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
-            // SAFETY: handed out only where the set's features are present (the
-            // calling module's doc). `out` is viewed as one output per row, the same
-            // memory.
-            let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<[f32; 1]>(), out.len()) };
-            unsafe { $rows::<$k, { $decode_rows }, 1>(w, row_bytes, [a], out) }
-        }
-        fn dot4(w: &[u8], row_bytes: usize, a: [ActRow; 4], out: &mut [[f32; 4]]) {
-            // SAFETY: as for `dot1`.
-            unsafe { $rows::<$k, 1, 4>(w, row_bytes, a, out) }
-        }
-        fn dot(w: &[u8], a: &[u8]) -> f32 {
-            let mut out = [0.0];
-            $crate::dot::with_act_row($act, a, |row| dot1(w, w.len(), row, &mut out));
-            out[0]
-        }
-        (dot as VecDotFn, dot1 as VecDot1Fn, dot4 as VecDot4Fn)
-    }};
-}
-pub(crate) use row_entries;
 
 /// An instruction set with kernels here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
     Scalar,
-    /// AVX2 with FMA and F16C (x86-64 since Haswell / Zen): Q4_1 and Q5_0 put eight
-    /// weight rows in the lanes of a 256-bit vector (AVX-512's arithmetic, the same
-    /// bits); the other types run one row at a time.
+    /// AVX2 with FMA and F16C (x86-64 since Haswell / Zen): Q4_1, Q5_0 and Q8_0 put
+    /// eight weight rows in the lanes of a 256-bit vector (AVX-512's arithmetic, the
+    /// same bits), packed at load; the other types run one row at a time.
     Avx2,
     /// AVX-512 (F, BW, VL) with VNNI (Ice Lake, Sapphire Rapids, Zen 4): Q4_1, Q5_0
     /// and Q8_0 put sixteen weight rows in the lanes of a 512-bit `vpdpbusd`, as do
@@ -304,7 +278,7 @@ impl Kernels {
                     None => base,
                 }
             }
-            // Q4_1 and Q5_0 run in lanes: the arithmetic of AVX-512's lanes, bit for bit.
+            // Q4_1, Q5_0 and Q8_0 run in lanes: the arithmetic of AVX-512's lanes, bit for bit.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512Vnni if avx2_lanes::kernels(weights).is_some() => {
                 let (dot, dot1, tile, packing) = avx2_lanes::kernels(weights).expect("just checked");
@@ -312,7 +286,7 @@ impl Kernels {
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512Vnni => match avx2::kernels(weights) {
-                Some((dot, dot1, dot4)) => Kernels { weights, act, isa: Isa::Avx2, dot, dot1, dot4, tile: None, packing: None },
+                Some((dot, dot4)) => Kernels { weights, act, isa: Isa::Avx2, dot, dot1: None, dot4, tile: None, packing: None },
                 None => scalar,
             },
             #[cfg(not(target_arch = "x86_64"))]
