@@ -1186,7 +1186,9 @@ template <int Q>
 __device__ void chunk_part(const float (*sq)[MAX_HEAD_DIM], const u16* kh, const u16* vh, int slots, int head_dim, float scale,
                            const QueryRows<Q>& rows, int c, ChunkPart<Q>& out) {
     __shared__ float sp[Q][CHUNK];
-    __shared__ __align__(16) u16 sv[CHUNK][MAX_HEAD_DIM];
+    // The chunk's value rows, CHUNK · head_dim of them: dynamic shared memory, so that a
+    // CTA holds what its head needs rather than room for the largest head.
+    extern __shared__ __align__(16) u16 sv[];
     int t = threadIdx.x;
     int lo[Q], hi[Q];
     int ulo = 0x7fffffff, uhi = -1;
@@ -1208,9 +1210,9 @@ __device__ void chunk_part(const float (*sq)[MAX_HEAD_DIM], const u16* kh, const
         const u16* vr = vh + (long)(p % slots) * head_dim;
         if (head_dim % 8 == 0) {
 #pragma unroll 8
-            for (int d8 = 0; d8 < head_dim / 8; d8++) ((uint4*)sv[t])[d8] = ((const uint4*)vr)[d8];
+            for (int d8 = 0; d8 < head_dim / 8; d8++) ((uint4*)(sv + t * head_dim))[d8] = ((const uint4*)vr)[d8];
         } else {
-            for (int d = 0; d < head_dim; d++) sv[t][d] = vr[d];
+            for (int d = 0; d < head_dim; d++) sv[t * head_dim + d] = vr[d];
         }
     }
     if (p >= ulo && p <= uhi) {
@@ -1261,7 +1263,7 @@ __device__ void chunk_part(const float (*sq)[MAX_HEAD_DIM], const u16* kh, const
         if (d >= head_dim) continue;
 #pragma unroll 4
         for (int pp = ulo; pp <= uhi; pp++) {
-            float vd = h2f(sv[pp - c * CHUNK][d]);
+            float vd = h2f(sv[(pp - c * CHUNK) * head_dim + d]);
             for (int iq = 0; iq < Q; iq++)
                 if (pp >= lo[iq] && pp <= hi[iq]) out.acc[iq][j] = __fmaf_rn(sp[iq][pp - c * CHUNK], vd, out.acc[iq][j]);
         }
@@ -1522,8 +1524,10 @@ __device__ __forceinline__ float ld_cg(const float* p) {
 }
 
 // How many chunks a decode row's attention spans before attention_split spreads them
-// over CTAs; up to this many, the head's first CTA runs them all (attend).
-#define SPLIT_FROM 4
+// over CTAs; up to this many, the head's first CTA runs them all (attend). One: two
+// chunks in two CTAs and a merge measured faster than both in one CTA (H200, tg128:
+// smollm2 shape 1,405 → 1,462 tok/s, gemma3 929 → 993, 8B 376 → 385).
+#define SPLIT_FROM 1
 
 // One decode row (row row0, at positions[row0]) with its chunks spread over the CTAs of
 // its head: grid (n_head, S), CTA s taking the row's chunks s, s + S, … and writing each
@@ -1533,7 +1537,9 @@ __device__ __forceinline__ float ld_cg(const float* p) {
 // writes the row as attend does. Every part is chunk_part's and the merge is
 // merge_part's in the same order, so the row is attend's bit for bit, for any S.
 // Rows spanning at most SPLIT_FROM chunks are computed by CTA 0 alone (attend).
-extern "C" __global__ void attention_split(const float* q, const u16* kc, const u16* vc, float* out, int row0,
+// Eight CTAs per SM at least (the registers capped to fit): with the value rows' shared
+// memory sized to the head, a 8B-shape grid of 1,024 CTAs fits in one wave.
+extern "C" __global__ void __launch_bounds__(CHUNK, 8) attention_split(const float* q, const u16* kc, const u16* vc, float* out, int row0,
                                            const unsigned int* positions, int slots, int window, int n_head, int group, int head_dim, float scale, u8* qout,
                                            int qkind, float* parts, unsigned int* tickets, int max_chunks) {
     __shared__ float sq[1][MAX_HEAD_DIM];
