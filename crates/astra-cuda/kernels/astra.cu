@@ -1139,6 +1139,11 @@ __device__ __forceinline__ void chunk_reduce(float (&v)[Q]) {
 
 #define PER (MAX_HEAD_DIM / CHUNK)
 
+// The distance between value rows in shared memory, in u16: the row padded by 16 bytes,
+// so that the eight threads of a phase storing 16 bytes each of their own rows hit
+// different banks (rows 2^k bytes apart all start in one bank: eight-way conflicts).
+#define SV_STRIDE(head_dim) ((head_dim) + 8)
+
 // A CTA's query rows: their positions, the first position each sees (its window), and
 // how many of the Q there are.
 template <int Q>
@@ -1186,9 +1191,11 @@ template <int Q>
 __device__ void chunk_part(const float (*sq)[MAX_HEAD_DIM], const u16* kh, const u16* vh, int slots, int head_dim, float scale,
                            const QueryRows<Q>& rows, int c, ChunkPart<Q>& out) {
     __shared__ float sp[Q][CHUNK];
-    // The chunk's value rows, CHUNK · head_dim of them: dynamic shared memory, so that a
-    // CTA holds what its head needs rather than room for the largest head.
+    // The chunk's value rows, CHUNK of head_dim: dynamic shared memory, so that a CTA
+    // holds what its head needs rather than room for the largest head; rows
+    // SV_STRIDE(head_dim) apart.
     extern __shared__ __align__(16) u16 sv[];
+    const int vs = SV_STRIDE(head_dim);
     int t = threadIdx.x;
     int lo[Q], hi[Q];
     int ulo = 0x7fffffff, uhi = -1;
@@ -1210,9 +1217,9 @@ __device__ void chunk_part(const float (*sq)[MAX_HEAD_DIM], const u16* kh, const
         const u16* vr = vh + (long)(p % slots) * head_dim;
         if (head_dim % 8 == 0) {
 #pragma unroll 8
-            for (int d8 = 0; d8 < head_dim / 8; d8++) ((uint4*)(sv + t * head_dim))[d8] = ((const uint4*)vr)[d8];
+            for (int d8 = 0; d8 < head_dim / 8; d8++) ((uint4*)(sv + t * vs))[d8] = ((const uint4*)vr)[d8];
         } else {
-            for (int d = 0; d < head_dim; d++) sv[t * head_dim + d] = vr[d];
+            for (int d = 0; d < head_dim; d++) sv[t * vs + d] = vr[d];
         }
     }
     if (p >= ulo && p <= uhi) {
@@ -1263,7 +1270,7 @@ __device__ void chunk_part(const float (*sq)[MAX_HEAD_DIM], const u16* kh, const
         if (d >= head_dim) continue;
 #pragma unroll 4
         for (int pp = ulo; pp <= uhi; pp++) {
-            float vd = h2f(sv[(pp - c * CHUNK) * head_dim + d]);
+            float vd = h2f(sv[(pp - c * CHUNK) * vs + d]);
             for (int iq = 0; iq < Q; iq++)
                 if (pp >= lo[iq] && pp <= hi[iq]) out.acc[iq][j] = __fmaf_rn(sp[iq][pp - c * CHUNK], vd, out.acc[iq][j]);
         }
@@ -1371,7 +1378,7 @@ __device__ void attend_batch(const float* q, const u16* kc, const u16* vc, float
     __shared__ float sq[Q][MAX_HEAD_DIM];
     __shared__ float sp[Q][CHUNK];
     __shared__ float red[Q][CHUNK];
-    __shared__ __align__(16) u16 sv[CHUNK][MAX_HEAD_DIM];
+    __shared__ __align__(16) u16 sv[CHUNK][SV_STRIDE(MAX_HEAD_DIM)];
     const int per = PER;
     int h = blockIdx.x, t = threadIdx.x, i0 = blockIdx.y * Q;
     int nq = min(Q, rows - i0);

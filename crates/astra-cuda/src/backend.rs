@@ -487,8 +487,9 @@ impl CudaBackend {
         let block_dim = (CHUNK as u32, 1, 1);
         if n == 1 {
             let split = kv.max_chunks.min(SPLIT_CTAS);
-            // The chunk's value rows in dynamic shared memory (astra.cu, chunk_part).
-            let shared = (CHUNK * hd * 2) as u32;
+            // The chunk's value rows in dynamic shared memory, each padded by 16 bytes
+            // (astra.cu, chunk_part and SV_STRIDE).
+            let shared = (CHUNK * (hd + 8) * 2) as u32;
             let cfg = LaunchConfig { grid_dim: (n_head as u32, split as u32, 1), block_dim, shared_mem_bytes: shared };
             let max_chunks = kv.max_chunks as i32;
             let mut b = Args::new(&self.k().attention.0, &self.stream);
