@@ -53,7 +53,7 @@ impl CpuTensor {
 
 /// A weight matrix read in place from the mapped file, or, where the kernels read
 /// groups of rows packed ([`astra_quant::dot::Packing`]), from a packed copy made at
-/// load (the file's rows still serve embedding lookups).
+/// load (the file's pages then released; its rows still serve embedding lookups).
 pub struct CpuMatrix {
     file: Arc<GgufFile>,
     m: MatRef,
@@ -102,7 +102,12 @@ impl Backend for CpuBackend {
     }
 
     fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<CpuMatrix, EngineError> {
-        Ok(CpuMatrix { file: Arc::clone(file), m: m.clone(), packed: packed_copy(&m.view(file), &m.kernels)? })
+        let packed = packed_copy(&m.view(file), &m.kernels)?;
+        if packed.is_some() {
+            // The file's copy is read again only for embedding rows, a few at a time.
+            file.release(m.byte_range());
+        }
+        Ok(CpuMatrix { file: Arc::clone(file), m: m.clone(), packed })
     }
 
     fn vector(&self, v: &[f32]) -> Result<Vec<f32>, EngineError> {

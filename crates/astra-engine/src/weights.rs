@@ -41,6 +41,11 @@ impl MatRef {
     pub fn bytes(&self) -> usize {
         self.len
     }
+
+    /// Where the matrix lies in its file, in bytes.
+    pub fn byte_range(&self) -> std::ops::Range<usize> {
+        self.start..self.start + self.len
+    }
 }
 
 /// One block's weights: matrices of type `M`, norm vectors of type `V` (in the file,

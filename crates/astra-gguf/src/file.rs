@@ -62,6 +62,23 @@ impl GgufFile {
         &self.map
     }
 
+    /// Lets the system drop the pages of `range` (bytes of the file) from this
+    /// process's memory, for data that has been copied elsewhere (weights packed at
+    /// load): they stay in the page cache while the system has room, and a later read
+    /// maps them again. Advice only: on failure, or where the system has no such
+    /// advice, nothing changes.
+    pub fn release(&self, range: std::ops::Range<usize>) {
+        let page = 4096;
+        let (start, end) = (range.start.next_multiple_of(page), range.end.min(self.map.len()) / page * page);
+        if start >= end {
+            return;
+        }
+        #[cfg(unix)]
+        // SAFETY: the map is read-only, so dropping its pages loses nothing: a later read
+        // faults them in again from the file, unchanged.
+        let _ = unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+    }
+
     /// The bytes of a tensor of this file (bounds were checked when parsing).
     pub fn tensor_data(&self, info: &TensorInfo) -> &[u8] {
         let start = (self.header.data_offset + info.offset) as usize;
