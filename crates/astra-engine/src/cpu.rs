@@ -73,7 +73,7 @@ impl CpuMatrix {
 /// `w` packed for `kernels` in memory of its own, where they pack its rows: an
 /// anonymous map, in huge pages where the system gives them (a page fault per 2 MiB
 /// rather than per 4 KiB as it is written, and fewer TLB entries as it streams).
-fn packed_copy(w: &QuantMatrix, kernels: &astra_quant::Kernels) -> Result<Option<memmap2::MmapMut>, EngineError> {
+fn packed_copy(par: &dyn Parallel, w: &QuantMatrix, kernels: &astra_quant::Kernels) -> Result<Option<memmap2::MmapMut>, EngineError> {
     if kernels.packing.is_none() || w.bytes().is_empty() {
         return Ok(None);
     }
@@ -81,7 +81,7 @@ fn packed_copy(w: &QuantMatrix, kernels: &astra_quant::Kernels) -> Result<Option
     #[cfg(target_os = "linux")]
     // Advice only: without huge pages the copy is the same, made more slowly.
     let _ = map.advise(memmap2::Advice::HugePage);
-    Ok(astra_quant::matmul::pack_into(w, kernels, &mut map).then_some(map))
+    Ok(astra_quant::matmul::pack_into_on(par, w, kernels, &mut map).then_some(map))
 }
 
 impl Backend for CpuBackend {
@@ -101,7 +101,7 @@ impl Backend for CpuBackend {
     }
 
     fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<CpuMatrix, EngineError> {
-        let packed = packed_copy(&m.view(file), &m.kernels)?;
+        let packed = packed_copy(&self.pool, &m.view(file), &m.kernels)?;
         if packed.is_some() {
             // The file's copy is read again only for embedding rows, a few at a time.
             file.release(m.byte_range());

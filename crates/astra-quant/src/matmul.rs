@@ -68,14 +68,23 @@ impl<'a> QuantMatrix<'a> {
 pub fn pack(w: &QuantMatrix, kernels: &Kernels) -> Option<Vec<u8>> {
     kernels.packing?;
     let mut out = vec![0u8; w.data.len()];
-    pack_into(w, kernels, &mut out).then_some(out)
+    pack_into_on(&Rayon, w, kernels, &mut out).then_some(out)
 }
 
-/// As [`pack`], into `out` (as long as `w`'s bytes); `false`, `out` untouched, where
-/// `kernels` have no packing for `w`.
-pub fn pack_into(w: &QuantMatrix, kernels: &Kernels, out: &mut [u8]) -> bool {
+/// As [`pack`], into `out` (as long as `w`'s bytes), spread over `par` in runs of whole
+/// groups; `false`, `out` untouched, where `kernels` have no packing for `w`.
+pub fn pack_into_on(par: &dyn Parallel, w: &QuantMatrix, kernels: &Kernels, out: &mut [u8]) -> bool {
     let Some(p) = kernels.packing.filter(|_| kernels.weights == w.ty && !w.packed) else { return false };
-    (p.pack)(w.data, w.row_bytes, out);
+    assert_eq!(out.len(), w.data.len(), "packing into as many bytes");
+    // Four runs a thread, each whole groups (the last one takes the rows past them).
+    let run_rows = w.rows.div_ceil(4 * par.threads()).next_multiple_of(p.rows).max(p.rows);
+    let run_bytes = (run_rows * w.row_bytes).max(1);
+    let outs: Vec<std::sync::Mutex<&mut [u8]>> = out.chunks_mut(run_bytes).map(std::sync::Mutex::new).collect();
+    par.run(outs.len(), &|i| {
+        let mut out = outs[i].lock().expect("one task per run");
+        let start = i * run_bytes;
+        (p.pack)(&w.data[start..start + out.len()], w.row_bytes, &mut out);
+    });
     true
 }
 
