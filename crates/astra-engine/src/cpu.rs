@@ -71,8 +71,8 @@ impl CpuMatrix {
 }
 
 /// `w` packed for `kernels` in memory of its own, where they pack its rows: an
-/// anonymous map, in huge pages where the system gives them (a page fault per 2 MiB
-/// rather than per 4 KiB as it is written, and fewer TLB entries as it streams).
+/// anonymous map, huge pages advised (on the two small models, loading and decode
+/// measured the same with and without the advice).
 fn packed_copy(par: &dyn Parallel, w: &QuantMatrix, kernels: &astra_quant::Kernels) -> Result<Option<memmap2::MmapMut>, EngineError> {
     if kernels.packing.is_none() || w.bytes().is_empty() {
         return Ok(None);
