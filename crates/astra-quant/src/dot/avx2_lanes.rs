@@ -124,12 +124,23 @@ fn pack<F: Lanes8>(w: &[u8], row_bytes: usize, out: &mut [u8]) {
 /// codes 4k..4k+4, high ones codes 16 + 4k...
 #[inline(always)]
 unsafe fn packed_nibbles(p: *const u8) -> [__m256i; 8] {
+    let mut d = [_mm256_setzero_si256(); 4];
+    for (k, d) in d.iter_mut().enumerate() {
+        *d = _mm256_loadu_si256(p.add(32 * k).cast());
+    }
+    split_nibbles(d)
+}
+
+/// Four vectors of nibble bytes in lanes (vector k lane l: row l's nibble bytes
+/// 4k..4k+4) as lane codes: low nibbles into vector k (elements 4k..4k+4), high ones
+/// into vector 4 + k (elements 16 + 4k..).
+#[inline(always)]
+unsafe fn split_nibbles(d: [__m256i; 4]) -> [__m256i; 8] {
     let low = _mm256_set1_epi8(0x0F);
     let mut out = [_mm256_setzero_si256(); 8];
     for k in 0..4 {
-        let v = _mm256_loadu_si256(p.add(32 * k).cast());
-        out[k] = _mm256_and_si256(v, low);
-        out[4 + k] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+        out[k] = _mm256_and_si256(d[k], low);
+        out[4 + k] = _mm256_and_si256(_mm256_srli_epi16::<4>(d[k]), low);
     }
     out
 }
@@ -158,13 +169,7 @@ unsafe fn nibble_lanes(qs: [&[u8; 16]; LANES]) -> [__m256i; 8] {
         _mm256_unpacklo_epi64(t[1], t[3]),
         _mm256_unpackhi_epi64(t[1], t[3]),
     ];
-    let low = _mm256_set1_epi8(0x0F);
-    let mut out = [_mm256_setzero_si256(); 8];
-    for k in 0..4 {
-        out[k] = _mm256_and_si256(d[k], low);
-        out[4 + k] = _mm256_and_si256(_mm256_srli_epi16::<4>(d[k]), low);
-    }
-    out
+    split_nibbles(d)
 }
 
 impl Lanes8 for Q4_1Lanes {
@@ -254,7 +259,10 @@ impl Lanes8 for Q8_0Lanes {
     #[inline(always)]
     unsafe fn lane_codes(rows: &[&[BlockQ8_0]], b: usize) -> [__m256i; 8] {
         // An 8 × 8 transpose of dwords: row l's dword k to lane l of vector k.
-        let r: [__m256i; LANES] = std::array::from_fn(|l| _mm256_loadu_si256(rows.get_unchecked(l).get_unchecked(b).qs.as_ptr().cast()));
+        let mut r = [_mm256_setzero_si256(); LANES];
+        for (l, r) in r.iter_mut().enumerate() {
+            *r = _mm256_loadu_si256(rows.get_unchecked(l).get_unchecked(b).qs.as_ptr().cast());
+        }
         // t[2i] / t[2i + 1]: rows 2i and 2i + 1 interleaved, dwords (0, 1 | 4, 5) / (2, 3 | 6, 7).
         let mut t = [_mm256_setzero_si256(); 8];
         for i in 0..4 {
@@ -285,7 +293,11 @@ impl Lanes8 for Q8_0Lanes {
     }
     #[inline(always)]
     unsafe fn packed_codes(p: *const u8) -> [__m256i; 8] {
-        std::array::from_fn(|k| _mm256_loadu_si256(p.add(Self::PACKED_HEAD + 32 * k).cast()))
+        let mut codes = [_mm256_setzero_si256(); 8];
+        for (k, c) in codes.iter_mut().enumerate() {
+            *c = _mm256_loadu_si256(p.add(Self::PACKED_HEAD + 32 * k).cast());
+        }
+        codes
     }
 }
 
