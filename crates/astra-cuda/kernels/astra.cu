@@ -1101,22 +1101,32 @@ extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16
 #define CHUNK 64
 #define MAX_HEAD_DIM 256
 
-// The maximum (MAX) or the sum of the CTA's CHUNK values of each of Q rows (thread t
-// holding value t of each), into every thread's v: the sum in the order of a halving
-// tree (value t plus value t + o, o = 32, 16, …, 1) — warp 1's values added to warp 0's
-// through shared memory, then warp 0's tree by shuffles. Ends with the CTA synchronized.
+// An attention CTA has key_lanes() threads per key of a chunk — 1, 2 or 4, the launch's
+// choice: the least power of two with CHUNK · lanes ≥ head_dim (attention_threads in
+// backend.rs) — the lanes of a key sharing its dot products with the queries, and
+// thread d holding output element d. ATT_THREADS is the most.
+#define MAX_KEY_LANES 4
+#define ATT_THREADS (MAX_KEY_LANES * CHUNK)
+static_assert(ATT_THREADS >= MAX_HEAD_DIM, "a thread per output element");
+
+__device__ __forceinline__ int key_lanes() { return blockDim.x / CHUNK; }
+
+// The maximum (MAX) or the sum of the chunk's CHUNK values of each of Q rows (every
+// lane of key k holding value k), into every thread's v: the sum in the order of a
+// halving tree (value k plus value k + o, o = 32, 16, …, 1). Ends with the CTA
+// synchronized.
 template <int Q, bool MAX>
 __device__ __forceinline__ void chunk_reduce(float (&v)[Q]) {
-    static_assert(CHUNK == 2 * WARP, "a chunk is two warps");
-    __shared__ float upper[Q][WARP];
+    static_assert(CHUNK == 2 * WARP, "a chunk is two warps' values");
+    __shared__ float vals[Q][CHUNK];
     __shared__ float total[Q];
-    int t = threadIdx.x, lane = t % WARP;
-    if (t >= WARP)
-        for (int iq = 0; iq < Q; iq++) upper[iq][lane] = v[iq];
+    int t = threadIdx.x, lane = t % WARP, lanes = key_lanes();
+    if (t % lanes == 0)
+        for (int iq = 0; iq < Q; iq++) vals[iq][t / lanes] = v[iq];
     __syncthreads();
     if (t < WARP) {
         for (int iq = 0; iq < Q; iq++) {
-            float x = MAX ? fmaxf(v[iq], upper[iq][lane]) : v[iq] + upper[iq][lane];
+            float x = MAX ? fmaxf(vals[iq][lane], vals[iq][lane + WARP]) : vals[iq][lane] + vals[iq][lane + WARP];
             for (int o = WARP / 2; o > 0; o >>= 1) {
                 float y = __shfl_down_sync(0xffffffffu, x, o);
                 x = MAX ? fmaxf(x, y) : x + y;
@@ -1130,18 +1140,16 @@ __device__ __forceinline__ void chunk_reduce(float (&v)[Q]) {
 
 // Attention of query rows over their cached positions, split at absolute multiples of
 // CHUNK: each chunk gives (max, Σexp, Σexp·v), and the chunks are merged in order into a
-// running total. A CTA of CHUNK threads takes Q consecutive query rows of one head:
-// each key row is read once for all Q, and the Q queries' sums run side by side
+// running total. A CTA of CHUNK · key_lanes() threads takes Q consecutive query rows of one
+// head: each key row is read once for all Q, and the Q queries' sums run side by side
 // (independent chains), but every query's arithmetic is exactly what it is with Q = 1
 // — the same operations in the same order — so a row's result does not depend on which
 // other rows share its CTA, nor on whether its chunks are computed by one CTA or spread
 // over several (attention_split). head_dim ≤ 256.
 
-#define PER (MAX_HEAD_DIM / CHUNK)
-
 // The distance between value rows in shared memory, in u16: the row padded by 16 bytes,
-// so that the eight threads of a phase storing 16 bytes each of their own rows hit
-// different banks (rows 2^k bytes apart all start in one bank: eight-way conflicts).
+// so that the threads of a phase storing 16 bytes each of different rows hit different
+// banks (rows 2^k bytes apart all start in one bank).
 #define SV_STRIDE(head_dim) ((head_dim) + 8)
 
 // A CTA's query rows: their positions, the first position each sees (its window), and
@@ -1162,18 +1170,73 @@ __device__ __forceinline__ QueryRows<Q> query_rows(int pos0, int n, int window) 
     return r;
 }
 
-// One chunk's part of each query row: its max score m, Σexp (sum) and, per thread, Σexp·v
-// for elements d = t + j·CHUNK (acc); `on` whether the row sees the chunk at all.
+// The dot products of the Q queries (sq) with key row kr (when `active`), every lane of
+// the key getting them: lane j of the key's L lanes sums, in order, the products of
+// its 8-element groups g = j, j + L, … (elements in order within a group; elements d =
+// j, j + L, … where head_dim is not a multiple of 8; at most eight groups, as L ≥
+// head_dim / 64), and the lanes' sums are added as s0 + s1, or (s0 + s1) + (s2 + s3).
+// The key's lanes read its row's consecutive 16-byte pieces together. Every thread of
+// the warp calls it (shuffles).
+template <int Q>
+__device__ __forceinline__ void key_dot(const float (*sq)[MAX_HEAD_DIM], const u16* kr, int head_dim, bool active, float (&dot)[Q]) {
+    int lanes = key_lanes(), j = threadIdx.x % lanes;
+    for (int iq = 0; iq < Q; iq++) dot[iq] = 0.0f;
+    if (active && head_dim % 8 == 0) {
+        const int per = 8;
+        const uint4* kr4 = (const uint4*)kr;
+        int groups = head_dim / 8;
+        uint4 w[per];
+#pragma unroll
+        for (int u = 0; u < per; u++)
+            if (j + u * lanes < groups) w[u] = kr4[j + u * lanes];
+#pragma unroll
+        for (int u = 0; u < per; u++) {
+            int g = j + u * lanes;
+            if (g >= groups) break;
+            unsigned int hw[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                float kd = h2f((u16)(hw[e / 2] >> (16 * (e % 2))));
+                for (int iq = 0; iq < Q; iq++) dot[iq] = __fadd_rn(dot[iq], __fmul_rn(sq[iq][8 * g + e], kd));
+            }
+        }
+    } else if (active) {
+        for (int d = j; d < head_dim; d += lanes) {
+            float kd = h2f(kr[d]);
+            for (int iq = 0; iq < Q; iq++) dot[iq] = __fadd_rn(dot[iq], __fmul_rn(sq[iq][d], kd));
+        }
+    }
+    for (int o = 1; o < lanes; o <<= 1)
+        for (int iq = 0; iq < Q; iq++) dot[iq] = __fadd_rn(dot[iq], __shfl_xor_sync(0xffffffffu, dot[iq], o));
+}
+
+// The chunk's value rows, CHUNK of head_dim (key row p of each key whose `active`),
+// into shared memory rows SV_STRIDE(head_dim) apart: the key's lanes take its
+// consecutive 16-byte pieces, so that the loads of all rows are in flight together.
+__device__ __forceinline__ void load_values(u16* sv, const u16* vr, int head_dim, bool active) {
+    if (!active) return;
+    int lanes = key_lanes(), key = threadIdx.x / lanes, j = threadIdx.x % lanes;
+    u16* row = sv + key * SV_STRIDE(head_dim);
+    if (head_dim % 8 == 0) {
+#pragma unroll 8
+        for (int d8 = j; d8 < head_dim / 8; d8 += lanes) ((uint4*)row)[d8] = ((const uint4*)vr)[d8];
+    } else {
+        for (int d = j; d < head_dim; d += lanes) row[d] = vr[d];
+    }
+}
+
+// One chunk's part of each query row: its max score m, Σexp (sum) and, for the
+// thread's element d = threadIdx.x, Σexp·v (acc); `on` whether the row sees the chunk.
 template <int Q>
 struct ChunkPart {
-    float m[Q], sum[Q], acc[Q][PER];
+    float m[Q], sum[Q], acc[Q];
     bool on[Q];
 };
 
 // The running total of each query row (per thread, as ChunkPart).
 template <int Q>
 struct Running {
-    float max[Q], sum[Q], acc[Q][PER];
+    float max[Q], sum[Q], acc[Q];
 };
 
 template <int Q>
@@ -1181,7 +1244,7 @@ __device__ __forceinline__ void running_init(Running<Q>& r) {
     for (int iq = 0; iq < Q; iq++) {
         r.max[iq] = NEG_INF;
         r.sum[iq] = 0.0f;
-        for (int j = 0; j < PER; j++) r.acc[iq][j] = 0.0f;
+        r.acc[iq] = 0.0f;
     }
 }
 
@@ -1191,12 +1254,11 @@ template <int Q>
 __device__ void chunk_part(const float (*sq)[MAX_HEAD_DIM], const u16* kh, const u16* vh, int slots, int head_dim, float scale,
                            const QueryRows<Q>& rows, int c, ChunkPart<Q>& out) {
     __shared__ float sp[Q][CHUNK];
-    // The chunk's value rows, CHUNK of head_dim: dynamic shared memory, so that a CTA
-    // holds what its head needs rather than room for the largest head; rows
-    // SV_STRIDE(head_dim) apart.
+    // The chunk's value rows: dynamic shared memory, so that a CTA holds what its head
+    // needs rather than room for the largest head.
     extern __shared__ __align__(16) u16 sv[];
     const int vs = SV_STRIDE(head_dim);
-    int t = threadIdx.x;
+    int t = threadIdx.x, lanes = key_lanes(), key = t / lanes;
     int lo[Q], hi[Q];
     int ulo = 0x7fffffff, uhi = -1;
     for (int iq = 0; iq < Q; iq++) {
@@ -1208,71 +1270,30 @@ __device__ void chunk_part(const float (*sq)[MAX_HEAD_DIM], const u16* kh, const
             uhi = max(uhi, hi[iq]);
         }
     }
-    int p = c * CHUNK + t;
+    int p = c * CHUNK + key;
+    bool active = p >= ulo && p <= uhi;
+    long row = (long)(p % slots) * head_dim;
+    // Read after the reductions below.
+    load_values(sv, vh + row, head_dim, active);
+    float dot[Q];
+    key_dot<Q>(sq, kh + row, head_dim, active, dot);
     float s[Q];
-    for (int iq = 0; iq < Q; iq++) s[iq] = NEG_INF;
-    // The chunk's value rows into shared memory, thread t taking key t's row, so that
-    // their loads are in flight together (read after the reductions below).
-    if (p >= ulo && p <= uhi) {
-        const u16* vr = vh + (long)(p % slots) * head_dim;
-        if (head_dim % 8 == 0) {
-#pragma unroll 8
-            for (int d8 = 0; d8 < head_dim / 8; d8++) ((uint4*)(sv + t * vs))[d8] = ((const uint4*)vr)[d8];
-        } else {
-            for (int d = 0; d < head_dim; d++) sv[t * vs + d] = vr[d];
-        }
-    }
-    if (p >= ulo && p <= uhi) {
-        const u16* kr = kh + (long)(p % slots) * head_dim;
-        float dot[Q];
-        for (int iq = 0; iq < Q; iq++) dot[iq] = 0.0f;
-        if (head_dim % 8 == 0) {
-            // The key row in 16-byte loads, eight at a time in flight; the sums in the
-            // order of d as below.
-            const uint4* kr4 = (const uint4*)kr;
-            for (int d8 = 0; d8 < head_dim / 8; d8 += 8) {
-                uint4 w[8];
-#pragma unroll
-                for (int u = 0; u < 8; u++)
-                    if (d8 + u < head_dim / 8) w[u] = kr4[d8 + u];
-#pragma unroll
-                for (int u = 0; u < 8; u++) {
-                    if (d8 + u >= head_dim / 8) break;
-                    unsigned int hw[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
-#pragma unroll
-                    for (int e = 0; e < 8; e++) {
-                        float kd = h2f((u16)(hw[e / 2] >> (16 * (e % 2))));
-                        int d = 8 * (d8 + u) + e;
-                        for (int iq = 0; iq < Q; iq++) dot[iq] = __fadd_rn(dot[iq], __fmul_rn(sq[iq][d], kd));
-                    }
-                }
-            }
-        } else {
-            for (int d = 0; d < head_dim; d++) {
-                float kd = h2f(kr[d]);
-                for (int iq = 0; iq < Q; iq++) dot[iq] = __fadd_rn(dot[iq], __fmul_rn(sq[iq][d], kd));
-            }
-        }
-        for (int iq = 0; iq < Q; iq++)
-            if (out.on[iq] && p >= lo[iq] && p <= hi[iq]) s[iq] = __fmul_rn(dot[iq], scale);
-    }
+    for (int iq = 0; iq < Q; iq++) s[iq] = out.on[iq] && p >= lo[iq] && p <= hi[iq] ? __fmul_rn(dot[iq], scale) : NEG_INF;
     for (int iq = 0; iq < Q; iq++) out.m[iq] = s[iq];
     chunk_reduce<Q, true>(out.m);
     for (int iq = 0; iq < Q; iq++) {
         float e = (out.on[iq] && p >= lo[iq] && p <= hi[iq]) ? expf(s[iq] - out.m[iq]) : 0.0f;
-        sp[iq][t] = e;
+        if (t % lanes == 0) sp[iq][key] = e;
         out.sum[iq] = e;
     }
     chunk_reduce<Q, false>(out.sum);
-    for (int j = 0; j < PER; j++) {
-        int d = t + j * CHUNK;
-        for (int iq = 0; iq < Q; iq++) out.acc[iq][j] = 0.0f;
-        if (d >= head_dim) continue;
+    for (int iq = 0; iq < Q; iq++) out.acc[iq] = 0.0f;
+    if (t < head_dim) {
 #pragma unroll 4
         for (int pp = ulo; pp <= uhi; pp++) {
-            float vd = h2f(sv[(pp - c * CHUNK) * vs + d]);
+            float vd = h2f(sv[(pp - c * CHUNK) * vs + t]);
             for (int iq = 0; iq < Q; iq++)
-                if (pp >= lo[iq] && pp <= hi[iq]) out.acc[iq][j] = __fmaf_rn(sp[iq][pp - c * CHUNK], vd, out.acc[iq][j]);
+                if (pp >= lo[iq] && pp <= hi[iq]) out.acc[iq] = __fmaf_rn(sp[iq][pp - c * CHUNK], vd, out.acc[iq]);
         }
     }
     __syncthreads();
@@ -1287,11 +1308,9 @@ __device__ __forceinline__ void merge_part(Running<Q>& r, const ChunkPart<Q>& c,
         a_old[iq] = r.max[iq] == NEG_INF ? 0.0f : expf(r.max[iq] - new_max[iq]);
         a_new[iq] = expf(c.m[iq] - new_max[iq]);
     }
-    for (int j = 0; j < PER; j++) {
-        if (threadIdx.x + j * CHUNK >= head_dim) break;
+    if (threadIdx.x < head_dim)
         for (int iq = 0; iq < Q; iq++)
-            if (c.on[iq]) r.acc[iq][j] = __fmaf_rn(r.acc[iq][j], a_old[iq], __fmul_rn(c.acc[iq][j], a_new[iq]));
-    }
+            if (c.on[iq]) r.acc[iq] = __fmaf_rn(r.acc[iq], a_old[iq], __fmul_rn(c.acc[iq], a_new[iq]));
     for (int iq = 0; iq < Q; iq++) {
         if (!c.on[iq]) continue;
         r.sum[iq] = __fmaf_rn(r.sum[iq], a_old[iq], __fmul_rn(c.sum[iq], a_new[iq]));
@@ -1301,28 +1320,21 @@ __device__ __forceinline__ void merge_part(Running<Q>& r, const ChunkPart<Q>& c,
 
 // The rows' results: row i0 + iq of head h into out (rows of width), or, with qout (Q =
 // 1), quantized there (qkind 0 Q8_0, 1 Q8_1; head_dim a multiple of 32): each warp
-// quantizes the 32 consecutive outputs it holds for each j, exactly the values the f32
-// row would hold.
+// quantizes the 32 consecutive outputs it holds, exactly the values the f32 row would
+// hold.
 template <int Q>
 __device__ void attend_out(const Running<Q>& r, int nq, float* out, long row, int h, int width, int head_dim, u8* qout, int qkind) {
     int t = threadIdx.x;
     if (qout) {
+        int d0 = (t / WARP) * WARP;
+        if (d0 >= head_dim) return;
         float inv = 1.0f / r.sum[0];
-        for (int j = 0; j < PER; j++) {
-            int d0 = j * CHUNK + (t / WARP) * WARP;
-            if (d0 >= head_dim) break;
-            int block = (h * head_dim + d0) / 32;
-            q8_32_block(r.acc[0][j] * inv, qout + (row * (width / 32) + block) * (qkind == 1 ? 36 : 34), qkind);
-        }
+        int block = (h * head_dim + d0) / 32;
+        q8_32_block(r.acc[0] * inv, qout + (row * (width / 32) + block) * (qkind == 1 ? 36 : 34), qkind);
         return;
     }
-    for (int iq = 0; iq < nq; iq++) {
-        float inv = 1.0f / r.sum[iq];
-        for (int j = 0; j < PER; j++) {
-            int d = t + j * CHUNK;
-            if (d < head_dim) out[(row + iq) * width + h * head_dim + d] = r.acc[iq][j] * inv;
-        }
-    }
+    if (t >= head_dim) return;
+    for (int iq = 0; iq < nq; iq++) out[(row + iq) * width + h * head_dim + t] = r.acc[iq] * (1.0f / r.sum[iq]);
 }
 
 // Query rows row0.. (positions pos0, pos0 + 1, …), Q per CTA, every chunk in turn;
@@ -1336,7 +1348,7 @@ __device__ void attend(const float* q, const u16* kc, const u16* vc, float* out,
     int width = n_head * head_dim;
     QueryRows<Q> qr = query_rows<Q>(pos0 + i0, min(Q, rows - i0), window);
     for (int iq = 0; iq < Q; iq++)
-        for (int d = threadIdx.x; d < head_dim; d += CHUNK) sq[iq][d] = q[(long)(row0 + i0 + min(iq, qr.n - 1)) * width + h * head_dim + d];
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) sq[iq][d] = q[(long)(row0 + i0 + min(iq, qr.n - 1)) * width + h * head_dim + d];
     __syncthreads();
     const u16* kh = kc + (long)(h / group) * slots * head_dim;
     const u16* vh = vc + (long)(h / group) * slots * head_dim;
@@ -1353,12 +1365,13 @@ __device__ void attend(const float* q, const u16* kc, const u16* vc, float* out,
 // The cached keys and values of `chunks` chunks of positions, `every` chunks apart from
 // position `from` on (up to pos), asked of L2 before the wait (positions come from the
 // host, before the graph runs; the row the kernel before stores is among them, and L2
-// holds what it stores).
+// holds what it stores): a key's lanes take its 128-byte lines in turn.
 __device__ __forceinline__ void prefetch_cache(const u16* kh, const u16* vh, int from, int pos, int chunks, int every, int slots, int head_dim) {
+    int lanes = key_lanes(), key = threadIdx.x / lanes, j = threadIdx.x % lanes;
     for (int k = 0; k < chunks; k++) {
-        int p = from + k * every * CHUNK + threadIdx.x;
+        int p = from + k * every * CHUNK + key;
         if (p > pos) break;
-        for (int o = 0; o < head_dim * 2; o += 128) {
+        for (int o = 128 * j; o < head_dim * 2; o += 128 * lanes) {
             l2_line((const u8*)(kh + (long)(p % slots) * head_dim) + o);
             l2_line((const u8*)(vh + (long)(p % slots) * head_dim) + o);
         }
@@ -1366,33 +1379,34 @@ __device__ __forceinline__ void prefetch_cache(const u16* kh, const u16* vh, int
 }
 
 // attend's arithmetic for a batch's rows (prefill), written as one loop rather than
-// through chunk_part and merge_part: the same steps in the same order (the chunk's max
-// and Σexp by the halving tree chunk_reduce makes, through shared memory), so every
-// row is bitwise what attend and attention_split give it (tests/gpu.rs: batch = token
-// by token; parity --bitwise), but compiled to a different loop: 11-19% faster prefill
-// than attend<4> (smollm2 and gemma3 shapes, pp512), while for decode rows attend's
-// form is 1-9% faster. grid (n_head, ceil(rows / Q)).
+// through chunk_part and merge_part: the same steps in the same order (key_dot; the
+// chunk's max and Σexp by the halving tree chunk_reduce makes, through shared memory),
+// so every row is bitwise what attend and attention_split give it (tests/gpu.rs: batch
+// = token by token; parity --bitwise), but compiled to a different loop (faster
+// prefill than attend<4>, while for decode rows attend's form is faster). grid
+// (n_head, ceil(rows / Q)).
 template <int Q>
 __device__ void attend_batch(const float* q, const u16* kc, const u16* vc, float* out, int row0, int pos0, int rows,
                              int slots, int window, int n_head, int group, int head_dim, float scale) {
     __shared__ float sq[Q][MAX_HEAD_DIM];
     __shared__ float sp[Q][CHUNK];
     __shared__ float red[Q][CHUNK];
-    __shared__ __align__(16) u16 sv[CHUNK][SV_STRIDE(MAX_HEAD_DIM)];
-    const int per = PER;
+    __shared__ __align__(16) u16 sv[CHUNK * SV_STRIDE(MAX_HEAD_DIM)];
+    const int vs = SV_STRIDE(head_dim);
     int h = blockIdx.x, t = threadIdx.x, i0 = blockIdx.y * Q;
+    int lanes = key_lanes(), key = t / lanes;
     int nq = min(Q, rows - i0);
     int g = h / group;
     int width = n_head * head_dim;
     int first[Q], pos[Q];
-    float acc[Q][per], run_max[Q], run_sum[Q];
+    float acc[Q], run_max[Q], run_sum[Q];
     for (int iq = 0; iq < Q; iq++) {
         pos[iq] = pos0 + i0 + min(iq, nq - 1);
         first[iq] = window > 0 ? max(0, pos[iq] + 1 - window) : 0;
         run_max[iq] = NEG_INF;
         run_sum[iq] = 0.0f;
-        for (int j = 0; j < per; j++) acc[iq][j] = 0.0f;
-        for (int d = t; d < head_dim; d += CHUNK) sq[iq][d] = q[(long)(row0 + i0 + min(iq, nq - 1)) * width + h * head_dim + d];
+        acc[iq] = 0.0f;
+        for (int d = t; d < head_dim; d += blockDim.x) sq[iq][d] = q[(long)(row0 + i0 + min(iq, nq - 1)) * width + h * head_dim + d];
     }
     __syncthreads();
     const u16* kh = kc + (long)g * slots * head_dim;
@@ -1410,55 +1424,15 @@ __device__ void attend_batch(const float* q, const u16* kc, const u16* vc, float
                 uhi = max(uhi, hi[iq]);
             }
         }
-        int p = c * CHUNK + t;
-        float s[Q];
-        for (int iq = 0; iq < Q; iq++) s[iq] = NEG_INF;
-        // The chunk's value rows into shared memory, thread t taking key t's row, so
-        // that their loads are in flight together (read after the reductions below).
-        if (p >= ulo && p <= uhi) {
-            const u16* vr = vh + (long)(p % slots) * head_dim;
-            if (head_dim % 8 == 0) {
-#pragma unroll 8
-                for (int d8 = 0; d8 < head_dim / 8; d8++) ((uint4*)sv[t])[d8] = ((const uint4*)vr)[d8];
-            } else {
-                for (int d = 0; d < head_dim; d++) sv[t][d] = vr[d];
-            }
-        }
-        if (p >= ulo && p <= uhi) {
-            const u16* kr = kh + (long)(p % slots) * head_dim;
-            float dot[Q];
-            for (int iq = 0; iq < Q; iq++) dot[iq] = 0.0f;
-            if (head_dim % 8 == 0) {
-                // The key row in 16-byte loads, eight at a time in flight; the sums in
-                // the order of d as below.
-                const uint4* kr4 = (const uint4*)kr;
-                for (int d8 = 0; d8 < head_dim / 8; d8 += 8) {
-                    uint4 w[8];
-#pragma unroll
-                    for (int u = 0; u < 8; u++)
-                        if (d8 + u < head_dim / 8) w[u] = kr4[d8 + u];
-#pragma unroll
-                    for (int u = 0; u < 8; u++) {
-                        if (d8 + u >= head_dim / 8) break;
-                        unsigned int hw[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
-#pragma unroll
-                        for (int e = 0; e < 8; e++) {
-                            float kd = h2f((u16)(hw[e / 2] >> (16 * (e % 2))));
-                            int d = 8 * (d8 + u) + e;
-                            for (int iq = 0; iq < Q; iq++) dot[iq] = __fadd_rn(dot[iq], __fmul_rn(sq[iq][d], kd));
-                        }
-                    }
-                }
-            } else {
-                for (int d = 0; d < head_dim; d++) {
-                    float kd = h2f(kr[d]);
-                    for (int iq = 0; iq < Q; iq++) dot[iq] = __fadd_rn(dot[iq], __fmul_rn(sq[iq][d], kd));
-                }
-            }
-            for (int iq = 0; iq < Q; iq++)
-                if (on[iq] && p >= lo[iq] && p <= hi[iq]) s[iq] = __fmul_rn(dot[iq], scale);
-        }
-        for (int iq = 0; iq < Q; iq++) red[iq][t] = s[iq];
+        int p = c * CHUNK + key;
+        bool active = p >= ulo && p <= uhi;
+        long row = (long)(p % slots) * head_dim;
+        load_values(sv, vh + row, head_dim, active);
+        float dot[Q], s[Q];
+        key_dot<Q>(sq, kh + row, head_dim, active, dot);
+        for (int iq = 0; iq < Q; iq++) s[iq] = on[iq] && p >= lo[iq] && p <= hi[iq] ? __fmul_rn(dot[iq], scale) : NEG_INF;
+        if (t % lanes == 0)
+            for (int iq = 0; iq < Q; iq++) red[iq][key] = s[iq];
         __syncthreads();
         for (int o = CHUNK / 2; o > 0; o >>= 1) {
             if (t < o)
@@ -1468,10 +1442,12 @@ __device__ void attend_batch(const float* q, const u16* kc, const u16* vc, float
         float m[Q];
         for (int iq = 0; iq < Q; iq++) m[iq] = red[iq][0];
         __syncthreads();
-        for (int iq = 0; iq < Q; iq++) {
-            float e = (on[iq] && p >= lo[iq] && p <= hi[iq]) ? expf(s[iq] - m[iq]) : 0.0f;
-            sp[iq][t] = e;
-            red[iq][t] = e;
+        if (t % lanes == 0) {
+            for (int iq = 0; iq < Q; iq++) {
+                float e = (on[iq] && p >= lo[iq] && p <= hi[iq]) ? expf(s[iq] - m[iq]) : 0.0f;
+                sp[iq][key] = e;
+                red[iq][key] = e;
+            }
         }
         __syncthreads();
         for (int o = CHUNK / 2; o > 0; o >>= 1) {
@@ -1486,19 +1462,17 @@ __device__ void attend_batch(const float* q, const u16* kc, const u16* vc, float
             a_old[iq] = run_max[iq] == NEG_INF ? 0.0f : expf(run_max[iq] - new_max[iq]);
             a_new[iq] = expf(m[iq] - new_max[iq]);
         }
-        for (int j = 0; j < per; j++) {
-            int d = t + j * CHUNK;
-            if (d >= head_dim) break;
+        if (t < head_dim) {
             float cacc[Q];
             for (int iq = 0; iq < Q; iq++) cacc[iq] = 0.0f;
 #pragma unroll 4
             for (int pp = ulo; pp <= uhi; pp++) {
-                float vd = h2f(sv[pp - c * CHUNK][d]);
+                float vd = h2f(sv[(pp - c * CHUNK) * vs + t]);
                 for (int iq = 0; iq < Q; iq++)
                     if (pp >= lo[iq] && pp <= hi[iq]) cacc[iq] = __fmaf_rn(sp[iq][pp - c * CHUNK], vd, cacc[iq]);
             }
             for (int iq = 0; iq < Q; iq++)
-                if (on[iq]) acc[iq][j] = __fmaf_rn(acc[iq][j], a_old[iq], __fmul_rn(cacc[iq], a_new[iq]));
+                if (on[iq]) acc[iq] = __fmaf_rn(acc[iq], a_old[iq], __fmul_rn(cacc[iq], a_new[iq]));
         }
         for (int iq = 0; iq < Q; iq++) {
             if (!on[iq]) continue;
@@ -1507,18 +1481,14 @@ __device__ void attend_batch(const float* q, const u16* kc, const u16* vc, float
         }
         __syncthreads();
     }
-    for (int iq = 0; iq < nq; iq++) {
-        float inv = 1.0f / run_sum[iq];
-        for (int j = 0; j < per; j++) {
-            int d = t + j * CHUNK;
-            if (d < head_dim) out[(long)(row0 + i0 + iq) * width + h * head_dim + d] = acc[iq][j] * inv;
-        }
-    }
+    if (t < head_dim)
+        for (int iq = 0; iq < nq; iq++) out[(long)(row0 + i0 + iq) * width + h * head_dim + t] = acc[iq] * (1.0f / run_sum[iq]);
 }
 
-// Four query rows per CTA (prefill); grid (n_head, ceil(rows / 4)).
-extern "C" __global__ void attention_4(const float* q, const u16* kc, const u16* vc, float* out, int row0, const unsigned int* positions,
-                                       int rows, int slots, int window, int n_head, int group, int head_dim, float scale) {
+// Four query rows per CTA (prefill); grid (n_head, ceil(rows / 4)), CHUNK · key_lanes() threads.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_4(const float* q, const u16* kc, const u16* vc, float* out, int row0,
+                                                                       const unsigned int* positions, int rows, int slots, int window, int n_head,
+                                                                       int group, int head_dim, float scale) {
     PDL_START
     attend_batch<4>(q, kc, vc, out, row0, (int)positions[row0], rows, slots, window, n_head, group, head_dim, scale);
 }
@@ -1544,9 +1514,8 @@ __device__ __forceinline__ float ld_cg(const float* p) {
 // writes the row as attend does. Every part is chunk_part's and the merge is
 // merge_part's in the same order, so the row is attend's bit for bit, for any S.
 // Rows spanning at most SPLIT_FROM chunks are computed by CTA 0 alone (attend).
-// Eight CTAs per SM at least (the registers capped to fit): with the value rows' shared
-// memory sized to the head, a 8B-shape grid of 1,024 CTAs fits in one wave.
-extern "C" __global__ void __launch_bounds__(CHUNK, 8) attention_split(const float* q, const u16* kc, const u16* vc, float* out, int row0,
+// CHUNK · key_lanes() threads.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_split(const float* q, const u16* kc, const u16* vc, float* out, int row0,
                                            const unsigned int* positions, int slots, int window, int n_head, int group, int head_dim, float scale, u8* qout,
                                            int qkind, float* parts, unsigned int* tickets, int max_chunks) {
     __shared__ float sq[1][MAX_HEAD_DIM];
@@ -1569,7 +1538,7 @@ extern "C" __global__ void __launch_bounds__(CHUNK, 8) attention_split(const flo
         return;
     }
     int width = n_head * head_dim;
-    for (int d = t; d < head_dim; d += CHUNK) sq[0][d] = q[(long)row0 * width + h * head_dim + d];
+    for (int d = t; d < head_dim; d += blockDim.x) sq[0][d] = q[(long)row0 * width + h * head_dim + d];
     __syncthreads();
     Running<1> run;
     running_init(run);
@@ -1583,8 +1552,7 @@ extern "C" __global__ void __launch_bounds__(CHUNK, 8) attention_split(const flo
             p[0] = part.m[0];
             p[1] = part.sum[0];
         }
-        for (int j = 0; j < PER; j++)
-            if (t + j * CHUNK < head_dim) p[2 + t + j * CHUNK] = part.acc[0][j];
+        if (t < head_dim) p[2 + t] = part.acc[0];
     }
     __threadfence();
     __syncthreads();
@@ -1603,7 +1571,7 @@ extern "C" __global__ void __launch_bounds__(CHUNK, 8) attention_split(const flo
             batch[u].m[0] = ld_cg(p);
             batch[u].sum[0] = ld_cg(p + 1);
             batch[u].on[0] = true;
-            for (int j = 0; j < PER; j++) batch[u].acc[0][j] = t + j * CHUNK < head_dim ? ld_cg(p + 2 + t + j * CHUNK) : 0.0f;
+            batch[u].acc[0] = t < head_dim ? ld_cg(p + 2 + t) : 0.0f;
         }
 #pragma unroll
         for (int u = 0; u < 8; u++) {

@@ -223,6 +223,12 @@ pub struct GpuKv {
 /// tg128 at depth 1,000: 8 CTAs 1,096–1,100 tok/s, 16 1,193–1,202, 32 1,241–1,270).
 const SPLIT_CTAS: usize = 32;
 
+/// Threads per attention CTA for heads of `head_dim`: 1, 2 or 4 per key of a chunk,
+/// the fewest that give a thread per element of the head (astra.cu, `key_lanes`).
+fn attention_threads(head_dim: usize) -> u32 {
+    (head_dim.div_ceil(CHUNK).next_power_of_two().min(4) * CHUNK) as u32
+}
+
 /// Threads per CTA for element-wise kernels.
 const THREADS: u32 = 256;
 
@@ -484,7 +490,7 @@ impl CudaBackend {
         let (nh, grp, hdi) = (n_head as i32, group as i32, hd as i32);
         let (qout, qkind) = quantized.map_or((0u64, -1i32), |(buf, kind)| (buf.device_ptr_mut(&self.stream).0, kind));
         // A row's result is the same whichever kernel runs it (astra.cu, `attend`).
-        let block_dim = (CHUNK as u32, 1, 1);
+        let block_dim = (attention_threads(hd), 1, 1);
         if n == 1 {
             let split = kv.max_chunks.min(SPLIT_CTAS);
             // The chunk's value rows in dynamic shared memory, each padded by 16 bytes
@@ -729,6 +735,10 @@ impl Backend for CudaBackend {
     fn kv_cache(&self, layout: &KvLayout) -> Result<GpuKv, EngineError> {
         if layout.elem != KvType::F16 {
             return Err(EngineError::Invalid(format!("the CUDA backend keeps its KV cache in f16, not {}", layout.elem.name())));
+        }
+        // astra.cu's attention: a thread per element of a head, up to MAX_HEAD_DIM.
+        if layout.head_dim > 4 * CHUNK {
+            return Err(EngineError::Invalid(format!("the CUDA attention takes heads of up to {} elements, not {}", 4 * CHUNK, layout.head_dim)));
         }
         let layers = layout
             .layers
