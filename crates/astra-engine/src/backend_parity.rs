@@ -63,20 +63,26 @@ impl Rng {
 }
 
 fn attention_config() -> Config {
+    attention_config_with(64, 2)
+}
+
+/// [`attention_config`] with heads of `head_dim` elements, `n_head_kv` KV heads for
+/// its four query heads.
+fn attention_config_with(head_dim: usize, n_head_kv: usize) -> Config {
     Config {
         arch: Arch::Gemma3,
         n_layer: 2,
         n_embd: 256,
         n_head: 4,
-        n_head_kv: 2,
-        head_dim: 64,
+        n_head_kv,
+        head_dim,
         n_ff: 512,
         n_vocab: 16,
         ctx_train: 4096,
         rms_eps: 1e-6,
         rope_base: 1e6,
         rope_base_local: 1e4,
-        rope_dim: 64,
+        rope_dim: head_dim,
         rope_neox: true,
         sliding_window: Some(40),
         layer_local: vec![true, false],
@@ -154,7 +160,11 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
     out.push(report("add, scale", &a.read(&sa), &b.read(&sb)));
     let (ta, tb) = (a.gather(&xa, &[2, 0]), b.gather(&xb, &[2, 0]));
     out.push(report("gather", &a.read(&ta), &b.read(&tb)));
-    out.extend(compare_attention(a, b, &mut rng)?);
+    // Heads of 64, 128 and 256 elements (one, two and four CUDA threads per key), two or
+    // four query heads to a KV head.
+    for (head_dim, n_head_kv) in [(64, 2), (128, 2), (256, 2), (256, 1)] {
+        out.extend(compare_attention(a, b, head_dim, n_head_kv, &mut rng)?);
+    }
     out.extend(compare_feed_forward(a, b, &file, &mut rng)?);
     let _ = std::fs::remove_file(&path);
     Ok(out)
@@ -313,11 +323,11 @@ fn compare_prepare_attention<A: Backend, B: Backend>(
     Ok(out)
 }
 
-/// Attention over a sliding-window layer (window 40, its ring wrapped) and a global
-/// layer, fed in batches of 70, 1, 29, 64, 64 and 100 positions, then single rows deep
-/// enough for a backend to spread a row's chunks (the CUDA backend past four).
-fn compare_attention<A: Backend, B: Backend>(a: &A, b: &B, rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
-    let cfg = attention_config();
+/// Attention with heads of `head_dim` (`n_head_kv` KV heads) over a sliding-window layer (window 40, its ring
+/// wrapped) and a global layer, fed in batches of 70, 1, 29, 64, 64 and 100 positions,
+/// then single rows deep enough for a backend to spread a row's chunks.
+fn compare_attention<A: Backend, B: Backend>(a: &A, b: &B, head_dim: usize, n_head_kv: usize, rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
+    let cfg = attention_config_with(head_dim, n_head_kv);
     let (qd, kd) = (cfg.q_dim(), cfg.kv_dim());
     let layout = KvLayout::new(&cfg, 512, 100);
     let (mut ka, mut kb) = (a.kv_cache(&layout)?, b.kv_cache(&layout)?);
@@ -336,7 +346,8 @@ fn compare_attention<A: Backend, B: Backend>(a: &A, b: &B, rng: &mut Rng) -> Res
             a.attention(Attend { layer, seqs: &mut [SeqRows { kv: &mut ka, rows: 0..n, pos }], positions: &pa, q: &qa, scale: 0.125 }, &mut oa);
             b.attention(Attend { layer, seqs: &mut [SeqRows { kv: &mut kb, rows: 0..n, pos }], positions: &pb, q: &qb, scale: 0.125 }, &mut ob);
             let kind = if layer == 0 { "window 40" } else { "global" };
-            out.push(report(format!("attention {kind}, {n} at {pos}"), &a.read(&oa), &b.read(&ob)));
+            let shape = format!("head {head_dim}, {} per KV head", cfg.n_head / n_head_kv);
+            out.push(report(format!("attention {kind}, {shape}, {n} at {pos}"), &a.read(&oa), &b.read(&ob)));
         }
         pos += n;
     }
