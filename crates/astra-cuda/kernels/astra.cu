@@ -1140,9 +1140,9 @@ __device__ __forceinline__ void chunk_reduce(float (&v)[Q]) {
 
 // Attention of query rows over their cached positions, split at absolute multiples of
 // CHUNK: each chunk gives (max, Σexp, Σexp·v), and the chunks are merged in order into a
-// running total. A CTA of CHUNK · key_lanes() threads takes Q consecutive query rows of one
-// head: each key row is read once for all Q, and the Q queries' sums run side by side
-// (independent chains), but every query's arithmetic is exactly what it is with Q = 1
+// running total. A CTA of CHUNK · key_lanes() threads takes Q consecutive query rows
+// of one head: each key row is read once for all Q, and the Q queries' sums run side
+// by side (independent chains), but every query's arithmetic is exactly what it is with Q = 1
 // — the same operations in the same order — so a row's result does not depend on which
 // other rows share its CTA, nor on whether its chunks are computed by one CTA or spread
 // over several (attention_split). head_dim ≤ 256.
