@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use astra_gguf::GgufFile;
+use astra_quant::{Isa, Kernels};
 use astra_quant::matmul::{matmul_many_on, MatmulJob, Parallel, QuantMatrix, QuantizedActivations};
 
 use crate::attention::{KvCache, KvLayout, KvType};
@@ -16,6 +17,8 @@ use crate::EngineError;
 pub struct CpuBackend {
     pool: Pool,
     kv: KvType,
+    /// The instruction set of the matrix kernels.
+    isa: Isa,
 }
 
 impl CpuBackend {
@@ -27,7 +30,15 @@ impl CpuBackend {
 
     /// As [`CpuBackend::new`], its KV caches storing `kv`.
     pub fn with_kv_type(threads: usize, kv: KvType) -> CpuBackend {
-        CpuBackend { pool: Pool::new(threads.max(1)), kv }
+        CpuBackend { pool: Pool::new(threads.max(1)), kv, isa: Isa::selected() }
+    }
+
+    /// The same backend with the matrix kernels of `isa` (where it has none for a
+    /// weight type, the next set down), instead of [`Isa::selected`]: the same
+    /// arithmetic with sums associated differently, for measuring what that alone
+    /// changes.
+    pub fn with_isa(self, isa: Isa) -> CpuBackend {
+        CpuBackend { isa, ..self }
     }
 
     pub fn threads(&self) -> usize {
@@ -97,10 +108,14 @@ impl Backend for CpuBackend {
     }
 
     fn describe(&self) -> String {
-        format!("cpu ({} threads, {}, {} KV cache)", self.threads(), astra_quant::Isa::selected().name(), self.kv.name())
+        format!("cpu ({} threads, {}, {} KV cache)", self.threads(), self.isa.name(), self.kv.name())
     }
 
     fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<CpuMatrix, EngineError> {
+        let kernels = Kernels::new(m.ty, self.isa).map_err(|e| EngineError::Invalid(e.to_string()))?;
+        let mut m = m.clone();
+        m.kernels = kernels;
+        let m = &m;
         let packed = packed_copy(&self.pool, &m.view(file), &m.kernels)?;
         if packed.is_some() {
             // The file's copy is read again only for embedding rows, a few at a time.

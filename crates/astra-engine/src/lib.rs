@@ -24,7 +24,7 @@ pub use config::{Arch, Config};
 pub use attention::KvType;
 pub use backend::Backend;
 pub use cpu::CpuBackend;
-pub use model::{Model, Session, Step, MAX_BATCH};
+pub use model::{Model, Session, Stage, Step, Trace, MAX_BATCH};
 pub use sampler::{Sampler, SamplerConfig};
 pub use stop::{StopMatcher, StopOutcome};
 

@@ -137,6 +137,37 @@ pub struct Step<'a, B: Backend = CpuBackend> {
     pub logits_from: usize,
 }
 
+/// Where in the forward pass [`Model::trace`] read the residual stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// The scaled token embeddings, before the first layer.
+    Embedding,
+    /// Layer `n`'s residual after its attention block.
+    Attention(usize),
+    /// Layer `n`'s output: the residual after its feed-forward block.
+    Layer(usize),
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stage::Embedding => write!(f, "embedding"),
+            Stage::Attention(l) => write!(f, "layer {l} attention"),
+            Stage::Layer(l) => write!(f, "layer {l}"),
+        }
+    }
+}
+
+/// What [`Model::trace`] is shown at each stage: the residual stream `x`.
+type Probe<'a, B> = dyn FnMut(Stage, &<B as Backend>::Tensor) + 'a;
+
+/// What [`Model::trace`] read back: every token's residual stream at each stage, in
+/// forward order, and every token's logits.
+pub struct Trace {
+    pub stages: Vec<(Stage, Vec<f32>)>,
+    pub logits: Vec<f32>,
+}
+
 /// A sequence's slice of one batch: `tokens[range]` of step `step`.
 struct Part {
     step: usize,
@@ -202,16 +233,7 @@ impl<B: Backend> Model<B> {
     /// [`Model::forward`] would: bitwise the same, whatever else is in the batch.
     pub fn forward_many(&self, steps: &mut [Step<'_, B>]) -> Result<Vec<Vec<f32>>, EngineError> {
         for st in steps.iter() {
-            let needed = st.session.n_past + st.tokens.len();
-            if needed > st.session.ctx {
-                return Err(EngineError::ContextFull { ctx: st.session.ctx, needed });
-            }
-            if let Some(&bad) = st.tokens.iter().find(|&&t| t as usize >= self.cfg.n_vocab) {
-                return Err(EngineError::Invalid(format!(
-                    "token id {bad} is outside the vocabulary of {}",
-                    self.cfg.n_vocab
-                )));
-            }
+            self.check_room(st.session, st.tokens)?;
         }
         let n_vocab = self.cfg.n_vocab;
         let mut logits: Vec<Vec<f32>> = steps
@@ -240,6 +262,42 @@ impl<B: Backend> Model<B> {
             }
         }
         Ok(logits)
+    }
+
+    /// That `tokens` fit in `s` after what it holds and are in the vocabulary.
+    fn check_room(&self, s: &Session<B>, tokens: &[u32]) -> Result<(), EngineError> {
+        let needed = s.n_past + tokens.len();
+        if needed > s.ctx {
+            return Err(EngineError::ContextFull { ctx: s.ctx, needed });
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.n_vocab) {
+            return Err(EngineError::Invalid(format!("token id {bad} is outside the vocabulary of {}", self.cfg.n_vocab)));
+        }
+        Ok(())
+    }
+
+    /// Runs `tokens` (one batch, at most [`MAX_BATCH`]) at the session's next positions
+    /// as [`Model::forward`] does, reading the residual stream back after the embedding
+    /// and after every layer's attention and feed-forward blocks: where two backends
+    /// part, and by how much, stage by stage.
+    pub fn trace(&self, s: &mut Session<B>, tokens: &[u32]) -> Result<Trace, EngineError> {
+        if tokens.is_empty() || tokens.len() > MAX_BATCH {
+            return Err(EngineError::Invalid(format!("a trace takes 1..={MAX_BATCH} tokens, not {}", tokens.len())));
+        }
+        self.check_room(s, tokens)?;
+        let (cfg, be) = (&self.cfg, &self.backend);
+        let positions: Vec<u32> = (s.n_past..s.n_past + tokens.len()).map(|p| p as u32).collect();
+        let mut acts = Activations::new(be, cfg, tokens.len());
+        let mut stages = Vec::new();
+        let mut probe = |stage: Stage, x: &B::Tensor| stages.push((stage, be.read(x)));
+        let pos = s.n_past;
+        let mut seqs = [SeqRows { kv: &mut s.kv, rows: 0..tokens.len(), pos }];
+        self.layers(&mut acts, &be.ids(tokens), &be.ids(&positions), &mut seqs, Some(&mut probe));
+        s.advance(tokens.len());
+        let mut normed = be.tensor(tokens.len(), cfg.n_embd);
+        let mut logits = be.tensor(tokens.len(), cfg.n_vocab);
+        self.head(&acts.x, &mut normed, &mut logits);
+        Ok(Trace { stages, logits: be.read(&logits) })
     }
 
     /// One batch through the model; returns each part's logits for its tokens at or
@@ -281,7 +339,7 @@ impl<B: Backend> Model<B> {
                     SeqRows { kv: &mut s.kv, rows: rows.clone(), pos: *pos }
                 })
                 .collect();
-            self.layers(&mut acts, &be.ids(&tokens), &be.ids(&positions), &mut seqs);
+            self.layers(&mut acts, &be.ids(&tokens), &be.ids(&positions), &mut seqs, None);
         }
         for p in parts {
             let s = &mut *steps[p.step].session;
@@ -323,7 +381,7 @@ impl<B: Backend> Model<B> {
             let kv = &mut s.kv;
             let DecodeStep { acts, normed, logits, token, position, graph } = d;
             *graph = be.record(&mut || {
-                self.layers(acts, token, position, &mut [SeqRows { kv: &mut *kv, rows: 0..1, pos }]);
+                self.layers(acts, token, position, &mut [SeqRows { kv: &mut *kv, rows: 0..1, pos }], None);
                 self.head(&acts.x, normed, logits);
             });
         }
@@ -339,11 +397,25 @@ impl<B: Backend> Model<B> {
     }
 
     /// The embeddings of `tokens` through every layer, into `a.x`; `seqs` say which
-    /// rows belong to which cache, `positions` every row's position.
-    fn layers(&self, a: &mut Activations<B>, tokens: &B::Ids, positions: &B::Ids, seqs: &mut [SeqRows<'_, B::KvCache>]) {
+    /// rows belong to which cache, `positions` every row's position; `probe`, where
+    /// given, is shown `a.x` at every [`Stage`].
+    fn layers(
+        &self,
+        a: &mut Activations<B>,
+        tokens: &B::Ids,
+        positions: &B::Ids,
+        seqs: &mut [SeqRows<'_, B::KvCache>],
+        mut probe: Option<&mut Probe<'_, B>>,
+    ) {
         let (cfg, be, w) = (&self.cfg, &self.backend, &self.weights);
         let Activations { x, xb, o, q, k, v, att, gate, up } = a;
         be.embed(&w.token_embd, tokens, cfg.embed_scale, x);
+        let mut show = |stage: Stage, x: &B::Tensor| {
+            if let Some(p) = probe.as_mut() {
+                p(stage, x)
+            }
+        };
+        show(Stage::Embedding, x);
         let gemma = cfg.arch == Arch::Gemma3;
         let act = if gemma { Activation::GeluTanh } else { Activation::Silu };
         let eps = cfg.rms_eps;
@@ -358,6 +430,7 @@ impl<B: Backend> Model<B> {
             be.prepare_attention(l, seqs, positions, q, k, v, &heads);
             let attend = Attend { layer: l, seqs: &mut *seqs, positions, q, scale: score_scale };
             add_to_residual(be, layer.post_attn_norm.as_ref(), eps, o, x, |o, add_to| be.attention_product(attend, att, &layer.wo, o, add_to));
+            show(Stage::Attention(l), x);
             be.feed_forward(FeedForward {
                 x: &mut *x,
                 norm: &layer.ffn_norm,
@@ -372,6 +445,7 @@ impl<B: Backend> Model<B> {
                 up_rows: &mut *up,
                 out: &mut *o,
             });
+            show(Stage::Layer(l), x);
         }
     }
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use astra_engine::perplexity::perplexity;
 use astra_engine::sampler::{argmax, softmax};
-use astra_engine::{CpuBackend, KvType, Model, Step};
+use astra_engine::{CpuBackend, KvType, Model, Stage, Step};
 use astra_gguf::GgufFile;
 use astra_tokenizer::{EncodeOptions, Tokenizer};
 use serde_json::Value;
@@ -251,4 +251,36 @@ fn gemma3_past_the_sliding_window() {
     let again = model.forward(&mut s, &prompt[1000..], 0).unwrap();
     assert!(again.iter().zip(&whole).all(|(a, b)| a.to_bits() == b.to_bits()) && again.len() == whole.len());
     assert_eq!(s.rewind(400), 0);
+}
+
+/// A trace is the forward pass read back as it goes: the same logits bit for bit, the
+/// session left where `forward` leaves it, the stages in forward order, and the first
+/// stage the embedding rows as stored in the file (dequantized here on their own).
+#[test]
+fn a_trace_is_the_forward_pass() {
+    let Some(model) = load("smollm2-135m", 2) else { return };
+    let prompt: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % 5000 + 50).collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let (mut traced, mut forwarded) = (model.session(64).unwrap(), model.session(64).unwrap());
+    let trace = model.trace(&mut traced, &prompt).unwrap();
+    let logits = model.forward(&mut forwarded, &prompt, 0).unwrap();
+    assert!(bits(&trace.logits) == bits(&logits), "a trace's logits differ from forward's");
+    let next = |s: &mut astra_engine::Session| bits(&model.forward(s, &[7], 0).unwrap());
+    assert!(next(&mut traced) == next(&mut forwarded), "the session after a trace differs");
+
+    let (e, n_layer) = (model.cfg.n_embd, model.cfg.n_layer);
+    let stages: Vec<Stage> = trace.stages.iter().map(|(s, _)| *s).collect();
+    let want: Vec<Stage> = std::iter::once(Stage::Embedding).chain((0..n_layer).flat_map(|l| [Stage::Attention(l), Stage::Layer(l)])).collect();
+    assert_eq!(stages, want);
+    assert!(trace.stages.iter().all(|(_, v)| v.len() == prompt.len() * e && v.iter().all(|x| x.is_finite())));
+
+    assert_eq!(model.cfg.embed_scale, None, "SmolLM2's embeddings are not scaled");
+    let info = model.file.tensor("token_embd.weight").unwrap();
+    let row_bytes = info.size as usize / info.dims[1] as usize;
+    for (i, &t) in prompt.iter().enumerate() {
+        let mut row = vec![0.0f32; e];
+        let data = model.file.tensor_data(info);
+        astra_quant::dequantize(info.ty, &data[t as usize * row_bytes..][..row_bytes], &mut row).unwrap();
+        assert!(bits(&row) == bits(&trace.stages[0].1[i * e..][..e]), "embedding row of token {t}");
+    }
 }

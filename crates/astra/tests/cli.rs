@@ -117,6 +117,47 @@ fn cuda_without_a_gpu_is_one_clear_line() {
     }
 }
 
+/// `parity layers` on the real SmolLM2: the CPU's scalar kernels against its default
+/// set, stage by stage. The same arithmetic associated differently: the embeddings
+/// equal, every later distance small (a wrong kernel gives distances near 1), the
+/// first block at float rounding's size unless an 8-bit activation block rounds
+/// one value the other way, and the same first token.
+#[test]
+fn parity_layers_traces_every_block() {
+    let Some(path) = model("smollm2-135m") else { return };
+    if astra_quant::Isa::selected() == astra_quant::Isa::Scalar {
+        eprintln!("SKIPPED: this CPU runs the scalar kernels already; there is no second instruction set to compare");
+        return;
+    }
+    let out = astra(&["parity", "layers", "-m", &path, "-p", "The capital of France is", "-n", "8", "-t", "2", "--isa", "scalar"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    // Rows "| stage | rel L2 | max abs |" (and, with a GPU, two more pairs), the scalar
+    // kernels' first.
+    let rows: Vec<(&str, f64)> = text
+        .lines()
+        .filter_map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            Some((cells.get(1)?.to_owned(), cells.get(2)?.parse().ok()?))
+        })
+        .collect();
+    let stages: Vec<&str> = rows.iter().map(|r| r.0).collect();
+    assert_eq!(stages.len(), 1 + 2 * 30 + 1, "{text}");
+    assert_eq!(&stages[..3], ["embedding", "layer 0 attention", "layer 0"], "{text}");
+    assert_eq!(stages[stages.len() - 1], "logits", "{text}");
+    assert_eq!(rows[0].1, 0.0, "the same embedding rows: {text}");
+    assert!(rows[1].1 < 1e-3, "layer 0's attention: {text}");
+    assert!(rows.iter().all(|r| r.1 < 0.1), "{text}");
+    // "  NAME: PIECE LOGPROB, ..." (the piece quoted, perhaps with spaces).
+    let top = |name: &str| {
+        let line = text.lines().find_map(|l| l.strip_prefix(&format!("  {name}: "))).unwrap_or_else(|| panic!("no top 5 of {name}: {text}"));
+        line.split(", ").next().unwrap().rsplit_once(' ').unwrap().0.to_owned()
+    };
+    assert_eq!(top("cpu"), "\" Paris\"", "{text}");
+    assert_eq!(top("cpu scalar"), top("cpu"), "{text}");
+    assert!(text.contains("greedy, 8 tokens:"), "{text}");
+}
+
 #[test]
 fn tokenize_prints_llama_cpp_ids() {
     let Some(path) = model("smollm2-135m") else { return };

@@ -4,6 +4,7 @@ pub mod backend;
 pub mod bench;
 pub mod inspect;
 pub mod parity;
+pub mod parity_layers;
 pub mod perplexity;
 pub mod pull;
 pub mod run;

@@ -1,6 +1,7 @@
 //! `astra parity kernels`: every CPU kernel against its f64 reference and the scalar
 //! kernel, or every CUDA backend op against the CPU backend's; `--save` / `--bitwise`
 //! compare builds (or kernel variants chosen by environment variables) bit for bit.
+//! `astra parity layers` (in `parity_layers`) compares whole models block by block.
 
 use std::path::{Path, PathBuf};
 
@@ -20,6 +21,9 @@ pub struct Args {
 enum What {
     /// Every dot kernel × instruction set × shape against the f64 reference.
     Kernels(KernelArgs),
+    /// A prompt's residual stream after every block, its log-probabilities and greedy
+    /// tokens on the CUDA backend against the CPU backend's.
+    Layers(super::parity_layers::LayerArgs),
 }
 
 #[derive(clap::Args)]
@@ -96,6 +100,7 @@ fn backend_ops(baselines: &Baselines<'_>) -> Result<()> {
 pub fn run(args: Args) -> Result<()> {
     match args.what {
         What::Kernels(k) => kernels(k),
+        What::Layers(l) => super::parity_layers::layers(l),
     }
 }
 

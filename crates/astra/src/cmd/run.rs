@@ -72,14 +72,18 @@ impl OnModel for Args {
     }
 }
 
+/// `text`, or, with `chat`, `text` as a user message in the model's chat template.
+pub fn prompt_text<B: Backend>(model: &Model<B>, tok: &Tokenizer, text: &str, chat: bool) -> Result<String> {
+    if !chat {
+        return Ok(text.to_owned());
+    }
+    let template = ChatTemplate::for_model(model.file.metadata(), tok)?;
+    Ok(template.prompt(&[ChatMessage::new("user", text.to_owned())], tok.vocab().add_bos)?)
+}
+
 fn generate<B: Backend>(args: &Args, model: &Model<B>) -> Result<()> {
     let tok = Tokenizer::from_metadata(model.file.metadata())?;
-    let prompt = if args.chat {
-        let template = ChatTemplate::for_model(model.file.metadata(), &tok)?;
-        template.prompt(&[ChatMessage::new("user", args.prompt.clone())], tok.vocab().add_bos)?
-    } else {
-        args.prompt.clone()
-    };
+    let prompt = prompt_text(model, &tok, &args.prompt, args.chat)?;
     let ctx = args.ctx.min(model.cfg.ctx_train);
     let ids = tok.encode(&prompt, EncodeOptions::default());
     if ids.is_empty() {
