@@ -14,7 +14,7 @@ use astra_engine::EngineError;
 use astra_gguf::{GgmlType, GgufFile};
 use astra_quant::ActType;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PinnedHostSlice};
 
 use crate::gemm::{self, Gemm};
 use crate::launch::Args;
@@ -162,6 +162,10 @@ pub struct CudaBackend {
     dequantized: Mutex<Option<CudaSlice<f32>>>,
     /// Products run through `gemm`.
     gemm_products: AtomicU64,
+    /// Page-locked host memory that results are downloaded through, grown as needed;
+    /// `None` inside where `ASTRA_CUDA_PINNED=0` (a download straight into pageable
+    /// memory, which the driver stages itself).
+    staging: Option<Mutex<Option<PinnedHostSlice<f32>>>>,
 }
 
 /// A device buffer that grows as needed (each replacement counted in
@@ -308,6 +312,7 @@ impl CudaBackend {
             gemm,
             dequantized: Mutex::new(None),
             gemm_products: AtomicU64::new(0),
+            staging: std::env::var("ASTRA_CUDA_PINNED").map_or(true, |v| v != "0").then(|| Mutex::new(None)),
         })
     }
 
@@ -760,10 +765,28 @@ impl Backend for CudaBackend {
     }
 
     fn read(&self, t: &GpuTensor) -> Vec<f32> {
-        let mut v = self.stream.clone_dtoh(&t.buf).expect("CUDA download");
+        let n = t.rows * t.width;
+        let Some(staging) = &self.staging else {
+            let mut v = self.stream.clone_dtoh(&t.buf).expect("CUDA download");
+            self.stream.synchronize().expect("CUDA synchronize");
+            v.truncate(n);
+            return v;
+        };
+        let mut staging = staging.lock().expect("staging lock");
+        if staging.as_ref().is_none_or(|p| p.len() < n) {
+            // Plain page-locked memory (not write-combined: the host reads it).
+            // SAFETY: only the first `n` values are read, after the copy into them.
+            let p = unsafe { self.stream.context().alloc_pinned_with_flags::<f32>(n.max(1 << 16), 0) };
+            *staging = Some(p.expect("CUDA page-locked allocation"));
+        }
+        let p = staging.as_mut().expect("allocated above").as_mut_ptr().expect("CUDA page-locked memory");
+        // SAFETY: the allocation holds at least `n` values, and nothing else uses it
+        // while the lock is held. (A copy takes its length from the host slice, so it is
+        // cut to the tensor's.)
+        let host = unsafe { std::slice::from_raw_parts_mut(p, n) };
+        self.stream.memcpy_dtoh(&t.buf.slice(0..n), host).expect("CUDA download");
         self.stream.synchronize().expect("CUDA synchronize");
-        v.truncate(t.rows * t.width);
-        v
+        host.to_vec()
     }
 
     fn embed(&self, table: &GpuMatrix, ids: &CudaSlice<u32>, scale: Option<f32>, out: &mut GpuTensor) {
