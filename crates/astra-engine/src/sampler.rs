@@ -138,15 +138,7 @@ impl Sampler {
 
     fn draw(&mut self, logits: &[f32]) -> u32 {
         let c = &self.cfg;
-        // Candidates by descending logit, ties by id (a total, platform-free order).
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
-        let k = if c.top_k == 0 { cand.len() } else { c.top_k.min(cand.len()) };
-        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if k < cand.len() {
-            cand.select_nth_unstable_by(k - 1, by_logit);
-            cand.truncate(k);
-        }
-        cand.sort_unstable_by(by_logit);
+        let cand = top_k(logits, if c.top_k == 0 { logits.len() } else { c.top_k });
         let probs = softmax(&cand.iter().map(|c| c.1).collect::<Vec<_>>());
         // top-p: the smallest prefix whose probability reaches p.
         let mut keep = cand.len();
@@ -165,7 +157,7 @@ impl Sampler {
             let floor = probs[0] * c.min_p as f64;
             keep = keep.min(probs.iter().take_while(|&&p| p >= floor).count().max(1));
         }
-        cand.truncate(keep.max(1));
+        let cand = &cand[..keep.max(1)];
         let scaled: Vec<f32> = cand.iter().map(|c| c.1 / self.cfg.temperature).collect();
         let probs = softmax(&scaled);
         let r = self.rng.uniform();
@@ -180,15 +172,77 @@ impl Sampler {
     }
 }
 
-/// The index of the largest logit (the lowest index on ties).
+/// The index of the largest logit (the lowest index on ties; NaNs are passed over, and
+/// with nothing else it is 0). The largest value is found over 16 lanes the compiler
+/// vectorizes, then the first block holding it, rather than in one pass with a branch
+/// per logit (a 262,144-token vocabulary is read at every step).
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
+    const LANES: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let blocks = logits.chunks_exact(LANES);
+    let tail = blocks.remainder();
+    for block in blocks {
+        for (m, &l) in lanes.iter_mut().zip(block) {
+            // A NaN compares false and is passed over.
+            *m = if l > *m { l } else { *m };
         }
     }
-    best as u32
+    let max = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+    let holds = |block: &[f32]| block.iter().fold(false, |any, &l| any | (l == max));
+    let first = logits.chunks(LANES).position(holds).unwrap_or(0) * LANES;
+    logits[first..].iter().position(|&l| l == max).map_or(0, |i| first + i) as u32
+}
+
+/// `l`'s place in [`f32::total_cmp`]'s order as an integer: two keys compare as
+/// integers as their floats do by `total_cmp`.
+fn total_key(l: f32) -> i32 {
+    let b = l.to_bits() as i32;
+    b ^ (((b >> 31) as u32) >> 1) as i32
+}
+
+/// The `k` (at most all) candidates of the largest logits, best first: by
+/// [`f32::total_cmp`] descending, the lower id first on ties — a total order, the same
+/// on every machine.
+pub fn top_k(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let k = k.min(logits.len());
+    let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    if k == 0 || k > logits.len() / 8 {
+        // Many of them: select, then sort.
+        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        if k < cand.len() {
+            cand.select_nth_unstable_by(k.max(1) - 1, by_logit);
+            cand.truncate(k);
+        }
+        cand.sort_unstable_by(by_logit);
+        return cand;
+    }
+    // A few: one pass over blocks of the logits keeping the best k seen in a heap, its
+    // top the worst of them. Once the heap is full, a block whose largest logit is no
+    // better than that worst one is passed over after a vectorized maximum — nearly
+    // every block. (Ids rise through the logits, so an equal logit later is worse.)
+    #[derive(PartialEq, Eq, PartialOrd, Ord)]
+    struct Worse(std::cmp::Reverse<i32>, u32);
+    const BLOCK: usize = 64;
+    let mut heap = std::collections::BinaryHeap::with_capacity(k + 1);
+    for (b, block) in logits.chunks(BLOCK).enumerate() {
+        if let Some(worst) = heap.peek().filter(|_| heap.len() == k) {
+            let Worse(std::cmp::Reverse(floor), _) = *worst;
+            if block.iter().map(|&l| total_key(l)).max().is_some_and(|best| best <= floor) {
+                continue;
+            }
+        }
+        for (i, &l) in block.iter().enumerate() {
+            let entry = Worse(std::cmp::Reverse(total_key(l)), (b * BLOCK + i) as u32);
+            if heap.len() < k {
+                heap.push(entry);
+            } else if heap.peek().is_some_and(|worst| entry < *worst) {
+                heap.pop();
+                heap.push(entry);
+            }
+        }
+    }
+    // Ascending in `Worse` order: the best first.
+    heap.into_sorted_vec().into_iter().map(|Worse(_, id)| (id, logits[id as usize])).collect()
 }
 
 /// Softmax in f64 (probabilities sum to 1 within rounding).
@@ -202,6 +256,46 @@ pub fn softmax(logits: &[f32]) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use proptest::prelude::*;
+
+    /// Logits drawn from a few values (many ties), with infinities and NaNs of both
+    /// signs among them.
+    fn logits() -> impl Strategy<Value = Vec<f32>> {
+        let value = prop_oneof![
+            8 => (-4i32..4).prop_map(|v| v as f32 * 0.5),
+            1 => Just(f32::INFINITY),
+            1 => Just(f32::NEG_INFINITY),
+            1 => Just(f32::NAN),
+            1 => Just(-f32::NAN),
+            1 => Just(-0.0f32),
+            4 => any::<f32>(),
+        ];
+        prop::collection::vec(value, 1..700)
+    }
+
+    proptest! {
+        /// The heap's top k are a full sort's first k, for every k.
+        #[test]
+        fn top_k_is_the_sorted_prefix(v in logits(), k in 0usize..80) {
+            let mut all: Vec<(u32, f32)> = v.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+            all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let bits = |c: &[(u32, f32)]| c.iter().map(|&(i, l)| (i, l.to_bits())).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&top_k(&v, k)), bits(&all[..k.min(v.len())]));
+        }
+
+        /// The first index of the largest non-NaN logit (0 when there is none).
+        #[test]
+        fn argmax_is_the_first_largest(v in logits()) {
+            let mut want = None;
+            for (i, &l) in v.iter().enumerate() {
+                if !l.is_nan() && want.is_none_or(|w: usize| l > v[w]) {
+                    want = Some(i);
+                }
+            }
+            prop_assert_eq!(argmax(&v) as usize, want.unwrap_or(0));
+        }
+    }
 
     #[test]
     fn greedy_takes_the_largest_and_bias_can_ban_it() {
