@@ -235,11 +235,7 @@ impl<B: Backend> Model<B> {
         for st in steps.iter() {
             self.check_room(st.session, st.tokens)?;
         }
-        let n_vocab = self.cfg.n_vocab;
-        let mut logits: Vec<Vec<f32>> = steps
-            .iter()
-            .map(|st| Vec::with_capacity(st.tokens.len().saturating_sub(st.logits_from) * n_vocab))
-            .collect();
+        let mut logits: Vec<Vec<f32>> = steps.iter().map(|_| Vec::new()).collect();
         let mut done = vec![0usize; steps.len()];
         loop {
             // Fill a batch with the next tokens of each sequence in turn.
@@ -257,7 +253,13 @@ impl<B: Backend> Model<B> {
             }
             let out = self.forward_batch(steps, &parts);
             for (p, rows) in parts.iter().zip(out) {
-                logits[p.step].extend(rows);
+                // A sequence's first rows are taken as they are (a batch of vocabularies
+                // is megabytes); later batches' rows are appended.
+                if logits[p.step].is_empty() {
+                    logits[p.step] = rows;
+                } else {
+                    logits[p.step].extend(rows);
+                }
                 done[p.step] = p.range.end;
             }
         }
@@ -357,6 +359,9 @@ impl<B: Backend> Model<B> {
             self.head(&be.gather(&acts.x, &wanted), &mut normed, &mut logits);
         }
         let logits = be.read(&logits);
+        if let [_] = parts {
+            return vec![logits];
+        }
         // `wanted` is in batch order, so each part's rows are consecutive.
         let mut rows = logits.chunks_exact(cfg.n_vocab).zip(&wanted);
         for (i, (span, _)) in spans.iter().enumerate() {

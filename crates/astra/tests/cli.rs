@@ -83,6 +83,16 @@ fn bench_runs_at_a_depth() {
     let err = String::from_utf8(out.stderr).unwrap();
     assert!(err.starts_with("error: ") && err.contains("context of 8192"), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
+    // Several sequences decoded together, at a depth, counted in all.
+    let v = json(&astra(&["bench", "-m", &path, "-p", "0", "-n", "3", "-d", "20", "-s", "3", "-r", "1", "--json"]));
+    assert_eq!(v["sequences"], 3);
+    assert!(v["tg_tokens_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    let text = String::from_utf8(astra(&["bench", "-m", &path, "-p", "0", "-n", "2", "-s", "2", "-r", "1"]).stdout).unwrap();
+    assert!(text.contains("| tg2 × 2 |"), "{text}");
+    for bad in ["0", "513"] {
+        let out = astra(&["bench", "-m", &path, "-s", bad]);
+        assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--sequences"), "-s {bad}");
+    }
 }
 
 /// `--backend cuda` (with and without `--deterministic`) where there is no GPU: every

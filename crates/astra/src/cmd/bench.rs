@@ -1,13 +1,14 @@
 //! `astra bench`: prefill (pp) and decode (tg) speed, repeated, as llama-bench reports
 //! them: pp = a batch of `p` tokens into an empty context; tg = `n` tokens decoded one
-//! at a time into an empty context.
+//! at a time into an empty context (with `--sequences N`, N sequences decoded together,
+//! one token of each per step, their tokens/s counted in all).
 
 use std::time::Instant;
 
 use anyhow::{bail, Result};
 use std::sync::Arc;
 
-use astra_engine::{Backend, Model};
+use astra_engine::{Backend, Model, Step, MAX_BATCH};
 
 use super::backend::{with_model, BackendArgs, OnModel};
 use serde_json::json;
@@ -27,6 +28,10 @@ pub struct Args {
     /// llama-bench's `-d`: the speed at that depth of a conversation.
     #[arg(short = 'd', long, default_value_t = 0)]
     depth: usize,
+    /// Sequences decoded together in the decode test, one token of each per step (as a
+    /// server's continuous batching runs them); its speed is then their tokens/s in all.
+    #[arg(short = 's', long, default_value_t = 1)]
+    sequences: usize,
     /// Repetitions of each test.
     #[arg(short = 'r', long, default_value_t = 5)]
     repetitions: usize,
@@ -62,6 +67,9 @@ fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 pub fn run(args: Args) -> Result<()> {
     if args.repetitions == 0 || args.repetitions > 1000 {
         bail!("--repetitions must be between 1 and 1000");
+    }
+    if args.sequences == 0 || args.sequences > MAX_BATCH {
+        bail!("--sequences must be between 1 and {MAX_BATCH} (the tokens of one batch)");
     }
     let path = astra_models::resolve(&args.model)?;
     let threads = args.threads.unwrap_or_else(super::run::default_threads);
@@ -104,14 +112,21 @@ fn bench<B: Backend>(args: &Args, path: &std::path::Path, threads: usize, model:
         model.forward(&mut s, &toks, args.n_prompt - 1)?;
         Ok(args.n_prompt as f64 / t.elapsed().as_secs_f64())
     };
-    let run_tg = |seed| -> Result<f64> {
-        let toks = tokens(args.n_gen, vocab, seed);
-        let mut s = session(seed)?;
+    let run_tg = |seed: u64| -> Result<f64> {
+        let n = args.sequences as u64;
+        let streams: Vec<Vec<u32>> = (0..n).map(|i| tokens(args.n_gen, vocab, seed * n + i)).collect();
+        let mut sessions = (0..n).map(|i| session(seed * n + i)).collect::<Result<Vec<_>>>()?;
         let t = Instant::now();
-        for &tok in &toks {
-            model.forward(&mut s, &[tok], 0)?;
+        for i in 0..args.n_gen {
+            if let [s] = &mut sessions[..] {
+                model.forward(s, &streams[0][i..i + 1], 0)?;
+                continue;
+            }
+            let mut steps: Vec<Step<'_, B>> =
+                sessions.iter_mut().zip(&streams).map(|(session, toks)| Step { session, tokens: &toks[i..i + 1], logits_from: 0 }).collect();
+            model.forward_many(&mut steps)?;
         }
-        Ok(args.n_gen as f64 / t.elapsed().as_secs_f64())
+        Ok((args.n_gen * args.sequences) as f64 / t.elapsed().as_secs_f64())
     };
     let (mut pp, mut tg) = (Vec::new(), Vec::new());
     if args.n_prompt > 0 {
@@ -135,6 +150,7 @@ fn bench<B: Backend>(args: &Args, path: &std::path::Path, threads: usize, model:
             "{}",
             json!({
                 "model": name, "backend": model.backend.describe(), "threads": threads, "n_prompt": args.n_prompt, "n_gen": args.n_gen, "depth": args.depth,
+                "sequences": args.sequences,
                 "pp_tokens_per_s": ppm, "pp_sd": pps, "tg_tokens_per_s": tgm, "tg_sd": tgs,
                 "pp_samples": pp, "tg_samples": tg,
                 "weight_bytes_per_token": model.weight_bytes_per_token(),
@@ -145,7 +161,8 @@ fn bench<B: Backend>(args: &Args, path: &std::path::Path, threads: usize, model:
     println!("| model | size | backend | threads | test | t/s |");
     println!("| ----- | ---: | ------- | ------: | ---: | --: |");
     let at = if args.depth > 0 { format!(" @ d{}", args.depth) } else { String::new() };
-    for (test, samples) in [(format!("pp{}{at}", args.n_prompt), &pp), (format!("tg{}{at}", args.n_gen), &tg)] {
+    let together = if args.sequences > 1 { format!(" × {}", args.sequences) } else { String::new() };
+    for (test, samples) in [(format!("pp{}{at}", args.n_prompt), &pp), (format!("tg{}{together}{at}", args.n_gen), &tg)] {
         if samples.is_empty() {
             continue;
         }
