@@ -5,8 +5,9 @@
 //!    one scalar quantizer ([`crate::ActType::quantize`]), independently of the others.
 //! 2. The weight rows are cut into chunks, handed to the current rayon pool.
 //! 3. A task computes its rows' outputs for every token: where the kernels have a
-//!    tile variant, a tile of rows at a time against the whole batch; else a run of
-//!    rows per call against one token (decode) or four.
+//!    tile variant and the batch has four tokens or more, a tile of rows at a time
+//!    against the whole batch; else a run of rows per call against one token (decode)
+//!    or four.
 //!
 //! Invariant: an output element is a function of one weight row and one token's
 //! quantized activations only, computed in a fixed order by one thread. Thread count,
@@ -272,7 +273,7 @@ fn run_rows(w: &QuantMatrix, acts: &QuantizedActivations, out: SharedOut, kernel
     // SAFETY (every write): t * rows + r < out.len() (checked by the caller), and row r
     // belongs to this task only.
     let put = |t: usize, r: usize, v: f32| unsafe { *out.0.add(t * rows + r) = v };
-    if let (Some(tile_fn), 2..) = (tile, tokens) {
+    if let (Some(tile_fn), TILE_MIN_TOKENS..) = (tile, tokens) {
         // Each tile of rows is rearranged once and meets every token of the batch.
         let a: Vec<ActRow> = (0..tokens).map(|t| acts.act_row(t)).collect();
         let mut tile_out = vec![[0.0f32; TILE_ROWS]; tokens];
@@ -320,6 +321,15 @@ fn run_rows(w: &QuantMatrix, acts: &QuantizedActivations, out: SharedOut, kernel
         }
     }
 }
+
+/// The fewest tokens that take a tile kernel; fewer meet the task's rows one token at a
+/// time, the rows still in cache for the next token (the same sums either way).
+/// Rearranging a tile of rows costs more than two or three tokens save: real SmolLM2
+/// (Q4_1, packed rows), two threads of AVX2, interleaved, two rounds: two and three
+/// sequences decoding together 224 / 186 and 235 / 243 tokens/s in all through the tile
+/// kernel, 244 / 242 and 297 / 307 a token at a time; a two-token prefill 246 / 231 →
+/// 295 / 321. At four the tile kernel held even or ahead (212–282).
+const TILE_MIN_TOKENS: usize = 4;
 
 /// Weight rows walked together per block of tokens (16 rows of a 4096-column Q4_K
 /// matrix are 36 KiB). Outputs do not depend on it: each is one dot product.
