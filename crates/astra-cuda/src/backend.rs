@@ -162,6 +162,9 @@ pub struct CudaBackend {
     dequantized: Mutex<Option<CudaSlice<f32>>>,
     /// Products run through `gemm`.
     gemm_products: AtomicU64,
+    /// Up to how many sequences' decode rows run as their own recorded steps rather
+    /// than one batch (`ASTRA_CUDA_SEPARATE_DECODE`; [`SEPARATE_DECODE_STEPS`] unless set).
+    separate_steps: usize,
     /// Page-locked host memory that results are downloaded through, grown as needed;
     /// `None` inside where `ASTRA_CUDA_PINNED=0` (a download straight into pageable
     /// memory, which the driver stages itself).
@@ -222,6 +225,15 @@ pub struct GpuKv {
     /// The most chunks a query row of any layer spans.
     max_chunks: usize,
 }
+
+/// Up to how many sequences' decode rows run as their own recorded steps, one after
+/// another, rather than as one batch (whose launches are not recorded). Measured on an
+/// H200 (`astra bench -s N`, tokens/s in all, batch against separate steps): two
+/// sequences, smollm2 shape 915 → 1,644, gemma3 1,160 → 1,490, 8B 411 → 414; three,
+/// smollm2 1,388 → 1,567, gemma3 580 → 1,498, but 8B 501 → 407; from four or eight on
+/// the batch is faster for smollm2 and the 8B (gemma3's batch stays slower, a cost of
+/// its batch path not yet found).
+const SEPARATE_DECODE_STEPS: usize = 2;
 
 /// The most CTAs a head's decode attention spreads its chunks over (smollm2 shape,
 /// tg128 at depth 1,000: 8 CTAs 1,096–1,100 tok/s, 16 1,193–1,202, 32 1,241–1,270).
@@ -312,6 +324,7 @@ impl CudaBackend {
             gemm,
             dequantized: Mutex::new(None),
             gemm_products: AtomicU64::new(0),
+            separate_steps: std::env::var("ASTRA_CUDA_SEPARATE_DECODE").ok().and_then(|v| v.parse().ok()).unwrap_or(SEPARATE_DECODE_STEPS).max(1),
             staging: std::env::var("ASTRA_CUDA_PINNED").map_or(true, |v| v != "0").then(|| Mutex::new(None)),
         })
     }
@@ -1003,6 +1016,10 @@ impl Backend for CudaBackend {
                 None
             }
         }
+    }
+
+    fn separate_decode_steps(&self) -> usize {
+        if self.graphs { self.separate_steps } else { 1 }
     }
 
     fn replay(&self, g: &StepGraph) -> bool {

@@ -279,6 +279,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
         self.kv_store(layer, seqs, positions, k, v);
     }
 
+    /// How many sequences' decode rows run better as that many recorded steps, one after
+    /// another, than as one batch: where steps are recorded ([`Backend::record`]), a
+    /// replay costs little of the host's time and a batch step's launches a lot. 1 (a
+    /// batch from two sequences) where nothing is recorded.
+    fn separate_decode_steps(&self) -> usize {
+        1
+    }
+
     /// Runs `launches`, recording them as a graph where the backend can replay one: the
     /// work is done either way. `None` where nothing was recorded (the CPU backend, or a
     /// run that could not be captured).

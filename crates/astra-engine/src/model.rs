@@ -235,6 +235,12 @@ impl<B: Backend> Model<B> {
         for st in steps.iter() {
             self.check_room(st.session, st.tokens)?;
         }
+        // A few sequences' decode rows, each its session's recorded step in turn (the
+        // same bits as in one batch).
+        let decoding = steps.iter().all(|st| st.tokens.len() == 1 && st.logits_from == 0);
+        if decoding && steps.len() <= self.backend.separate_decode_steps() {
+            return Ok(steps.iter_mut().map(|st| self.decode_step(st.session, st.tokens[0])).collect());
+        }
         let mut logits: Vec<Vec<f32>> = steps.iter().map(|_| Vec::new()).collect();
         let mut done = vec![0usize; steps.len()];
         loop {
