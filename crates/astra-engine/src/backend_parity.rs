@@ -36,7 +36,9 @@ const COLS: usize = 512;
 /// a backend to take another path (the CUDA backend's cuBLAS products).
 pub const BATCHES: [usize; 2] = [3, 64];
 
-fn report(op: impl Into<String>, want: &[f32], got: &[f32]) -> OpReport {
+/// The relative L2 distance of `got` from `want` (the absolute one where `want` is all
+/// zero; infinite for different lengths) and the largest absolute difference, in f64.
+pub fn distance(want: &[f32], got: &[f32]) -> (f64, f64) {
     let (mut num, mut den, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
     for (&a, &b) in want.iter().zip(got) {
         let d = a as f64 - b as f64;
@@ -45,6 +47,11 @@ fn report(op: impl Into<String>, want: &[f32], got: &[f32]) -> OpReport {
         max_abs = max_abs.max(d.abs());
     }
     let rel_l2 = if want.len() != got.len() { f64::INFINITY } else if den > 0.0 { (num / den).sqrt() } else { num.sqrt() };
+    (rel_l2, max_abs)
+}
+
+fn report(op: impl Into<String>, want: &[f32], got: &[f32]) -> OpReport {
+    let (rel_l2, max_abs) = distance(want, got);
     OpReport { op: op.into(), rel_l2, max_abs, outputs: got.to_vec() }
 }
 
@@ -358,6 +365,16 @@ fn compare_attention<A: Backend, B: Backend>(a: &A, b: &B, head_dim: usize, n_he
 mod tests {
     use super::*;
     use crate::cpu::CpuBackend;
+
+    #[test]
+    fn distance_is_relative_to_the_first_argument() {
+        let (rel, max) = distance(&[3.0, 4.0], &[3.0, 4.5]);
+        assert!((rel - 0.1).abs() < 1e-12, "{rel}");
+        assert_eq!(max, 0.5);
+        assert_eq!(distance(&[1.0, -2.0], &[1.0, -2.0]), (0.0, 0.0));
+        assert_eq!(distance(&[0.0, 0.0], &[0.0, 0.5]), (0.5, 0.5), "absolute against zeros");
+        assert_eq!(distance(&[1.0], &[1.0, 2.0]).0, f64::INFINITY);
+    }
 
     /// The harness itself: the CPU backend against itself on 1 and 3 threads agrees to
     /// the bit (its ops do not depend on the thread count), so every distance is zero.

@@ -10,6 +10,7 @@ use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
 use astra_cuda::{CudaBackend, Mode};
+use astra_engine::backend_parity::distance;
 use astra_engine::sampler::{argmax, softmax};
 use astra_engine::{Backend, CpuBackend, Model, Trace};
 use astra_quant::Isa;
@@ -107,18 +108,6 @@ fn run_on<B: Backend>(model: &Model<B>, name: &str, ids: &[u32], n: usize) -> Re
     Ok(Run { name: name.to_owned(), trace, greedy, steps })
 }
 
-/// Relative L2 distance of `b` from `a`, and the largest absolute difference.
-fn distance(a: &[f32], b: &[f32]) -> (f64, f64) {
-    let (mut num, mut den, mut max) = (0.0f64, 0.0f64, 0.0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        let d = (x as f64 - y as f64).abs();
-        num += d * d;
-        den += (x as f64).powi(2);
-        max = max.max(d);
-    }
-    ((num / den.max(f64::MIN_POSITIVE)).sqrt(), max)
-}
-
 fn report(path: &Path, tok: &Tokenizer, prompt_tokens: usize, cpu: &Run, others: &[Run]) {
     println!("{}: {prompt_tokens} prompt tokens, one batch; each against the reference", path.display());
     print!("| stage |");
@@ -175,18 +164,5 @@ fn report(path: &Path, tok: &Tokenizer, prompt_tokens: usize, cpu: &Run, others:
                 );
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::distance;
-
-    #[test]
-    fn distance_is_relative_to_the_first_argument() {
-        let (rel, max) = distance(&[3.0, 4.0], &[3.0, 4.5]);
-        assert!((rel - 0.1).abs() < 1e-12, "{rel}");
-        assert_eq!(max, 0.5);
-        assert_eq!(distance(&[1.0, -2.0], &[1.0, -2.0]), (0.0, 0.0));
     }
 }
