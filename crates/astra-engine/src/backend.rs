@@ -185,6 +185,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
     }
     /// The whole tensor, on the host.
     fn read(&self, t: &Self::Tensor) -> Vec<f32>;
+    /// The whole tensor, on the host, the tensor no longer needed: where it is in host
+    /// memory already, handed over rather than copied.
+    fn into_host(&self, t: Self::Tensor) -> Vec<f32> {
+        self.read(&t)
+    }
 
     /// `out[i] = dequantize(table row tokens[i]) · scale`.
     fn embed(&self, table: &Self::Matrix, tokens: &Self::Ids, scale: Option<f32>, out: &mut Self::Tensor);

@@ -148,6 +148,10 @@ impl Backend for CpuBackend {
         t.data.clone()
     }
 
+    fn into_host(&self, t: CpuTensor) -> Vec<f32> {
+        t.data
+    }
+
     fn embed(&self, table: &CpuMatrix, tokens: &Vec<u32>, scale: Option<f32>, out: &mut CpuTensor) {
         let m = table.m.view(&table.file);
         for (row, &tok) in out.rows_mut().zip(tokens) {

@@ -305,7 +305,7 @@ impl<B: Backend> Model<B> {
         let mut normed = be.tensor(tokens.len(), cfg.n_embd);
         let mut logits = be.tensor(tokens.len(), cfg.n_vocab);
         self.head(&acts.x, &mut normed, &mut logits);
-        Ok(Trace { stages, logits: be.read(&logits) })
+        Ok(Trace { stages, logits: be.into_host(logits) })
     }
 
     /// One batch through the model; returns each part's logits for its tokens at or
@@ -364,7 +364,7 @@ impl<B: Backend> Model<B> {
         } else {
             self.head(&be.gather(&acts.x, &wanted), &mut normed, &mut logits);
         }
-        let logits = be.read(&logits);
+        let logits = be.into_host(logits);
         if let [_] = parts {
             return vec![logits];
         }
