@@ -118,10 +118,6 @@ fn bench<B: Backend>(args: &Args, path: &std::path::Path, threads: usize, model:
         let mut sessions = (0..n).map(|i| session(seed * n + i)).collect::<Result<Vec<_>>>()?;
         let t = Instant::now();
         for i in 0..args.n_gen {
-            if let [s] = &mut sessions[..] {
-                model.forward(s, &streams[0][i..i + 1], 0)?;
-                continue;
-            }
             let mut steps: Vec<Step<'_, B>> =
                 sessions.iter_mut().zip(&streams).map(|(session, toks)| Step { session, tokens: &toks[i..i + 1], logits_from: 0 }).collect();
             model.forward_many(&mut steps)?;
