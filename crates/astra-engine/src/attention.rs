@@ -329,6 +329,50 @@ impl AttnLayer<'_> {
     }
 }
 
+impl AttnLayer<'_> {
+    /// Attention as llama.cpp's CPU backend computes it ([`crate::ggml_ops`]), for a
+    /// batch of `q` (`(token, head, head_dim)`, tokens at positions `n_past..`) in one
+    /// of llama.cpp's micro-batches: ggml's path for that batch and cache, the cache
+    /// seen as llama.cpp sizes its view of it (`n_kv`: the cells in use rounded up to
+    /// 256, at least 256, at most the cache), `threads` as llama.cpp's thread count.
+    /// Needs an f16 cache, as llama.cpp's default.
+    pub fn attend_ggml(&self, par: &dyn Parallel, q: &[f32], n_past: usize, out: &mut [f32], threads: usize) {
+        use crate::ggml_ops::{one_chunk, split_kv, tiled, KvHead, TILE};
+        let (KvRows::F16(k), KvRows::F16(v)) = (&self.cache.k, &self.cache.v) else {
+            unreachable!("llama.cpp's arithmetic runs over an f16 cache (checked at load)")
+        };
+        let (hd, slots) = (self.head_dim, self.cache.slots);
+        let tokens = q.len() / (self.n_head * hd);
+        let n_kv = (n_past + tokens).next_multiple_of(256).max(256).min(self.cache.window.map_or(slots, |_| usize::MAX));
+        let heads: Vec<KvHead> = (0..self.n_head_kv)
+            .map(|g| {
+                let span = g * slots * hd..(g + 1) * slots * hd;
+                KvHead { k: &k[span.clone()], v: &v[span], slots, dim: hd }
+            })
+            .collect();
+        let rows = tokens * self.n_head;
+        let results: Vec<Mutex<Vec<f32>>> = (0..rows).map(|_| Mutex::new(Vec::new())).collect();
+        par.run(rows, &|row| {
+            let (t, h) = (row / self.n_head, row % self.n_head);
+            let pos = n_past + t;
+            let (qh, kv) = (&q[row * hd..(row + 1) * hd], &heads[h / self.group]);
+            let valid = self.first(pos)..pos + 1;
+            let mut o = vec![0.0f32; hd];
+            if tokens >= TILE {
+                tiled(qh, kv, n_kv, &valid, self.scale, &mut o);
+            } else if tokens == 1 && n_kv >= 512 {
+                split_kv(qh, kv, n_kv, &valid, self.scale, threads, &mut o);
+            } else {
+                one_chunk(qh, kv, 0..n_kv, &valid, self.scale).finish(&mut o);
+            }
+            *results[row].lock().expect("own slot") = o;
+        });
+        for (o, r) in out.chunks_exact_mut(hd).zip(results) {
+            o.copy_from_slice(&r.into_inner().expect("own slot"));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

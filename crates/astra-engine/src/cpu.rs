@@ -9,6 +9,7 @@ use astra_quant::matmul::{matmul_many_on, MatmulJob, Parallel, QuantMatrix, Quan
 
 use crate::attention::{KvCache, KvLayout, KvType};
 use crate::backend::{Activation, Attend, Backend, Rope, SeqRows};
+use crate::ggml_ops;
 use crate::ops::{add_inplace, rms_norm, rms_norm_inplace, rope};
 use crate::pool::Pool;
 use crate::weights::MatRef;
@@ -19,6 +20,34 @@ pub struct CpuBackend {
     kv: KvType,
     /// The instruction set of the matrix kernels.
     isa: Isa,
+    arithmetic: Arithmetic,
+}
+
+/// Whose rounding the CPU backend follows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Arithmetic {
+    /// astra's own: the same bits whatever the batch, the cache state and the thread
+    /// count (SPEC's determinism), from the fastest kernels of the machine.
+    #[default]
+    Astra,
+    /// llama.cpp's CPU backend on AVX2 machines, bit for bit ([`crate::ggml_ops`],
+    /// `astra_quant::dot::ggml_x86`), on any machine: its logits for its batches and
+    /// thread count, which, as llama.cpp's own, depend on both. For Q4_1 and Q8_0
+    /// matrices and an f16 KV cache; one row at a time, so slower.
+    Ggml,
+}
+
+impl Arithmetic {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arithmetic::Astra => "astra",
+            Arithmetic::Ggml => "ggml",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Arithmetic> {
+        [Arithmetic::Astra, Arithmetic::Ggml].into_iter().find(|a| a.name().eq_ignore_ascii_case(name))
+    }
 }
 
 impl CpuBackend {
@@ -30,7 +59,15 @@ impl CpuBackend {
 
     /// As [`CpuBackend::new`], its KV caches storing `kv`.
     pub fn with_kv_type(threads: usize, kv: KvType) -> CpuBackend {
-        CpuBackend { pool: Pool::new(threads.max(1)), kv, isa: Isa::selected() }
+        CpuBackend { pool: Pool::new(threads.max(1)), kv, isa: Isa::selected(), arithmetic: Arithmetic::Astra }
+    }
+
+    /// The same backend rounding as `arithmetic` says; llama.cpp's needs an f16 cache.
+    pub fn with_arithmetic(self, arithmetic: Arithmetic) -> Result<CpuBackend, EngineError> {
+        if arithmetic == Arithmetic::Ggml && self.kv != KvType::F16 {
+            return Err(EngineError::Invalid("llama.cpp's arithmetic keeps the KV cache in f16".into()));
+        }
+        Ok(CpuBackend { arithmetic, ..self })
     }
 
     /// The same backend with the matrix kernels of `isa` (where it has none for a
@@ -108,11 +145,19 @@ impl Backend for CpuBackend {
     }
 
     fn describe(&self) -> String {
-        format!("cpu ({} threads, {}, {} KV cache)", self.threads(), self.isa.name(), self.kv.name())
+        match self.arithmetic {
+            Arithmetic::Astra => format!("cpu ({} threads, {}, {} KV cache)", self.threads(), self.isa.name(), self.kv.name()),
+            Arithmetic::Ggml => format!("cpu ({} threads, llama.cpp's arithmetic, {} KV cache)", self.threads(), self.kv.name()),
+        }
     }
 
     fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<CpuMatrix, EngineError> {
-        let kernels = Kernels::new(m.ty, self.isa).map_err(|e| EngineError::Invalid(e.to_string()))?;
+        let kernels = match self.arithmetic {
+            Arithmetic::Astra => Kernels::new(m.ty, self.isa).map_err(|e| EngineError::Invalid(e.to_string()))?,
+            Arithmetic::Ggml => Kernels::ggml(m.ty).map_err(|_| {
+                EngineError::Invalid(format!("llama.cpp's arithmetic is here for Q4_1 and Q8_0 matrices, not {:?}", m.ty))
+            })?,
+        };
         let mut m = m.clone();
         m.kernels = kernels;
         let m = &m;
@@ -168,14 +213,22 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm(&self, x: &CpuTensor, w: &Vec<f32>, eps: f32, out: &mut CpuTensor) {
+        let norm = match self.arithmetic {
+            Arithmetic::Astra => rms_norm,
+            Arithmetic::Ggml => ggml_ops::rms_norm,
+        };
         for (o, x) in out.rows_mut().zip(x.rows()) {
-            rms_norm(x, w, eps, o);
+            norm(x, w, eps, o);
         }
     }
 
     fn rms_norm_groups(&self, x: &mut CpuTensor, w: &Vec<f32>, eps: f32) {
+        let norm = match self.arithmetic {
+            Arithmetic::Astra => rms_norm_inplace,
+            Arithmetic::Ggml => ggml_ops::rms_norm_inplace,
+        };
         for g in x.data.chunks_exact_mut(w.len()) {
-            rms_norm_inplace(g, w, eps);
+            norm(g, w, eps);
         }
     }
 
@@ -212,6 +265,10 @@ impl Backend for CpuBackend {
     }
 
     fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &Vec<u32>, r: Rope) {
+        let rope = match self.arithmetic {
+            Arithmetic::Astra => rope,
+            Arithmetic::Ggml => ggml_ops::rope,
+        };
         for (row, &pos) in x.rows_mut().zip(positions) {
             for head in row.chunks_exact_mut(head_dim) {
                 rope(head, pos as usize, r.dims, r.base, r.neox);
@@ -228,7 +285,18 @@ impl Backend for CpuBackend {
     }
 
     fn glu(&self, gate: &mut CpuTensor, up: &CpuTensor, act: Activation) {
-        crate::ops::glu(&mut gate.data, &up.data, act == Activation::GeluTanh);
+        match self.arithmetic {
+            Arithmetic::Astra => crate::ops::glu(&mut gate.data, &up.data, act == Activation::GeluTanh),
+            // ggml gates a row at a time: its vector loops restart at each row.
+            Arithmetic::Ggml => {
+                for (g, u) in gate.data.chunks_exact_mut(gate.width).zip(up.data.chunks_exact(up.width)) {
+                    match act {
+                        Activation::Silu => ggml_ops::swiglu(g, u),
+                        Activation::GeluTanh => ggml_ops::geglu(g, u),
+                    }
+                }
+            }
+        }
     }
 
     fn kv_store(&self, layer: usize, seqs: &mut [SeqRows<'_, KvCache>], _positions: &Vec<u32>, k: &CpuTensor, v: &CpuTensor) {
@@ -245,7 +313,11 @@ impl Backend for CpuBackend {
         for s in a.seqs.iter_mut() {
             let rows = s.rows.clone();
             let (q, o) = (&a.q.data[rows.start * qw..rows.end * qw], &mut out.data[rows.start * qw..rows.end * qw]);
-            s.kv.layer(a.layer, a.scale).attend(&self.pool, q, s.pos, o);
+            let layer = s.kv.layer(a.layer, a.scale);
+            match self.arithmetic {
+                Arithmetic::Astra => layer.attend(&self.pool, q, s.pos, o),
+                Arithmetic::Ggml => layer.attend_ggml(&self.pool, q, s.pos, o, self.threads()),
+            }
         }
     }
 }

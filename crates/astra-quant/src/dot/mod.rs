@@ -14,6 +14,7 @@ pub mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2_lanes;
 pub(crate) mod lanes;
+pub mod ggml_x86;
 
 use std::sync::OnceLock;
 
@@ -292,6 +293,19 @@ impl Kernels {
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx2 | Isa::Avx512Vnni => scalar,
         })
+    }
+
+    /// llama.cpp's arithmetic for `weights` on AVX2 machines ([`ggml_x86`]), one row at
+    /// a time, where astra has it: the types ggml runs through its plain dot products
+    /// there (Q4_0 and Q4_K it repacks, with other sums, and are not here).
+    pub fn ggml(weights: GgmlType) -> Result<Kernels, QuantError> {
+        let dot: VecDotFn = match weights {
+            GgmlType::Q4_1 => ggml_x86::dot_q4_1_q8_1,
+            GgmlType::Q8_0 => ggml_x86::dot_q8_0_q8_0,
+            other => return Err(QuantError::Unsupported(other)),
+        };
+        let act = ActType::for_weights(weights)?;
+        Ok(Kernels { weights, act, isa: Isa::Scalar, dot, dot1: None, dot4: None, tile: None, packing: None })
     }
 
     /// Kernels for `weights` on [`Isa::selected`].

@@ -1,0 +1,344 @@
+//! llama.cpp's CPU arithmetic for the operations around the matrix products, as ggml
+//! computes them on AVX2 machines (x86-64 with FMA and F16C, built by GCC, which fuses
+//! a multiply into the add that uses it): RMSNorm, RoPE, SwiGLU, GeGLU and flash
+//! attention over an f16 KV cache. [`crate::Arithmetic::Ggml`] runs these, with the
+//! matrix kernels of `astra_quant::dot::ggml_x86`, to give llama.cpp's logits bit for
+//! bit. Each function names the ggml routine whose arithmetic it states.
+//!
+//! Flash attention takes one of three paths in ggml, chosen by the batch: a prompt
+//! batch of 64 or more tokens runs 64×64 tiles in f32 (`flash_attn_ext_tiled`); one
+//! token against 512 or more cache cells splits the cells over the threads and merges
+//! (`split_kv`); anything else runs each query row alone, accumulating the values in f16
+//! (`one_chunk`). So unlike astra's own arithmetic, results depend on the batch and,
+//! for long caches, on the thread count, as llama.cpp's do.
+
+use std::ops::Range;
+
+use half::f16;
+use astra_quant::dot::ggml_x86::hsum8;
+
+/// `ggml_compute_forward_rms_norm_f32`'s scale 1/√(mean square + eps): the squares
+/// rounded to f32, summed in f64 in order.
+fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    let sum: f64 = x.iter().map(|&v| (v * v) as f64).sum();
+    1.0 / ((sum / x.len() as f64) as f32 + eps).sqrt()
+}
+
+/// RMSNorm as ggml's, with the weight multiply (fused or not): x · scale, then · w.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let scale = rms_scale(x, eps);
+    out.iter_mut().zip(x).zip(w).for_each(|((o, &v), &w)| *o = v * scale * w);
+}
+
+/// [`rms_norm`] in place.
+pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
+    let scale = rms_scale(x, eps);
+    x.iter_mut().zip(w).for_each(|(v, &w)| *v = *v * scale * w);
+}
+
+/// `ggml_compute_forward_rope_flt` of one head at `pos` (no frequency scaling): the
+/// angles by repeated multiplication from `pos`, sine and cosine from libm, each pair
+/// rotated with the fusions GCC makes of `x0·cos − x1·sin` and `x0·sin + x1·cos`:
+/// the products with x0 fused, those with x1 rounded first.
+pub fn rope(head: &mut [f32], pos: usize, dims: usize, base: f32, neox: bool) {
+    let theta_scale = base.powf(-2.0 / dims as f32);
+    let mut theta = pos as f32;
+    for i in 0..dims / 2 {
+        let (sin, cos) = (theta.sin(), theta.cos());
+        let (a, b) = if neox { (i, i + dims / 2) } else { (2 * i, 2 * i + 1) };
+        let (x0, x1) = (head[a], head[b]);
+        head[a] = x0.mul_add(cos, -(x1 * sin));
+        head[b] = x0.mul_add(sin, x1 * cos);
+        theta *= theta_scale;
+    }
+}
+
+/// `ggml_v_expf` (AVX2): eˣ by Arm's optimized-routines method, to 1.5 ulp, with its
+/// handling of large magnitudes (under −104 it gives 0, over 88.38 infinity).
+pub fn exp(x: f32) -> f32 {
+    let c = |bits: u32| f32::from_bits(bits);
+    let r = c(0x4b40_0000); // 1.5 · 2^23
+    let z = x.mul_add(c(0x3fb8_aa3b), r);
+    let n = z - r;
+    let b = (-n).mul_add(c(0x35bf_be8e), (-n).mul_add(c(0x3f31_7200), x));
+    let e = z.to_bits() << 23;
+    let k = f32::from_bits(e.wrapping_add(1.0f32.to_bits()));
+    let u = b * b;
+    let j = c(0x3c07_2010).mul_add(b, c(0x3d2b_9f17)).mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb))).mul_add(u, c(0x3f7f_fff6) * b);
+    if n.abs() <= 126.0 {
+        return k.mul_add(j, k);
+    }
+    let g: u32 = if n <= 0.0 { 0x8200_0000 } else { 0 };
+    let s1 = f32::from_bits(g.wrapping_add(0x7f00_0000));
+    let s2 = f32::from_bits(e.wrapping_sub(g));
+    if n.abs() > 192.0 {
+        s1 * s1
+    } else {
+        s2.mul_add(j, s2) * s1
+    }
+}
+
+/// `ggml_vec_swiglu_f32`: silu(gate) · up, silu(x) = x / (1 + [`exp`](−x)) in the
+/// vector loop and with libm's `expf` for the last `n mod 8`, in place in `gate`.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    let whole = gate.len() / 8 * 8;
+    for (i, (g, &u)) in gate.iter_mut().zip(up).enumerate() {
+        let e = if i < whole { exp(0.0 - *g) } else { (-*g).exp() };
+        *g = *g / (1.0 + e) * u;
+    }
+}
+
+/// ggml's GELU table (`ggml_table_gelu_f16`): for every f16 x, the tanh
+/// approximation 0.5·x·(1 + tanh(√(2/π)·x·(1 + 0.044715·x²))) rounded to f16.
+fn gelu_table() -> &'static [f16] {
+    static TABLE: std::sync::OnceLock<Vec<f16>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|i| {
+                let x = f16::from_bits(i).to_f32();
+                let inner = (0.044_715f32 * x).mul_add(x, 1.0);
+                f16::from_f32(0.5 * x * (1.0 + (0.797_884_6f32 * x * inner).tanh()))
+            })
+            .collect()
+    })
+}
+
+/// `ggml_vec_geglu_f32` with `GGML_GELU_FP16`: gelu(gate) · up, gelu read from
+/// [`gelu_table`] at gate rounded to f16, 0 at or below −10 and the identity at or
+/// above 10; in place in `gate`.
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    let table = gelu_table();
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = if *g <= -10.0 {
+            0.0
+        } else if *g >= 10.0 {
+            *g * u
+        } else {
+            table[f16::from_f32(*g).to_bits() as usize].to_f32() * u
+        };
+    }
+}
+
+/// `ggml_vec_dot_f16` (AVX2, F16C): four accumulators of eight lanes over steps of 32
+/// elements, reduced as `GGML_F32x8_REDUCE` reduces them, the rest added in f64.
+pub fn dot_f16(x: &[f16], y: &[f16]) -> f32 {
+    let whole = x.len() / 32 * 32;
+    let mut acc = [[0.0f32; 8]; 4];
+    for i in (0..whole).step_by(32) {
+        for (j, acc) in acc.iter_mut().enumerate() {
+            for (l, a) in acc.iter_mut().enumerate() {
+                let e = i + 8 * j + l;
+                *a = x[e].to_f32().mul_add(y[e].to_f32(), *a);
+            }
+        }
+    }
+    let v: [f32; 8] = std::array::from_fn(|l| (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]));
+    let h: [f32; 4] = std::array::from_fn(|l| v[l] + v[l + 4]);
+    let mut sum = ((h[0] + h[1]) + (h[2] + h[3])) as f64;
+    for e in whole..x.len() {
+        sum += (x[e].to_f32() * y[e].to_f32()) as f64;
+    }
+    sum as f32
+}
+
+/// One KV head of one layer as flash attention reads it: f16 rows by cache cell (a
+/// cell is a position; a ring of `slots` holds position p in cell p mod `slots`).
+pub struct KvHead<'a> {
+    pub k: &'a [f16],
+    pub v: &'a [f16],
+    pub slots: usize,
+    pub dim: usize,
+}
+
+impl KvHead<'_> {
+    fn k(&self, pos: usize) -> &[f16] {
+        &self.k[(pos % self.slots) * self.dim..][..self.dim]
+    }
+
+    fn v(&self, pos: usize) -> &[f16] {
+        &self.v[(pos % self.slots) * self.dim..][..self.dim]
+    }
+}
+
+/// A query row's attention over some cells before normalization: the largest score,
+/// the sum of exponentials relative to it, and the weighted sum of values.
+pub struct Partial {
+    pub max: f32,
+    pub sum: f32,
+    pub acc: Vec<f32>,
+}
+
+impl Partial {
+    /// The normalized output (`V /= S`, 0 where nothing was attended).
+    pub fn finish(mut self, out: &mut [f32]) {
+        let inv = if self.sum == 0.0 { 0.0 } else { 1.0 / self.sum };
+        self.acc.iter_mut().for_each(|v| *v *= inv);
+        out.copy_from_slice(&self.acc);
+    }
+}
+
+/// `ggml_compute_forward_flash_attn_ext_f16_one_chunk` for one query row over `cells`,
+/// attending to the positions in `valid`: the query rounded to f16, scores by
+/// [`dot_f16`], an online softmax with libm's `expf`, values accumulated in f16.
+pub fn one_chunk(q: &[f32], kv: &KvHead, cells: Range<usize>, valid: &Range<usize>, scale: f32) -> Partial {
+    let q16: Vec<f16> = q.iter().map(|&x| f16::from_f32(x)).collect();
+    let mut acc = vec![f16::ZERO; kv.dim];
+    let (mut sum, mut max) = (0.0f32, f32::NEG_INFINITY);
+    for c in cells.filter(|c| valid.contains(c)) {
+        let s = dot_f16(kv.k(c), &q16) * scale + 0.0;
+        let (mut ms, mut vs) = (1.0f32, 1.0f32);
+        if s > max {
+            ms = (max - s).exp();
+            max = s;
+            acc.iter_mut().for_each(|a| *a = f16::from_f32(a.to_f32() * ms));
+        } else {
+            vs = (s - max).exp();
+        }
+        for (a, v) in acc.iter_mut().zip(kv.v(c)) {
+            *a = f16::from_f32(v.to_f32().mul_add(vs, a.to_f32()));
+        }
+        sum = sum.mul_add(ms, vs);
+    }
+    Partial { max, sum, acc: acc.iter().map(|a| a.to_f32()).collect() }
+}
+
+/// ggml's split-KV decode (`flash_attn_ext_f16` with `use_split_kv_path`, then
+/// `ggml_flash_attn_ext_reduce_partials`): `n_kv` cells in `threads` equal chunks, each
+/// a [`one_chunk`], merged in chunk order.
+pub fn split_kv(q: &[f32], kv: &KvHead, n_kv: usize, valid: &Range<usize>, scale: f32, threads: usize, out: &mut [f32]) {
+    let chunk = n_kv.div_ceil(threads);
+    let (mut max, mut sum) = (f32::NEG_INFINITY, 0.0f32);
+    let mut acc = vec![0.0f32; kv.dim];
+    for t in 0..threads {
+        let start = t * chunk;
+        if start >= n_kv {
+            continue;
+        }
+        let p = one_chunk(q, kv, start..(start + chunk).min(n_kv), valid, scale);
+        if p.sum == 0.0 {
+            continue;
+        }
+        let new = max.max(p.max);
+        let (old_scale, new_scale) = ((max - new).exp(), (p.max - new).exp());
+        for (a, &v) in acc.iter_mut().zip(&p.acc) {
+            *a = a.mul_add(old_scale, v * new_scale);
+        }
+        sum = sum.mul_add(old_scale, p.sum * new_scale);
+        max = new;
+    }
+    if sum != 0.0 {
+        let inv = 1.0 / sum;
+        acc.iter_mut().for_each(|v| *v *= inv);
+    }
+    out.copy_from_slice(&acc);
+}
+
+/// Cells per tile of ggml's tiled flash attention (`GGML_FA_TILE_KV`); prompt batches of
+/// at least `GGML_FA_TILE_Q` (also 64) tokens take it.
+pub const TILE: usize = 64;
+
+/// `ggml_compute_forward_flash_attn_ext_tiled` for one query row over the first `n_kv`
+/// cells: scores in f32 (a fused chain over the head), the softmax per tile with
+/// [`exp`] (its sum in f64 from eight-lane sums), values in a fused chain per tile. A
+/// tile where the row attends to nothing leaves it unchanged, as in ggml.
+pub fn tiled(q: &[f32], kv: &KvHead, n_kv: usize, valid: &Range<usize>, scale: f32, out: &mut [f32]) {
+    let (mut sum, mut max) = (0.0f32, f32::NEG_INFINITY);
+    let mut acc = vec![0.0f32; kv.dim];
+    let mut kq = [0.0f32; TILE];
+    for start in (0..n_kv).step_by(TILE) {
+        let cells = start..(start + TILE).min(n_kv);
+        if !cells.clone().any(|c| valid.contains(&c)) {
+            continue;
+        }
+        for (t, s) in kq.iter_mut().enumerate() {
+            let c = start + t;
+            *s = if cells.contains(&c) && valid.contains(&c) {
+                let dot = kv.k(c).iter().zip(q).fold(0.0f32, |a, (k, &q)| k.to_f32().mul_add(q, a));
+                dot * scale + 0.0
+            } else {
+                f32::NEG_INFINITY
+            };
+        }
+        let tile_max = kq.iter().fold(f32::NEG_INFINITY, |m, &s| if m > s { m } else { s });
+        let new = max.max(tile_max);
+        if new > max {
+            let ms = (max - new).exp();
+            acc.iter_mut().for_each(|a| *a *= ms);
+            sum *= ms;
+        }
+        max = new;
+        let mut tile_sum = 0.0f64;
+        for lanes in kq.chunks_exact_mut(8) {
+            lanes.iter_mut().for_each(|s| *s = exp(*s - new));
+            tile_sum += hsum8(lanes.try_into().expect("eight")) as f64;
+        }
+        sum = (sum as f64 + tile_sum) as f32;
+        for (t, &w) in kq.iter().enumerate() {
+            let c = start + t;
+            if cells.contains(&c) && valid.contains(&c) {
+                for (a, v) in acc.iter_mut().zip(kv.v(c)) {
+                    *a = v.to_f32().mul_add(w, *a);
+                }
+            }
+        }
+    }
+    Partial { max, sum, acc }.finish(out);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_within_two_ulp_of_libm_and_saturates_as_ggml() {
+        let mut x = -103.0f32;
+        while x < 88.3 {
+            let (got, want) = (exp(x), x.exp());
+            let ulp = (want.to_bits() as i64 - got.to_bits() as i64).abs();
+            assert!(ulp <= 2, "exp({x}) = {got}, libm {want}");
+            x += 0.01137;
+        }
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp(-200.0), 0.0);
+        assert_eq!(exp(100.0), f32::INFINITY);
+    }
+
+    #[test]
+    fn dot_f16_is_the_dot_product() {
+        for n in [64, 80, 256] {
+            let x: Vec<f16> = (0..n).map(|i| f16::from_f32(((i * 37 % 19) as f32 - 9.0) / 7.0)).collect();
+            let y: Vec<f16> = (0..n).map(|i| f16::from_f32(((i * 11 % 23) as f32 - 11.0) / 5.0)).collect();
+            let want: f64 = x.iter().zip(&y).map(|(a, b)| a.to_f64() * b.to_f64()).sum();
+            assert!((dot_f16(&x, &y) as f64 - want).abs() < 1e-4, "{n}");
+        }
+    }
+
+    /// The three attention paths against softmax attention in f64, within the f16
+    /// rounding of the paths that keep f16.
+    #[test]
+    fn attention_paths_are_attention() {
+        let (dim, n) = (64, 700);
+        let val = |i: usize, d: usize, m: usize| f16::from_f32((((i * 31 + d * 17 + m) % 41) as f32 - 20.0) / 13.0);
+        let k: Vec<f16> = (0..n * dim).map(|e| val(e / dim, e % dim, 3)).collect();
+        let v: Vec<f16> = (0..n * dim).map(|e| val(e / dim, e % dim, 7)).collect();
+        let q: Vec<f32> = (0..dim).map(|d| ((d * 13 % 29) as f32 - 14.0) / 9.0).collect();
+        let kv = KvHead { k: &k, v: &v, slots: n, dim };
+        let scale = 0.125;
+        let valid = 100..650;
+        let want: Vec<f64> = {
+            let s: Vec<f64> = valid.clone().map(|c| (0..dim).map(|d| k[c * dim + d].to_f64() * q[d] as f64).sum::<f64>() * scale as f64).collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let z: f64 = w.iter().sum();
+            (0..dim).map(|d| valid.clone().zip(&w).map(|(c, w)| w * v[c * dim + d].to_f64()).sum::<f64>() / z).collect()
+        };
+        let mut outs = vec![vec![0.0f32; dim]; 3];
+        one_chunk(&q, &kv, 0..n, &valid, scale).finish(&mut outs[0]);
+        split_kv(&q, &kv, n, &valid, scale, 3, &mut outs[1]);
+        tiled(&q, &kv, n, &valid, scale, &mut outs[2]);
+        for (path, out) in ["one_chunk", "split_kv", "tiled"].iter().zip(&outs) {
+            let err = out.iter().zip(&want).map(|(&a, b)| (a as f64 - b).abs()).fold(0.0, f64::max);
+            assert!(err < 5e-3, "{path}: {err}");
+        }
+    }
+}
