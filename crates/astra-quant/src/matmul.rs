@@ -317,7 +317,13 @@ fn run_rows(w: &QuantMatrix, acts: &QuantizedActivations, out: SharedOut, kernel
                 let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(t * rows + task_rows.start), task_rows.len()) };
                 dot1(task_w, w.row_bytes, acts.act_row(t), o);
             }
-            None => task_rows.clone().for_each(|r| put(t, r, dot(w.row(r), acts.row(t)))),
+            None => {
+                let dot = match kernels.dot_in_fours {
+                    Some(in_fours) if t < tokens / 4 * 4 => in_fours,
+                    _ => dot,
+                };
+                task_rows.clone().for_each(|r| put(t, r, dot(w.row(r), acts.row(t))))
+            }
         }
     }
 }

@@ -63,6 +63,91 @@ pub fn dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     hsum8(acc)
 }
 
+/// `ggml_vec_dot_q5_0_q8_0` (AVX2; llamafile's `tinyBLAS_Q0_AVX` for batches computes
+/// the same): the codes offset by 16.
+pub fn dot_q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (w, a) in pairs::<BlockQ5_0, BlockQ8_0>(w, a) {
+        let qh = u32::from_le_bytes(w.qh);
+        let codes = nibbles(&w.qs);
+        let codes: [i32; 32] = std::array::from_fn(|e| (codes[e] | (((qh >> e) & 1) << 4) as i32) - 16);
+        lanes(&mut acc, w.d.get() * a.d.get(), &codes, &a.qs);
+    }
+    hsum8(acc)
+}
+
+/// `ggml_vec_dot_q6_K_q8_K` (AVX2). Lane l holds the integer sum, scales applied, of
+/// the codes (unsigned, 0..64) at positions 4l..4l+4 of each 32-code vector, less 32
+/// times the activation sums of 16-groups 2l and 2l+1 with their scales (the offset
+/// of the codes, taken in lanes of its own pairing); one fused chain per lane over
+/// the blocks.
+pub fn dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (w, a) in pairs::<BlockQ6K, BlockQ8K>(w, a) {
+        let mut lane = [0i32; 8];
+        for k in 0..QK_K {
+            let (n, r, p) = (k / 128, (k % 128) / 32, k % 32);
+            let ql = w.ql[64 * n + 32 * (r % 2) + p];
+            let low = if r < 2 { ql & 0xF } else { ql >> 4 };
+            let code = (low | (((w.qh[32 * n + p] >> (2 * r)) & 3) << 4)) as i32;
+            lane[p / 4] += w.scales[k / 16] as i32 * code * a.qs[k] as i32;
+        }
+        for (l, v) in lane.iter_mut().enumerate() {
+            *v -= 32 * (a.bsum(2 * l) * w.scales[2 * l] as i32 + a.bsum(2 * l + 1) * w.scales[2 * l + 1] as i32);
+        }
+        let d = a.d() * w.d.get();
+        for (acc, &v) in acc.iter_mut().zip(&lane) {
+            *acc = d.mul_add(v as f32, *acc);
+        }
+    }
+    hsum8(acc)
+}
+
+/// A Q4_K block's integer sums for groups `groups` (of eight 32-weight groups): the
+/// scaled code sums, and the minimums times the activation sums.
+fn q4_k_sums(w: &BlockQ4K, a: &BlockQ8K, groups: std::ops::Range<usize>) -> (i32, i32) {
+    let (mut isum, mut imin) = (0i32, 0i32);
+    for j in groups {
+        let (sc, m) = scale_min_k4(j, &w.scales);
+        let codes: i32 = (0..32)
+            .map(|i| {
+                let byte = w.qs[32 * (j / 2) + i];
+                (if j % 2 == 0 { byte & 0xF } else { byte >> 4 }) as i32 * a.qs[32 * j + i] as i32
+            })
+            .sum();
+        isum += sc as i32 * codes;
+        imin += m as i32 * (a.bsum(2 * j) + a.bsum(2 * j + 1));
+    }
+    (isum, imin)
+}
+
+/// Q4_K as ggml runs it on AVX2: rows repacked eight at a time (`q4_K_8x8_q8_K`), a
+/// token alone through `ggml_gemv_q4_K_8x8_q8_K`: one fused step per super-block for
+/// the scaled sums and one for the minimums, subtracted at the end.
+pub fn dot_q4_k_q8_k_gemv(w: &[u8], a: &[u8]) -> f32 {
+    q4_k_repacked(w, a, 8)
+}
+
+/// As [`dot_q4_k_q8_k_gemv`], for the tokens of a batch that ggml takes four at a time
+/// (`ggml_gemm_q4_K_8x8_q8_K`): a fused step per pair of 32-weight groups.
+pub fn dot_q4_k_q8_k_gemm(w: &[u8], a: &[u8]) -> f32 {
+    q4_k_repacked(w, a, 2)
+}
+
+/// The repacked Q4_K kernels' arithmetic, a fused step every `step` groups.
+fn q4_k_repacked(w: &[u8], a: &[u8], step: usize) -> f32 {
+    let (mut acc, mut acc_min) = (0.0f32, 0.0f32);
+    for (w, a) in pairs::<BlockQ4K, BlockQ8K>(w, a) {
+        let (d, dmin) = (w.d.get() * a.d(), w.dmin.get() * a.d());
+        for g in (0..8).step_by(step) {
+            let (isum, imin) = q4_k_sums(w, a, g..g + step);
+            acc = (isum as f32).mul_add(d, acc);
+            acc_min = (imin as f32).mul_add(dmin, acc_min);
+        }
+    }
+    acc - acc_min
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -84,12 +169,35 @@ mod tests {
         let n = 4096;
         let w: Vec<f32> = (0..n).map(|_| next()).collect();
         let x: Vec<f32> = (0..n).map(|_| next()).collect();
-        let cases: [(GgmlType, fn(&[u8], &[u8]) -> f32, fn(&[u8], &[u8]) -> f32); 2] = [
-            (GgmlType::Q4_1, dot_q4_1_q8_1, crate::dot::scalar::dot_q4_1_q8_1),
-            (GgmlType::Q8_0, dot_q8_0_q8_0, crate::dot::scalar::dot_q8_0_q8_0),
+        use crate::dot::scalar;
+        let cases: [(GgmlType, fn(&[u8], &[u8]) -> f32, fn(&[u8], &[u8]) -> f32); 6] = [
+            (GgmlType::Q4_1, dot_q4_1_q8_1, scalar::dot_q4_1_q8_1),
+            (GgmlType::Q8_0, dot_q8_0_q8_0, scalar::dot_q8_0_q8_0),
+            (GgmlType::Q5_0, dot_q5_0_q8_0, scalar::dot_q5_0_q8_0),
+            (GgmlType::Q6_K, dot_q6_k_q8_k, scalar::dot_q6_k_q8_k),
+            (GgmlType::Q4_K, dot_q4_k_q8_k_gemv, scalar::dot_q4_k_q8_k),
+            (GgmlType::Q4_K, dot_q4_k_q8_k_gemm, scalar::dot_q4_k_q8_k),
         ];
         for (ty, dot, reference) in cases {
-            let wq = crate::quantize(ty, &w).unwrap();
+            let wq = match ty {
+                // No quantizer for the K-quants here: random codes, small f16 scales.
+                GgmlType::Q4_K | GgmlType::Q6_K => {
+                    let mut bytes: Vec<u8> = (0..crate::row_bytes(ty, n).unwrap()).map(|_| (next().to_bits() >> 7) as u8).collect();
+                    for b in bytes.chunks_exact_mut(crate::row_bytes(ty, QK_K).unwrap()) {
+                        let scales = if ty == GgmlType::Q4_K { 0..4 } else { b.len() - 2..b.len() };
+                        for at in scales.step_by(2) {
+                            b[at..at + 2].copy_from_slice(&half::f16::from_f32(0.01 + 0.01 * next().abs()).to_le_bytes());
+                        }
+                    }
+                    bytes
+                }
+                _ => crate::quantize(ty, &w).unwrap(),
+            };
+            let w: Vec<f32> = {
+                let mut d = vec![0.0f32; n];
+                crate::dequantize(ty, &wq, &mut d).unwrap();
+                d
+            };
             let act = ActType::for_weights(ty).unwrap();
             let mut aq = vec![0u8; act.row_bytes(n).unwrap()];
             act.quantize(&x, &mut aq);

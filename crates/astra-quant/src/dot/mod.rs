@@ -242,6 +242,11 @@ pub struct Kernels {
     /// Where the set reads groups of rows faster rearranged at load: how, and the
     /// variants over rearranged rows.
     pub packing: Option<Packing>,
+    /// Where a batch's whole groups of four tokens take other sums than `dot` (ggml's
+    /// repacked Q4_K, four tokens at a time), their dot product; the tokens after
+    /// the last whole group take `dot`. Used only by the one-token-at-a-time path
+    /// (kernels with no `dot1`, `dot4` or `tile`).
+    pub dot_in_fours: Option<VecDotFn>,
 }
 
 /// Weight rows rearranged once, at load, for kernels that read a group of rows
@@ -266,7 +271,7 @@ impl Kernels {
     pub fn new(weights: GgmlType, isa: Isa) -> Result<Kernels, QuantError> {
         let act = ActType::for_weights(weights)?;
         assert!(isa.available(), "{} kernels requested on a machine without {}", isa.name(), isa.name());
-        let scalar = Kernels { weights, act, isa: Isa::Scalar, dot: scalar_dot_fn(weights)?, dot1: None, dot4: None, tile: None, packing: None };
+        let scalar = Kernels { weights, act, isa: Isa::Scalar, dot: scalar_dot_fn(weights)?, dot1: None, dot4: None, tile: None, packing: None, dot_in_fours: None };
         Ok(match isa {
             Isa::Scalar => scalar,
             #[cfg(target_arch = "x86_64")]
@@ -283,11 +288,11 @@ impl Kernels {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512Vnni if avx2_lanes::kernels(weights).is_some() => {
                 let (dot, dot1, tile, packing) = avx2_lanes::kernels(weights).expect("just checked");
-                Kernels { weights, act, isa: Isa::Avx2, dot, dot1: Some(dot1), dot4: None, tile: Some(tile), packing: Some(packing) }
+                Kernels { weights, act, isa: Isa::Avx2, dot, dot1: Some(dot1), dot4: None, tile: Some(tile), packing: Some(packing), dot_in_fours: None }
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512Vnni => match avx2::kernels(weights) {
-                Some((dot, dot4)) => Kernels { weights, act, isa: Isa::Avx2, dot, dot1: None, dot4, tile: None, packing: None },
+                Some((dot, dot4)) => Kernels { weights, act, isa: Isa::Avx2, dot, dot1: None, dot4, tile: None, packing: None, dot_in_fours: None },
                 None => scalar,
             },
             #[cfg(not(target_arch = "x86_64"))]
@@ -296,16 +301,20 @@ impl Kernels {
     }
 
     /// llama.cpp's arithmetic for `weights` on AVX2 machines ([`ggml_x86`]), one row at
-    /// a time, where astra has it: the types ggml runs through its plain dot products
-    /// there (Q4_0 and Q4_K it repacks, with other sums, and are not here).
+    /// a time, where astra has it: Q4_1, Q5_0, Q8_0, Q6_K (ggml's dot products), and
+    /// Q4_K as ggml's repacked kernels compute it, a batch's whole groups of four
+    /// tokens apart from the rest.
     pub fn ggml(weights: GgmlType) -> Result<Kernels, QuantError> {
-        let dot: VecDotFn = match weights {
-            GgmlType::Q4_1 => ggml_x86::dot_q4_1_q8_1,
-            GgmlType::Q8_0 => ggml_x86::dot_q8_0_q8_0,
+        let (dot, dot_in_fours): (VecDotFn, Option<VecDotFn>) = match weights {
+            GgmlType::Q4_1 => (ggml_x86::dot_q4_1_q8_1, None),
+            GgmlType::Q5_0 => (ggml_x86::dot_q5_0_q8_0, None),
+            GgmlType::Q8_0 => (ggml_x86::dot_q8_0_q8_0, None),
+            GgmlType::Q4_K => (ggml_x86::dot_q4_k_q8_k_gemv, Some(ggml_x86::dot_q4_k_q8_k_gemm as VecDotFn)),
+            GgmlType::Q6_K => (ggml_x86::dot_q6_k_q8_k, None),
             other => return Err(QuantError::Unsupported(other)),
         };
         let act = ActType::for_weights(weights)?;
-        Ok(Kernels { weights, act, isa: Isa::Scalar, dot, dot1: None, dot4: None, tile: None, packing: None })
+        Ok(Kernels { weights, act, isa: Isa::Scalar, dot, dot1: None, dot4: None, tile: None, packing: None, dot_in_fours })
     }
 
     /// Kernels for `weights` on [`Isa::selected`].
