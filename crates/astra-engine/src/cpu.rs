@@ -32,8 +32,8 @@ pub enum Arithmetic {
     Astra,
     /// llama.cpp's CPU backend on AVX2 machines, bit for bit ([`crate::ggml_ops`],
     /// `astra_quant::dot::ggml_x86`), on any machine: its logits for its batches and
-    /// thread count, which, as llama.cpp's own, depend on both. For Q4_1 and Q8_0
-    /// matrices and an f16 KV cache; one row at a time, so slower.
+    /// thread count, which, as llama.cpp's own, depend on both. For Q4_1, Q5_0,
+    /// Q8_0, Q4_K and Q6_K matrices and an f16 KV cache; one row at a time, so slower.
     Ggml,
 }
 
@@ -155,7 +155,7 @@ impl Backend for CpuBackend {
         let kernels = match self.arithmetic {
             Arithmetic::Astra => Kernels::new(m.ty, self.isa).map_err(|e| EngineError::Invalid(e.to_string()))?,
             Arithmetic::Ggml => Kernels::ggml(m.ty).map_err(|_| {
-                EngineError::Invalid(format!("llama.cpp's arithmetic is here for Q4_1 and Q8_0 matrices, not {:?}", m.ty))
+                EngineError::Invalid(format!("llama.cpp's arithmetic is here for Q4_1, Q5_0, Q8_0, Q4_K and Q6_K matrices, not {:?}", m.ty))
             })?,
         };
         let mut m = m.clone();

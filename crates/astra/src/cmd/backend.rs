@@ -1,12 +1,12 @@
-//! `--backend cpu|cuda`, `--deterministic` and `--kv-type`: which engine backend a
-//! command runs on, and how.
+//! `--backend cpu|cuda`, `--deterministic`, `--kv-type` and `--arithmetic`: which
+//! engine backend a command runs on, and how.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
 use astra_cuda::{CudaBackend, Mode};
-use astra_engine::{Backend, CpuBackend, KvType, Model};
+use astra_engine::{Arithmetic, Backend, CpuBackend, KvType, Model};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum BackendKind {
@@ -31,6 +31,19 @@ pub struct BackendArgs {
     /// What the KV cache stores: f16 (half the memory) or f32 (the CPU backend only).
     #[arg(long, value_enum, default_value = "f16")]
     pub kv_type: KvTypeArg,
+    /// CPU: astra's own arithmetic (the same logits whatever the batching, the cache
+    /// state and the thread count), or llama.cpp's (its AVX2 build's logits bit for
+    /// bit, for its batching and thread count; Q4_1, Q5_0, Q8_0, Q4_K and Q6_K
+    /// weights, f16 KV cache; slower).
+    #[arg(long, value_enum, default_value = "astra")]
+    pub arithmetic: ArithmeticArg,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum ArithmeticArg {
+    #[default]
+    Astra,
+    Ggml,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -51,14 +64,28 @@ impl From<KvTypeArg> for KvType {
 
 impl BackendArgs {
     /// The CPU backend as chosen, on `threads` threads.
-    pub fn cpu(&self, threads: usize) -> CpuBackend {
-        CpuBackend::with_kv_type(threads, self.kv_type.into())
+    pub fn cpu(&self, threads: usize) -> Result<CpuBackend, String> {
+        self.check()?;
+        let arithmetic = match self.arithmetic {
+            ArithmeticArg::Astra => Arithmetic::Astra,
+            ArithmeticArg::Ggml => Arithmetic::Ggml,
+        };
+        CpuBackend::with_kv_type(threads, self.kv_type.into()).with_arithmetic(arithmetic).map_err(|e| e.to_string())
     }
 
-    /// Whether the options go together (the CUDA backend's cache is f16 only).
+    /// Whether the options go together (the CUDA backend's cache is f16 only;
+    /// llama.cpp's arithmetic is a CPU one, over an f16 cache).
     pub fn check(&self) -> Result<(), String> {
         if self.backend == BackendKind::Cuda && self.kv_type != KvTypeArg::F16 {
             return Err("--kv-type f32 is for the CPU backend: the CUDA backend keeps its KV cache in f16".into());
+        }
+        if self.arithmetic == ArithmeticArg::Ggml {
+            if self.backend == BackendKind::Cuda {
+                return Err("--arithmetic ggml is for the CPU backend".into());
+            }
+            if self.kv_type != KvTypeArg::F16 {
+                return Err("--arithmetic ggml keeps the KV cache in f16, as llama.cpp does: drop --kv-type f32".into());
+            }
         }
         Ok(())
     }
@@ -79,7 +106,7 @@ pub trait OnModel {
 /// Loads the model at `path` on the chosen backend and runs `body` on it.
 pub fn with_model(choice: BackendArgs, path: &Path, threads: usize, body: impl OnModel) -> Result<()> {
     match choice.backend {
-        BackendKind::Cpu => body.run(Model::load_on(choice.cpu(threads), path)?),
+        BackendKind::Cpu => body.run(Model::load_on(choice.cpu(threads).map_err(|e| anyhow!(e))?, path)?),
         BackendKind::Cuda => {
             let backend = choice.cuda().map_err(|e| anyhow!(e))?;
             body.run(Model::load_on(backend, path)?)

@@ -122,7 +122,8 @@ pub fn run(args: Args) -> Result<()> {
     match backend.backend {
         BackendKind::Cpu => {
             let threads = opts.threads;
-            astra_server::serve_on(opts, Arc::new(move || Ok(backend.cpu(threads))))
+            backend.check().map_err(|e| anyhow!(e))?;
+            astra_server::serve_on(opts, Arc::new(move || backend.cpu(threads)))
         }
         BackendKind::Cuda => {
             // Fail before opening the port when there is no GPU.
