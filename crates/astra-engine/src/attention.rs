@@ -337,7 +337,7 @@ impl AttnLayer<'_> {
     /// 256, at least 256, at most the cache), `threads` as llama.cpp's thread count.
     /// Needs an f16 cache, as llama.cpp's default.
     pub fn attend_ggml(&self, par: &dyn Parallel, q: &[f32], n_past: usize, out: &mut [f32], threads: usize) {
-        use crate::ggml_ops::{one_chunk, split_kv, tiled, KvHead, TILE};
+        use crate::ggml_ops::{attend_row, KvHead};
         let (KvRows::F16(k), KvRows::F16(v)) = (&self.cache.k, &self.cache.v) else {
             unreachable!("llama.cpp's arithmetic runs over an f16 cache (checked at load)")
         };
@@ -358,13 +358,7 @@ impl AttnLayer<'_> {
             let (qh, kv) = (&q[row * hd..(row + 1) * hd], &heads[h / self.group]);
             let valid = self.first(pos)..pos + 1;
             let mut o = vec![0.0f32; hd];
-            if tokens >= TILE {
-                tiled(qh, kv, n_kv, &valid, self.scale, &mut o);
-            } else if tokens == 1 && n_kv >= 512 {
-                split_kv(qh, kv, n_kv, &valid, self.scale, threads, &mut o);
-            } else {
-                one_chunk(qh, kv, 0..n_kv, &valid, self.scale).finish(&mut o);
-            }
+            attend_row(qh, kv, n_kv, &valid, self.scale, tokens, threads, &mut o);
             *results[row].lock().expect("own slot") = o;
         });
         for (o, r) in out.chunks_exact_mut(hd).zip(results) {

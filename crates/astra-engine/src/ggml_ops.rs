@@ -55,6 +55,7 @@ pub fn rope(head: &mut [f32], pos: usize, dims: usize, base: f32, neox: bool) {
 
 /// `ggml_v_expf` (AVX2): eˣ by Arm's optimized-routines method, to 1.5 ulp, with its
 /// handling of large magnitudes (under −104 it gives 0, over 88.38 infinity).
+#[inline(always)]
 pub fn exp(x: f32) -> f32 {
     let c = |bits: u32| f32::from_bits(bits);
     let r = c(0x4b40_0000); // 1.5 · 2^23
@@ -121,6 +122,7 @@ pub fn geglu(gate: &mut [f32], up: &[f32]) {
 
 /// `ggml_vec_dot_f16` (AVX2, F16C): four accumulators of eight lanes over steps of 32
 /// elements, reduced as `GGML_F32x8_REDUCE` reduces them, the rest added in f64.
+#[inline(always)]
 pub fn dot_f16(x: &[f16], y: &[f16]) -> f32 {
     let whole = x.len() / 32 * 32;
     let mut acc = [[0.0f32; 8]; 4];
@@ -151,10 +153,12 @@ pub struct KvHead<'a> {
 }
 
 impl KvHead<'_> {
+    #[inline(always)]
     fn k(&self, pos: usize) -> &[f16] {
         &self.k[(pos % self.slots) * self.dim..][..self.dim]
     }
 
+    #[inline(always)]
     fn v(&self, pos: usize) -> &[f16] {
         &self.v[(pos % self.slots) * self.dim..][..self.dim]
     }
@@ -180,6 +184,7 @@ impl Partial {
 /// `ggml_compute_forward_flash_attn_ext_f16_one_chunk` for one query row over `cells`,
 /// attending to the positions in `valid`: the query rounded to f16, scores by
 /// [`dot_f16`], an online softmax with libm's `expf`, values accumulated in f16.
+#[inline(always)]
 pub fn one_chunk(q: &[f32], kv: &KvHead, cells: Range<usize>, valid: &Range<usize>, scale: f32) -> Partial {
     let q16: Vec<f16> = q.iter().map(|&x| f16::from_f32(x)).collect();
     let mut acc = vec![f16::ZERO; kv.dim];
@@ -205,6 +210,7 @@ pub fn one_chunk(q: &[f32], kv: &KvHead, cells: Range<usize>, valid: &Range<usiz
 /// ggml's split-KV decode (`flash_attn_ext_f16` with `use_split_kv_path`, then
 /// `ggml_flash_attn_ext_reduce_partials`): `n_kv` cells in `threads` equal chunks, each
 /// a [`one_chunk`], merged in chunk order.
+#[inline(always)]
 pub fn split_kv(q: &[f32], kv: &KvHead, n_kv: usize, valid: &Range<usize>, scale: f32, threads: usize, out: &mut [f32]) {
     let chunk = n_kv.div_ceil(threads);
     let (mut max, mut sum) = (f32::NEG_INFINITY, 0.0f32);
@@ -241,6 +247,7 @@ pub const TILE: usize = 64;
 /// cells: scores in f32 (a fused chain over the head), the softmax per tile with
 /// [`exp`] (its sum in f64 from eight-lane sums), values in a fused chain per tile. A
 /// tile where the row attends to nothing leaves it unchanged, as in ggml.
+#[inline(always)]
 pub fn tiled(q: &[f32], kv: &KvHead, n_kv: usize, valid: &Range<usize>, scale: f32, out: &mut [f32]) {
     let (mut sum, mut max) = (0.0f32, f32::NEG_INFINITY);
     let mut acc = vec![0.0f32; kv.dim];
@@ -285,6 +292,41 @@ pub fn tiled(q: &[f32], kv: &KvHead, n_kv: usize, valid: &Range<usize>, scale: f
     Partial { max, sum, acc }.finish(out);
 }
 
+/// One query row of flash attention by the path ggml takes for a micro-batch of
+/// `tokens` tokens over `n_kv` cells with `threads` threads: [`tiled`] for 64 tokens or
+/// more, [`split_kv`] for one token over 512 cells or more, else [`one_chunk`]. Run by
+/// a copy compiled for AVX2 and FMA where the CPU has them (each `mul_add` one
+/// instruction rather than a call): the same operations in the same order, the same
+/// bits.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_row(q: &[f32], kv: &KvHead, n_kv: usize, valid: &Range<usize>, scale: f32, tokens: usize, threads: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        fn compiled_for_avx2(q: &[f32], kv: &KvHead, n_kv: usize, valid: &Range<usize>, scale: f32, tokens: usize, threads: usize, out: &mut [f32]) {
+            attend_row_portable(q, kv, n_kv, valid, scale, tokens, threads, out)
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has the features the copy is compiled for.
+            return unsafe { compiled_for_avx2(q, kv, n_kv, valid, scale, tokens, threads, out) };
+        }
+    }
+    attend_row_portable(q, kv, n_kv, valid, scale, tokens, threads, out)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_row_portable(q: &[f32], kv: &KvHead, n_kv: usize, valid: &Range<usize>, scale: f32, tokens: usize, threads: usize, out: &mut [f32]) {
+    if tokens >= TILE {
+        tiled(q, kv, n_kv, valid, scale, out);
+    } else if tokens == 1 && n_kv >= 512 {
+        split_kv(q, kv, n_kv, valid, scale, threads, out);
+    } else {
+        one_chunk(q, kv, 0..n_kv, valid, scale).finish(out);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,7 +356,7 @@ mod tests {
     }
 
     /// The three attention paths against softmax attention in f64, within the f16
-    /// rounding of the paths that keep f16.
+    /// rounding of the paths that keep f16; [`attend_row`]'s AVX2 copy bit for bit.
     #[test]
     fn attention_paths_are_attention() {
         let (dim, n) = (64, 700);
@@ -339,6 +381,16 @@ mod tests {
         for (path, out) in ["one_chunk", "split_kv", "tiled"].iter().zip(&outs) {
             let err = out.iter().zip(&want).map(|(&a, b)| (a as f64 - b).abs()).fold(0.0, f64::max);
             assert!(err < 5e-3, "{path}: {err}");
+        }
+        // attend_row picks the same paths; where the CPU has AVX2 and FMA it runs the
+        // copy compiled for them, which must give the portable code's bits.
+        for (tokens, threads, path) in [(2, 3, 0), (1, 3, 1), (64, 3, 2)] {
+            let (mut dispatched, mut portable) = (vec![0.0f32; dim], vec![0.0f32; dim]);
+            attend_row(&q, &kv, n, &valid, scale, tokens, threads, &mut dispatched);
+            attend_row_portable(&q, &kv, n, &valid, scale, tokens, threads, &mut portable);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&dispatched), bits(&portable), "tokens {tokens}");
+            assert_eq!(bits(&dispatched), bits(&outs[path]), "tokens {tokens}");
         }
     }
 }

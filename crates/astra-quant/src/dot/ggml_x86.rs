@@ -27,24 +27,80 @@ fn pairs<'a, W: Block, A: Block>(w: &'a [u8], a: &'a [u8]) -> impl Iterator<Item
     as_blocks::<W>(w).iter().zip(as_blocks::<A>(a))
 }
 
-/// Eight lane chains over blocks: `d` and the 32 codes of each block (as i32) against
-/// the activation quants.
+/// Eight lane chains over blocks: `d` and the 32 codes of each block against the
+/// activation quants.
 #[inline(always)]
-fn lanes(acc: &mut [f32; 8], d: f32, codes: &[i32; 32], qs: &[i8; 32]) {
-    for (j, acc) in acc.iter_mut().enumerate() {
-        let isum: i32 = (4 * j..4 * j + 4).map(|e| codes[e] * qs[e] as i32).sum();
+fn lanes(acc: &mut [f32; 8], d: f32, codes: &[i8; 32], qs: &[i8; 32]) {
+    let mut isum = [0i32; 8];
+    for (e, (&c, &q)) in codes.iter().zip(qs).enumerate() {
+        isum[e / 4] += c as i32 * q as i32;
+    }
+    for (acc, &isum) in acc.iter_mut().zip(&isum) {
         *acc = d.mul_add(isum as f32, *acc);
     }
 }
 
 /// The 32 codes of a block of nibbles: low nibbles are elements 0..16, high 16..32.
 #[inline(always)]
-fn nibbles(qs: &[u8; 16]) -> [i32; 32] {
-    std::array::from_fn(|e| if e < 16 { (qs[e] & 0xF) as i32 } else { (qs[e - 16] >> 4) as i32 })
+fn nibbles(qs: &[u8; 16]) -> [i8; 32] {
+    let mut codes = [0i8; 32];
+    for (i, &b) in qs.iter().enumerate() {
+        codes[i] = (b & 0xF) as i8;
+        codes[i + 16] = (b >> 4) as i8;
+    }
+    codes
 }
 
-/// `ggml_vec_dot_q4_1_q8_1` (AVX2).
-pub fn dot_q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
+/// Defines each kernel as its `#[inline(always)]` body run through a copy compiled for
+/// AVX2 and FMA where the CPU has them (then `mul_add` is one instruction rather than
+/// a call, and the integer sums vectorize), else as it stands. Both compute the same
+/// operations in the same order, each exactly rounded: the same bits.
+macro_rules! kernels {
+    ($($(#[$doc:meta])* $name:ident => $body:ident;)*) => {$(
+        $(#[$doc])*
+        pub fn $name(w: &[u8], a: &[u8]) -> f32 {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                fn compiled_for_avx2(w: &[u8], a: &[u8]) -> f32 {
+                    $body(w, a)
+                }
+                if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                    // SAFETY: the CPU has the features the copy is compiled for.
+                    return unsafe { compiled_for_avx2(w, a) };
+                }
+            }
+            $body(w, a)
+        }
+    )*};
+}
+
+kernels! {
+    /// `ggml_vec_dot_q4_1_q8_1` (AVX2).
+    dot_q4_1_q8_1 => q4_1_q8_1;
+    /// `ggml_vec_dot_q8_0_q8_0` (AVX2); llamafile's `tinyBLAS_Q0_AVX`, which takes
+    /// batches of two or more tokens, computes the same lanes and sums.
+    dot_q8_0_q8_0 => q8_0_q8_0;
+    /// `ggml_vec_dot_q5_0_q8_0` (AVX2; llamafile's `tinyBLAS_Q0_AVX` for batches
+    /// computes the same): the codes offset by 16.
+    dot_q5_0_q8_0 => q5_0_q8_0;
+    /// `ggml_vec_dot_q6_K_q8_K` (AVX2). Lane l holds the integer sum, scales applied, of
+    /// the codes (unsigned, 0..64) at positions 4l..4l+4 of each 32-code vector, less 32
+    /// times the activation sums of 16-groups 2l and 2l+1 with their scales (the offset
+    /// of the codes, taken in lanes of its own pairing); one fused chain per lane over
+    /// the blocks.
+    dot_q6_k_q8_k => q6_k_q8_k;
+    /// Q4_K as ggml runs it on AVX2: rows repacked eight at a time (`q4_K_8x8_q8_K`), a
+    /// token alone through `ggml_gemv_q4_K_8x8_q8_K`: one fused step per super-block for
+    /// the scaled sums and one for the minimums, subtracted at the end.
+    dot_q4_k_q8_k_gemv => q4_k_gemv;
+    /// As [`dot_q4_k_q8_k_gemv`], for the tokens of a batch that ggml takes four at a
+    /// time (`ggml_gemm_q4_K_8x8_q8_K`): a fused step per pair of 32-weight groups.
+    dot_q4_k_q8_k_gemm => q4_k_gemm;
+}
+
+#[inline(always)]
+fn q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
     let (mut acc, mut mins) = ([0.0f32; 8], 0.0f32);
     for (w, a) in pairs::<BlockQ4_1, BlockQ8_1>(w, a) {
         mins = w.m.get().mul_add(a.s.get(), mins);
@@ -53,44 +109,54 @@ pub fn dot_q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
     hsum8(acc) + mins
 }
 
-/// `ggml_vec_dot_q8_0_q8_0` (AVX2); llamafile's `tinyBLAS_Q0_AVX`, which takes
-/// batches of two or more tokens, computes the same lanes and sums.
-pub fn dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
+#[inline(always)]
+fn q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = [0.0f32; 8];
     for (w, a) in pairs::<BlockQ8_0, BlockQ8_0>(w, a) {
-        lanes(&mut acc, w.d.get() * a.d.get(), &w.qs.map(|q| q as i32), &a.qs);
+        lanes(&mut acc, w.d.get() * a.d.get(), &w.qs, &a.qs);
     }
     hsum8(acc)
 }
 
-/// `ggml_vec_dot_q5_0_q8_0` (AVX2; llamafile's `tinyBLAS_Q0_AVX` for batches computes
-/// the same): the codes offset by 16.
-pub fn dot_q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
+#[inline(always)]
+fn q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = [0.0f32; 8];
     for (w, a) in pairs::<BlockQ5_0, BlockQ8_0>(w, a) {
         let qh = u32::from_le_bytes(w.qh);
-        let codes = nibbles(&w.qs);
-        let codes: [i32; 32] = std::array::from_fn(|e| (codes[e] | (((qh >> e) & 1) << 4) as i32) - 16);
+        let mut codes = nibbles(&w.qs);
+        for (e, c) in codes.iter_mut().enumerate() {
+            *c = (*c | (((qh >> e) & 1) << 4) as i8) - 16;
+        }
         lanes(&mut acc, w.d.get() * a.d.get(), &codes, &a.qs);
     }
     hsum8(acc)
 }
 
-/// `ggml_vec_dot_q6_K_q8_K` (AVX2). Lane l holds the integer sum, scales applied, of
-/// the codes (unsigned, 0..64) at positions 4l..4l+4 of each 32-code vector, less 32
-/// times the activation sums of 16-groups 2l and 2l+1 with their scales (the offset
-/// of the codes, taken in lanes of its own pairing); one fused chain per lane over
-/// the blocks.
-pub fn dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+#[inline(always)]
+fn q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = [0.0f32; 8];
     for (w, a) in pairs::<BlockQ6K, BlockQ8K>(w, a) {
         let mut lane = [0i32; 8];
-        for k in 0..QK_K {
-            let (n, r, p) = (k / 128, (k % 128) / 32, k % 32);
-            let ql = w.ql[64 * n + 32 * (r % 2) + p];
-            let low = if r < 2 { ql & 0xF } else { ql >> 4 };
-            let code = (low | (((w.qh[32 * n + p] >> (2 * r)) & 3) << 4)) as i32;
-            lane[p / 4] += w.scales[k / 16] as i32 * code * a.qs[k] as i32;
+        // Element k = 128n + 32r + p: low bits from ql (r's parity picks the nibble,
+        // r / 2 the half), high bits from qh, scale of its 16-group.
+        for n in 0..2 {
+            for r in 0..4 {
+                let ql = &w.ql[64 * n + 32 * (r % 2)..][..32];
+                let qh = &w.qh[32 * n..][..32];
+                let (shift, high) = (4 * (r / 2) as u32, 2 * r as u32);
+                let base = 128 * n + 32 * r;
+                let (s0, s1) = (w.scales[base / 16] as i32, w.scales[base / 16 + 1] as i32);
+                let qs = &a.qs[base..base + 32];
+                let mut sums = [0i32; 8];
+                for p in 0..32 {
+                    let code = (((ql[p] >> shift) & 0xF) | (((qh[p] >> high) & 3) << 4)) as i32;
+                    let scale = if p < 16 { s0 } else { s1 };
+                    sums[p / 4] += scale * code * qs[p] as i32;
+                }
+                for (l, s) in lane.iter_mut().zip(&sums) {
+                    *l += s;
+                }
+            }
         }
         for (l, v) in lane.iter_mut().enumerate() {
             *v -= 32 * (a.bsum(2 * l) * w.scales[2 * l] as i32 + a.bsum(2 * l + 1) * w.scales[2 * l + 1] as i32);
@@ -105,36 +171,33 @@ pub fn dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
 
 /// A Q4_K block's integer sums for groups `groups` (of eight 32-weight groups): the
 /// scaled code sums, and the minimums times the activation sums.
+#[inline(always)]
 fn q4_k_sums(w: &BlockQ4K, a: &BlockQ8K, groups: std::ops::Range<usize>) -> (i32, i32) {
     let (mut isum, mut imin) = (0i32, 0i32);
     for j in groups {
         let (sc, m) = scale_min_k4(j, &w.scales);
-        let codes: i32 = (0..32)
-            .map(|i| {
-                let byte = w.qs[32 * (j / 2) + i];
-                (if j % 2 == 0 { byte & 0xF } else { byte >> 4 }) as i32 * a.qs[32 * j + i] as i32
-            })
-            .sum();
+        let shift = 4 * (j % 2) as u32;
+        let bytes = &w.qs[32 * (j / 2)..][..32];
+        let qs = &a.qs[32 * j..][..32];
+        let codes: i32 = bytes.iter().zip(qs).map(|(&b, &q)| ((b >> shift) & 0xF) as i32 * q as i32).sum();
         isum += sc as i32 * codes;
         imin += m as i32 * (a.bsum(2 * j) + a.bsum(2 * j + 1));
     }
     (isum, imin)
 }
 
-/// Q4_K as ggml runs it on AVX2: rows repacked eight at a time (`q4_K_8x8_q8_K`), a
-/// token alone through `ggml_gemv_q4_K_8x8_q8_K`: one fused step per super-block for
-/// the scaled sums and one for the minimums, subtracted at the end.
-pub fn dot_q4_k_q8_k_gemv(w: &[u8], a: &[u8]) -> f32 {
+#[inline(always)]
+fn q4_k_gemv(w: &[u8], a: &[u8]) -> f32 {
     q4_k_repacked(w, a, 8)
 }
 
-/// As [`dot_q4_k_q8_k_gemv`], for the tokens of a batch that ggml takes four at a time
-/// (`ggml_gemm_q4_K_8x8_q8_K`): a fused step per pair of 32-weight groups.
-pub fn dot_q4_k_q8_k_gemm(w: &[u8], a: &[u8]) -> f32 {
+#[inline(always)]
+fn q4_k_gemm(w: &[u8], a: &[u8]) -> f32 {
     q4_k_repacked(w, a, 2)
 }
 
 /// The repacked Q4_K kernels' arithmetic, a fused step every `step` groups.
+#[inline(always)]
 fn q4_k_repacked(w: &[u8], a: &[u8], step: usize) -> f32 {
     let (mut acc, mut acc_min) = (0.0f32, 0.0f32);
     for (w, a) in pairs::<BlockQ4K, BlockQ8K>(w, a) {
@@ -156,7 +219,7 @@ mod tests {
 
     /// Against astra's scalar reference (itself tested against f64): the same terms,
     /// so they differ only by float association, within f32 rounding of the terms'
-    /// magnitudes.
+    /// magnitudes. And the copy compiled for AVX2 and FMA gives the portable code's bits.
     #[test]
     fn ggml_dots_are_the_reference_dot_product() {
         let mut seed = 0x9E37_79B9u32;
@@ -170,15 +233,17 @@ mod tests {
         let w: Vec<f32> = (0..n).map(|_| next()).collect();
         let x: Vec<f32> = (0..n).map(|_| next()).collect();
         use crate::dot::scalar;
-        let cases: [(GgmlType, fn(&[u8], &[u8]) -> f32, fn(&[u8], &[u8]) -> f32); 6] = [
-            (GgmlType::Q4_1, dot_q4_1_q8_1, scalar::dot_q4_1_q8_1),
-            (GgmlType::Q8_0, dot_q8_0_q8_0, scalar::dot_q8_0_q8_0),
-            (GgmlType::Q5_0, dot_q5_0_q8_0, scalar::dot_q5_0_q8_0),
-            (GgmlType::Q6_K, dot_q6_k_q8_k, scalar::dot_q6_k_q8_k),
-            (GgmlType::Q4_K, dot_q4_k_q8_k_gemv, scalar::dot_q4_k_q8_k),
-            (GgmlType::Q4_K, dot_q4_k_q8_k_gemm, scalar::dot_q4_k_q8_k),
+        type Dot = fn(&[u8], &[u8]) -> f32;
+        // Each kernel, its portable body, and astra's scalar reference.
+        let cases: [(GgmlType, Dot, Dot, Dot); 6] = [
+            (GgmlType::Q4_1, dot_q4_1_q8_1, q4_1_q8_1, scalar::dot_q4_1_q8_1),
+            (GgmlType::Q8_0, dot_q8_0_q8_0, q8_0_q8_0, scalar::dot_q8_0_q8_0),
+            (GgmlType::Q5_0, dot_q5_0_q8_0, q5_0_q8_0, scalar::dot_q5_0_q8_0),
+            (GgmlType::Q6_K, dot_q6_k_q8_k, q6_k_q8_k, scalar::dot_q6_k_q8_k),
+            (GgmlType::Q4_K, dot_q4_k_q8_k_gemv, q4_k_gemv, scalar::dot_q4_k_q8_k),
+            (GgmlType::Q4_K, dot_q4_k_q8_k_gemm, q4_k_gemm, scalar::dot_q4_k_q8_k),
         ];
-        for (ty, dot, reference) in cases {
+        for (ty, dot, portable, reference) in cases {
             let wq = match ty {
                 // No quantizer for the K-quants here: random codes, small f16 scales.
                 GgmlType::Q4_K | GgmlType::Q6_K => {
@@ -205,6 +270,8 @@ mod tests {
             let (got, want) = (dot(&wq, &aq), reference(&wq, &aq));
             assert!((got - want).abs() <= 1e-6 * magnitude, "{ty:?}: {got} vs {want}");
             assert_ne!(got, 0.0);
+            // Where the CPU has AVX2 and FMA, `dot` ran the copy compiled for them.
+            assert_eq!(got.to_bits(), portable(&wq, &aq).to_bits(), "{ty:?}: the AVX2 copy's bits");
         }
     }
 
