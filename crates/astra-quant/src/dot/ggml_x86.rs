@@ -31,10 +31,11 @@ fn pairs<'a, W: Block, A: Block>(w: &'a [u8], a: &'a [u8]) -> impl Iterator<Item
 /// activation quants.
 #[inline(always)]
 fn lanes(acc: &mut [f32; 8], d: f32, codes: &[i8; 32], qs: &[i8; 32]) {
-    let mut isum = [0i32; 8];
-    for (e, (&c, &q)) in codes.iter().zip(qs).enumerate() {
-        isum[e / 4] += c as i32 * q as i32;
-    }
+    // Products of pairs first, then pairs of pairs (the shape of `vpmaddwd`).
+    let (c16, q16): ([i16; 32], [i16; 32]) = (codes.map(i16::from), qs.map(i16::from));
+    let pairs: [i32; 16] =
+        std::array::from_fn(|i| c16[2 * i] as i32 * q16[2 * i] as i32 + c16[2 * i + 1] as i32 * q16[2 * i + 1] as i32);
+    let isum: [i32; 8] = std::array::from_fn(|j| pairs[2 * j] + pairs[2 * j + 1]);
     for (acc, &isum) in acc.iter_mut().zip(&isum) {
         *acc = d.mul_add(isum as f32, *acc);
     }
@@ -51,19 +52,22 @@ fn nibbles(qs: &[u8; 16]) -> [i8; 32] {
     codes
 }
 
-/// Defines each kernel as its `#[inline(always)]` body run through a copy compiled for
-/// AVX2 and FMA where the CPU has them (then `mul_add` is one instruction rather than
-/// a call, and the integer sums vectorize), else as it stands. Both compute the same
-/// operations in the same order, each exactly rounded: the same bits.
+/// Defines each kernel as its `#[inline(always)]` portable body, run where the CPU has
+/// AVX2 and FMA by a copy compiled for them (then `mul_add` is one instruction rather
+/// than a call, and the integer sums vectorize) or by the kernel named after `/` in
+/// [`avx2`], which is ggml's own instruction sequence. All compute the same operations in
+/// the same order, each exactly rounded: the same bits (tested).
 macro_rules! kernels {
-    ($($(#[$doc:meta])* $name:ident => $body:ident;)*) => {$(
+    (@avx2 $body:ident) => { $body };
+    (@avx2 $body:ident $simd:ident) => { avx2::$simd };
+    ($($(#[$doc:meta])* $name:ident => $body:ident $(/ $simd:ident)?;)*) => {$(
         $(#[$doc])*
         pub fn $name(w: &[u8], a: &[u8]) -> f32 {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx2,fma")]
                 fn compiled_for_avx2(w: &[u8], a: &[u8]) -> f32 {
-                    $body(w, a)
+                    (kernels!(@avx2 $body $($simd)?))(w, a)
                 }
                 if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
                     // SAFETY: the CPU has the features the copy is compiled for.
@@ -77,13 +81,13 @@ macro_rules! kernels {
 
 kernels! {
     /// `ggml_vec_dot_q4_1_q8_1` (AVX2).
-    dot_q4_1_q8_1 => q4_1_q8_1;
+    dot_q4_1_q8_1 => q4_1_q8_1 / q4_1_q8_1;
     /// `ggml_vec_dot_q8_0_q8_0` (AVX2); llamafile's `tinyBLAS_Q0_AVX`, which takes
     /// batches of two or more tokens, computes the same lanes and sums.
-    dot_q8_0_q8_0 => q8_0_q8_0;
+    dot_q8_0_q8_0 => q8_0_q8_0 / q8_0_q8_0;
     /// `ggml_vec_dot_q5_0_q8_0` (AVX2; llamafile's `tinyBLAS_Q0_AVX` for batches
     /// computes the same): the codes offset by 16.
-    dot_q5_0_q8_0 => q5_0_q8_0;
+    dot_q5_0_q8_0 => q5_0_q8_0 / q5_0_q8_0;
     /// `ggml_vec_dot_q6_K_q8_K` (AVX2). Lane l holds the integer sum, scales applied, of
     /// the codes (unsigned, 0..64) at positions 4l..4l+4 of each 32-code vector, less 32
     /// times the activation sums of 16-groups 2l and 2l+1 with their scales (the offset
@@ -118,14 +122,33 @@ fn q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     hsum8(acc)
 }
 
+/// Q5_0's fifth bits as the sign fill of a code less 16: byte i of entry `b` is 0xF0
+/// where bit i of `b` is clear (the code, 0..16, is negative once 16 is taken away).
+const NEGATIVE: [u64; 256] = {
+    let mut table = [0u64; 256];
+    let mut b = 0;
+    while b < 256 {
+        let mut i = 0;
+        while i < 8 {
+            if b >> i & 1 == 0 {
+                table[b] |= 0xF0 << (8 * i);
+            }
+            i += 1;
+        }
+        b += 1;
+    }
+    table
+};
+
 #[inline(always)]
 fn q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = [0.0f32; 8];
     for (w, a) in pairs::<BlockQ5_0, BlockQ8_0>(w, a) {
-        let qh = u32::from_le_bytes(w.qh);
+        // A code less 16 is its nibble with the sign bits filled where the fifth bit is 0.
         let mut codes = nibbles(&w.qs);
-        for (e, c) in codes.iter_mut().enumerate() {
-            *c = (*c | (((qh >> e) & 1) << 4) as i8) - 16;
+        for (codes, &qh) in codes.chunks_exact_mut(8).zip(&w.qh) {
+            let eight = u64::from_le_bytes(std::array::from_fn(|i| codes[i] as u8)) | NEGATIVE[qh as usize];
+            codes.iter_mut().zip(eight.to_le_bytes()).for_each(|(c, b)| *c = b as i8);
         }
         lanes(&mut acc, w.d.get() * a.d.get(), &codes, &a.qs);
     }
@@ -209,6 +232,91 @@ fn q4_k_repacked(w: &[u8], a: &[u8], step: usize) -> f32 {
         }
     }
     acc - acc_min
+}
+
+/// The 32-element kernels as ggml writes them for AVX2: a block's 32 codes as signed
+/// bytes in one register, `maddubs` and `madd` making the eight lanes' exact integer
+/// sums, one fused multiply-add per lane. The portable bodies above are their scalar
+/// reference, bit for bit.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{hsum8, pairs};
+    use crate::blocks::*;
+
+    /// `acc + d × (lane sums of codes · qs)`: lane j sums elements 4j..4j+4. Exact for
+    /// codes in -128..=127 against quants in -127..=127 (what ggml's quantizers make).
+    #[inline(always)]
+    fn lanes(acc: __m256, d: f32, codes: __m256i, qs: __m256i) -> __m256 {
+        // SAFETY (all intrinsics here): only called from functions compiled for AVX2
+        // and FMA, which run only where the CPU has them.
+        unsafe {
+            let products = _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(qs, codes));
+            let sums = _mm256_madd_epi16(products, _mm256_set1_epi16(1));
+            _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sums), acc)
+        }
+    }
+
+    /// A block's 16 bytes of nibbles as 32 codes: low nibbles first, then high.
+    #[inline(always)]
+    fn nibbles(qs: &[u8; 16]) -> __m256i {
+        unsafe {
+            let bytes = _mm_loadu_si128(qs.as_ptr().cast());
+            let mask = _mm_set1_epi8(0xF);
+            _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask))
+        }
+    }
+
+    #[inline(always)]
+    fn load(qs: &[i8; 32]) -> __m256i {
+        unsafe { _mm256_loadu_si256(qs.as_ptr().cast()) }
+    }
+
+    #[inline(always)]
+    fn finish(acc: __m256) -> f32 {
+        let mut lanes = [0.0f32; 8];
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        hsum8(lanes)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub fn q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
+        let (mut acc, mut mins) = (_mm256_setzero_ps(), 0.0f32);
+        for (w, a) in pairs::<BlockQ4_1, BlockQ8_1>(w, a) {
+            mins = w.m.get().mul_add(a.s.get(), mins);
+            acc = lanes(acc, w.d.get() * a.d.get(), nibbles(&w.qs), load(&a.qs));
+        }
+        finish(acc) + mins
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub fn q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (w, a) in pairs::<BlockQ8_0, BlockQ8_0>(w, a) {
+            acc = lanes(acc, w.d.get() * a.d.get(), load(&w.qs), load(&a.qs));
+        }
+        finish(acc)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub fn q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (w, a) in pairs::<BlockQ5_0, BlockQ8_0>(w, a) {
+            // ggml's `bytes_from_bits_32`: 0xF0 in each byte whose fifth bit is clear,
+            // OR-ed into the nibble, is the code less 16.
+            let qh = u32::from_le_bytes(w.qh);
+            let spread = _mm256_shuffle_epi8(
+                _mm256_set1_epi32(qh as i32),
+                _mm256_set_epi64x(0x0303_0303_0303_0303, 0x0202_0202_0202_0202, 0x0101_0101_0101_0101, 0),
+            );
+            let bit = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
+            let set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, bit), _mm256_set1_epi64x(-1));
+            let fill = _mm256_andnot_si256(set, _mm256_set1_epi8(0xF0u8 as i8));
+            acc = lanes(acc, w.d.get() * a.d.get(), _mm256_or_si256(nibbles(&w.qs), fill), load(&a.qs));
+        }
+        finish(acc)
+    }
 }
 
 #[cfg(test)]
