@@ -93,7 +93,7 @@ kernels! {
     /// times the activation sums of 16-groups 2l and 2l+1 with their scales (the offset
     /// of the codes, taken in lanes of its own pairing); one fused chain per lane over
     /// the blocks.
-    dot_q6_k_q8_k => q6_k_q8_k;
+    dot_q6_k_q8_k => q6_k_q8_k / q6_k_q8_k;
     /// Q4_K as ggml runs it on AVX2: rows repacked eight at a time (`q4_K_8x8_q8_K`), a
     /// token alone through `ggml_gemv_q4_K_8x8_q8_K`: one fused step per super-block for
     /// the scaled sums and one for the minimums, subtracted at the end.
@@ -234,7 +234,7 @@ fn q4_k_repacked(w: &[u8], a: &[u8], step: usize) -> f32 {
     acc - acc_min
 }
 
-/// The 32-element kernels as ggml writes them for AVX2: a block's 32 codes as signed
+/// ggml's AVX2 kernels: a block's (or for Q6_K a 32-element group's) 32 codes as
 /// bytes in one register, `maddubs` and `madd` making the eight lanes' exact integer
 /// sums, one fused multiply-add per lane. The portable bodies above are their scalar
 /// reference, bit for bit.
@@ -295,6 +295,36 @@ mod avx2 {
         let mut acc = _mm256_setzero_ps();
         for (w, a) in pairs::<BlockQ8_0, BlockQ8_0>(w, a) {
             acc = lanes(acc, w.d.get() * a.d.get(), load(&w.qs), load(&a.qs));
+        }
+        finish(acc)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub fn q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let (low4, low2) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
+        let load32 = |bytes: &[u8]| unsafe { _mm256_loadu_si256(bytes[..32].as_ptr().cast()) };
+        for (w, a) in pairs::<BlockQ6K, BlockQ8K>(w, a) {
+            let mut sums = _mm256_setzero_si256();
+            for n in 0..2 {
+                let (ql, qh) = ([load32(&w.ql[64 * n..]), load32(&w.ql[64 * n + 32..])], load32(&w.qh[32 * n..]));
+                for r in 0..4 {
+                    // Codes 128n + 32r + 0..32: low bits from a nibble of ql, high from qh.
+                    let low = _mm256_and_si256(_mm256_srl_epi16(ql[r % 2], _mm_cvtsi32_si128(4 * (r / 2) as i32)), low4);
+                    let high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * r as i32)), low2);
+                    let codes = _mm256_or_si256(low, _mm256_slli_epi16::<4>(high));
+                    let base = 128 * n + 32 * r;
+                    let qs = unsafe { _mm256_loadu_si256(a.qs[base..base + 32].as_ptr().cast()) };
+                    let (s0, s1) = (w.scales[base / 16] as i16, w.scales[base / 16 + 1] as i16);
+                    let scales = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
+                    sums = _mm256_add_epi32(sums, _mm256_madd_epi16(scales, _mm256_maddubs_epi16(codes, qs)));
+                }
+            }
+            // The codes' offset of 32, from the activations' 16-sums.
+            let bsums = unsafe { _mm256_loadu_si256(a.bsums.as_ptr().cast()) };
+            let scales = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(w.scales.as_ptr().cast()) });
+            sums = _mm256_sub_epi32(sums, _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums, scales)));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(a.d() * w.d.get()), _mm256_cvtepi32_ps(sums), acc);
         }
         finish(acc)
     }
