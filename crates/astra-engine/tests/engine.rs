@@ -212,6 +212,25 @@ fn perplexity_equals_llama_cpp() {
     }
 }
 
+/// With llama.cpp's arithmetic, perplexity on the same text is llama-perplexity's to
+/// every digit it prints, estimate and error both.
+#[test]
+fn perplexity_with_ggml_arithmetic_is_llama_cpps() {
+    let text = std::fs::read_to_string(format!("{}/tests/data/GPL-3.txt", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    for (name, want) in [("smollm2-135m", "18.3459 ± 0.86234"), ("gemma3-270m", "13.8792 ± 0.64618")] {
+        let Some(path) = astra_models::model_for_test(name) else { continue };
+        let tok = Tokenizer::from_metadata(GgufFile::open(&path).unwrap().metadata()).unwrap();
+        let tokens = tok.encode(&text, EncodeOptions { add_special: true, parse_special: false });
+        let backend = CpuBackend::new(2).with_arithmetic(Arithmetic::Ggml).unwrap();
+        let model = Model::load_on(backend, &path).unwrap();
+        let bos = if tok.vocab().add_bos { tok.bos() } else { None };
+        let r = perplexity(&model, &tokens, 512, bos, |_, _, _| {}).unwrap();
+        let got = format!("{:.4} ± {:.5}", r.ppl, r.error);
+        eprintln!("{name}: PPL {got} (llama.cpp {want})");
+        assert_eq!(got, want, "{name}");
+    }
+}
+
 /// Logits for a prompt: fed as one batch, token by token, and in chunks reusing the
 /// cached prefix, on 1, 2 and 3 threads: all bitwise identical, with the KV cache in
 /// `kv`. Returns them and the vocabulary's size.
