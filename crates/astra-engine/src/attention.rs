@@ -335,9 +335,10 @@ impl AttnLayer<'_> {
     /// of llama.cpp's micro-batches: ggml's path for that batch and cache, the cache
     /// seen as llama.cpp sizes its view of it (`n_kv`: the cells in use rounded up to
     /// 256, at least 256, at most the cache), `threads` as llama.cpp's thread count.
-    /// Needs an f16 cache, as llama.cpp's default.
-    pub fn attend_ggml(&self, par: &dyn Parallel, q: &[f32], n_past: usize, out: &mut [f32], threads: usize) {
-        use crate::ggml_ops::{attend_row, KvHead};
+    /// Needs an f16 cache, as llama.cpp's default. `isa` (available here) picks the
+    /// instructions, not the bits.
+    pub fn attend_ggml(&self, par: &dyn Parallel, q: &[f32], n_past: usize, out: &mut [f32], threads: usize, isa: astra_quant::Isa) {
+        use crate::ggml_ops::{attend_row, FlashShape, KvHead};
         let (KvRows::F16(k), KvRows::F16(v)) = (&self.cache.k, &self.cache.v) else {
             unreachable!("llama.cpp's arithmetic runs over an f16 cache (checked at load)")
         };
@@ -358,7 +359,7 @@ impl AttnLayer<'_> {
             let (qh, kv) = (&q[row * hd..(row + 1) * hd], &heads[h / self.group]);
             let valid = self.first(pos)..pos + 1;
             let mut o = vec![0.0f32; hd];
-            attend_row(qh, kv, n_kv, &valid, self.scale, tokens, threads, &mut o);
+            attend_row(qh, kv, &valid, self.scale, FlashShape { tokens, n_kv, threads }, isa, &mut o);
             *results[row].lock().expect("own slot") = o;
         });
         for (o, r) in out.chunks_exact_mut(hd).zip(results) {

@@ -154,7 +154,7 @@ impl Backend for CpuBackend {
     fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<CpuMatrix, EngineError> {
         let kernels = match self.arithmetic {
             Arithmetic::Astra => Kernels::new(m.ty, self.isa).map_err(|e| EngineError::Invalid(e.to_string()))?,
-            Arithmetic::Ggml => Kernels::ggml(m.ty).map_err(|_| {
+            Arithmetic::Ggml => Kernels::ggml(m.ty, self.isa).map_err(|_| {
                 EngineError::Invalid(format!("llama.cpp's arithmetic is here for Q4_1, Q5_0, Q8_0, Q4_K and Q6_K matrices, not {:?}", m.ty))
             })?,
         };
@@ -316,7 +316,7 @@ impl Backend for CpuBackend {
             let layer = s.kv.layer(a.layer, a.scale);
             match self.arithmetic {
                 Arithmetic::Astra => layer.attend(&self.pool, q, s.pos, o),
-                Arithmetic::Ggml => layer.attend_ggml(&self.pool, q, s.pos, o, self.threads()),
+                Arithmetic::Ggml => layer.attend_ggml(&self.pool, q, s.pos, o, self.threads(), self.isa),
             }
         }
     }

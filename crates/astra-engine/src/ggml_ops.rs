@@ -16,6 +16,7 @@ use std::ops::Range;
 
 use half::f16;
 use astra_quant::dot::ggml_x86::hsum8;
+use astra_quant::Isa;
 
 /// `ggml_compute_forward_rms_norm_f32`'s scale 1/√(mean square + eps): the squares
 /// rounded to f32, summed in f64 in order.
@@ -292,32 +293,37 @@ pub fn tiled(q: &[f32], kv: &KvHead, n_kv: usize, valid: &Range<usize>, scale: f
     Partial { max, sum, acc }.finish(out);
 }
 
-/// One query row of flash attention by the path ggml takes for a micro-batch of
-/// `tokens` tokens over `n_kv` cells with `threads` threads: [`tiled`] for 64 tokens or
-/// more, [`split_kv`] for one token over 512 cells or more, else [`one_chunk`]. Run by
-/// a copy compiled for AVX2 and FMA where the CPU has them (each `mul_add` one
-/// instruction rather than a call): the same operations in the same order, the same
-/// bits.
-#[allow(clippy::too_many_arguments)]
-pub fn attend_row(q: &[f32], kv: &KvHead, n_kv: usize, valid: &Range<usize>, scale: f32, tokens: usize, threads: usize, out: &mut [f32]) {
+/// What picks ggml's flash-attention path: the micro-batch's tokens, the cells its view
+/// of the cache spans, and the thread count.
+#[derive(Clone, Copy, Debug)]
+pub struct FlashShape {
+    pub tokens: usize,
+    pub n_kv: usize,
+    pub threads: usize,
+}
+
+/// One query row of flash attention by the path ggml takes for `shape`: [`tiled`] for
+/// 64 tokens or more, [`split_kv`] for one token over 512 cells or more, else
+/// [`one_chunk`]. On `isa` AVX2 or above (which must be available) the code runs
+/// compiled for AVX2 and FMA, each `mul_add` one instruction rather than a call: the
+/// same operations in the same order, the same bits.
+pub fn attend_row(q: &[f32], kv: &KvHead, valid: &Range<usize>, scale: f32, shape: FlashShape, isa: Isa, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    {
+    if isa != Isa::Scalar {
         #[target_feature(enable = "avx2,fma")]
-        #[allow(clippy::too_many_arguments)]
-        fn compiled_for_avx2(q: &[f32], kv: &KvHead, n_kv: usize, valid: &Range<usize>, scale: f32, tokens: usize, threads: usize, out: &mut [f32]) {
-            attend_row_portable(q, kv, n_kv, valid, scale, tokens, threads, out)
+        fn compiled_for_avx2(q: &[f32], kv: &KvHead, valid: &Range<usize>, scale: f32, shape: FlashShape, out: &mut [f32]) {
+            attend_row_portable(q, kv, valid, scale, shape, out)
         }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU has the features the copy is compiled for.
-            return unsafe { compiled_for_avx2(q, kv, n_kv, valid, scale, tokens, threads, out) };
-        }
+        assert!(isa.available(), "{} requested on a machine without it", isa.name());
+        // SAFETY: the CPU has the features the copy is compiled for (just checked).
+        return unsafe { compiled_for_avx2(q, kv, valid, scale, shape, out) };
     }
-    attend_row_portable(q, kv, n_kv, valid, scale, tokens, threads, out)
+    attend_row_portable(q, kv, valid, scale, shape, out)
 }
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn attend_row_portable(q: &[f32], kv: &KvHead, n_kv: usize, valid: &Range<usize>, scale: f32, tokens: usize, threads: usize, out: &mut [f32]) {
+fn attend_row_portable(q: &[f32], kv: &KvHead, valid: &Range<usize>, scale: f32, shape: FlashShape, out: &mut [f32]) {
+    let FlashShape { tokens, n_kv, threads } = shape;
     if tokens >= TILE {
         tiled(q, kv, n_kv, valid, scale, out);
     } else if tokens == 1 && n_kv >= 512 {
@@ -356,7 +362,7 @@ mod tests {
     }
 
     /// The three attention paths against softmax attention in f64, within the f16
-    /// rounding of the paths that keep f16; [`attend_row`]'s AVX2 copy bit for bit.
+    /// rounding of the paths that keep f16; [`attend_row`] bit for bit on every set.
     #[test]
     fn attention_paths_are_attention() {
         let (dim, n) = (64, 700);
@@ -382,15 +388,15 @@ mod tests {
             let err = out.iter().zip(&want).map(|(&a, b)| (a as f64 - b).abs()).fold(0.0, f64::max);
             assert!(err < 5e-3, "{path}: {err}");
         }
-        // attend_row picks the same paths; where the CPU has AVX2 and FMA it runs the
-        // copy compiled for them, which must give the portable code's bits.
-        for (tokens, threads, path) in [(2, 3, 0), (1, 3, 1), (64, 3, 2)] {
-            let (mut dispatched, mut portable) = (vec![0.0f32; dim], vec![0.0f32; dim]);
-            attend_row(&q, &kv, n, &valid, scale, tokens, threads, &mut dispatched);
-            attend_row_portable(&q, &kv, n, &valid, scale, tokens, threads, &mut portable);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&dispatched), bits(&portable), "tokens {tokens}");
-            assert_eq!(bits(&dispatched), bits(&outs[path]), "tokens {tokens}");
+        // attend_row picks the same paths, with the same bits on every instruction set
+        // this machine has.
+        for isa in Isa::available_sets() {
+            for (tokens, path) in [(2, 0), (1, 1), (64, 2)] {
+                let mut o = vec![0.0f32; dim];
+                attend_row(&q, &kv, &valid, scale, FlashShape { tokens, n_kv: n, threads: 3 }, isa, &mut o);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&o), bits(&outs[path]), "{} tokens {tokens}", isa.name());
+            }
         }
     }
 }

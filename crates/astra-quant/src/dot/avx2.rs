@@ -21,15 +21,6 @@ use crate::GgmlType;
 /// where there is one.
 pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, Option<VecDot4Fn>)> {
     use GgmlType::*;
-    macro_rules! safe {
-        ($f:ident) => {{
-            fn wrapper(w: &[u8], a: &[u8]) -> f32 {
-                // SAFETY: only handed out when AVX2/FMA/F16C are present (module doc).
-                unsafe { $f(w, a) }
-            }
-            wrapper as VecDotFn
-        }};
-    }
     // A K-quant kernel over N activation rows of bytes, run along consecutive rows.
     macro_rules! four {
         ($f:ident) => {{
@@ -45,20 +36,20 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, Option<VecDot4Fn>)
         }};
     }
     Some(match weights {
-        F32 => (safe!(dot_f32_f32), None),
-        F16 => (safe!(dot_f16_f32), None),
-        BF16 => (safe!(dot_bf16_f32), None),
-        Q4_0 => (safe!(dot_q4_0_q8_0), None),
-        Q5_1 => (safe!(dot_q5_1_q8_1), None),
-        IQ4_NL => (safe!(dot_iq4_nl_q8_0), None),
-        Q2_0 => (safe!(dot_q2_0_q8_0), None),
-        Q2_K => (safe!(dot_q2_k_q8_k), None),
-        Q3_K => (safe!(dot_q3_k_q8_k), None),
-        Q4_K => (safe!(dot_q4_k_q8_k), four!(dotn_q4_k_q8_k)),
-        Q5_K => (safe!(dot_q5_k_q8_k), None),
-        Q6_K => (safe!(dot_q6_k_q8_k), four!(dotn_q6_k_q8_k)),
-        Q8_K => (safe!(dot_q8_k_q8_k), None),
-        IQ2_S => (safe!(dot_iq2_s_q8_k), None),
+        F32 => (avx2_dot_fn!(dot_f32_f32), None),
+        F16 => (avx2_dot_fn!(dot_f16_f32), None),
+        BF16 => (avx2_dot_fn!(dot_bf16_f32), None),
+        Q4_0 => (avx2_dot_fn!(dot_q4_0_q8_0), None),
+        Q5_1 => (avx2_dot_fn!(dot_q5_1_q8_1), None),
+        IQ4_NL => (avx2_dot_fn!(dot_iq4_nl_q8_0), None),
+        Q2_0 => (avx2_dot_fn!(dot_q2_0_q8_0), None),
+        Q2_K => (avx2_dot_fn!(dot_q2_k_q8_k), None),
+        Q3_K => (avx2_dot_fn!(dot_q3_k_q8_k), None),
+        Q4_K => (avx2_dot_fn!(dot_q4_k_q8_k), four!(dotn_q4_k_q8_k)),
+        Q5_K => (avx2_dot_fn!(dot_q5_k_q8_k), None),
+        Q6_K => (avx2_dot_fn!(dot_q6_k_q8_k), four!(dotn_q6_k_q8_k)),
+        Q8_K => (avx2_dot_fn!(dot_q8_k_q8_k), None),
+        IQ2_S => (avx2_dot_fn!(dot_iq2_s_q8_k), None),
         _ => return None,
     })
 }
@@ -128,20 +119,20 @@ pub(super) unsafe fn prefetch_ahead(w: &[u8], at: usize, len: usize) {
 
 
 #[inline(always)]
-unsafe fn load(p: &[i8]) -> __m256i {
+pub(super) unsafe fn load(p: &[i8]) -> __m256i {
     debug_assert!(p.len() >= 32);
     _mm256_loadu_si256(p.as_ptr().cast())
 }
 
 #[inline(always)]
-unsafe fn load_u8(p: &[u8]) -> __m256i {
+pub(super) unsafe fn load_u8(p: &[u8]) -> __m256i {
     debug_assert!(p.len() >= 32);
     _mm256_loadu_si256(p.as_ptr().cast())
 }
 
 /// 16 bytes of nibbles → 32 lanes: the low nibbles, then the high nibbles.
 #[inline(always)]
-unsafe fn nibbles(qs: &[u8; 16]) -> __m256i {
+pub(super) unsafe fn nibbles(qs: &[u8; 16]) -> __m256i {
     let x = _mm_loadu_si128(qs.as_ptr().cast());
     let hi = _mm_srli_epi16(x, 4);
     _mm256_and_si256(_mm256_set_m128i(hi, x), _mm256_set1_epi8(0x0F))
@@ -149,7 +140,7 @@ unsafe fn nibbles(qs: &[u8; 16]) -> __m256i {
 
 /// Lane k = 0xFF where bit k of `x` is set, else 0.
 #[inline(always)]
-unsafe fn bits_to_bytes(x: u32) -> __m256i {
+pub(super) unsafe fn bits_to_bytes(x: u32) -> __m256i {
     let shuffle = _mm256_set_epi64x(
         0x0303030303030303,
         0x0202020202020202,
@@ -171,18 +162,18 @@ unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256i {
 
 /// Σ of products of signed bytes, in 8 i32 lanes (`y` must not hold -128).
 #[inline(always)]
-unsafe fn dot_i8(x: __m256i, y: __m256i) -> __m256i {
+pub(super) unsafe fn dot_i8(x: __m256i, y: __m256i) -> __m256i {
     dot_u8_i8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x))
 }
 
 /// Two i16 scales: the first for lanes 0..16 (the low 128 bits), the second for 16..32.
 #[inline(always)]
-unsafe fn scale_pair(lo: i16, hi: i16) -> __m256i {
+pub(super) unsafe fn scale_pair(lo: i16, hi: i16) -> __m256i {
     _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo))
 }
 
 #[inline(always)]
-unsafe fn srl16(x: __m256i, n: i32) -> __m256i {
+pub(super) unsafe fn srl16(x: __m256i, n: i32) -> __m256i {
     _mm256_srl_epi16(x, _mm_cvtsi32_si128(n))
 }
 

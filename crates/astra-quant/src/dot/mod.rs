@@ -6,6 +6,19 @@
 //! resolves the dot product for a weight type on an instruction set, falling back to
 //! the scalar reference where that set has no kernel for the type.
 
+/// A [`VecDotFn`] for an AVX2 kernel (an `unsafe fn` that needs AVX2, FMA and F16C),
+/// for the kernel tables handed out only where `Isa::Avx2.available()`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! avx2_dot_fn {
+    ($f:path) => {{
+        fn wrapper(w: &[u8], a: &[u8]) -> f32 {
+            // SAFETY: only handed out where AVX2, FMA and F16C are present.
+            unsafe { $f(w, a) }
+        }
+        wrapper as VecDotFn
+    }};
+}
+
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
@@ -303,18 +316,19 @@ impl Kernels {
     /// llama.cpp's arithmetic for `weights` on AVX2 machines ([`ggml_x86`]), one row at
     /// a time, where astra has it: Q4_1, Q5_0, Q8_0, Q6_K (ggml's dot products), and
     /// Q4_K as ggml's repacked kernels compute it, a batch's whole groups of four
-    /// tokens apart from the rest.
-    pub fn ggml(weights: GgmlType) -> Result<Kernels, QuantError> {
-        let (dot, dot_in_fours): (VecDotFn, Option<VecDotFn>) = match weights {
-            GgmlType::Q4_1 => (ggml_x86::dot_q4_1_q8_1, None),
-            GgmlType::Q5_0 => (ggml_x86::dot_q5_0_q8_0, None),
-            GgmlType::Q8_0 => (ggml_x86::dot_q8_0_q8_0, None),
-            GgmlType::Q4_K => (ggml_x86::dot_q4_k_q8_k_gemv, Some(ggml_x86::dot_q4_k_q8_k_gemm as VecDotFn)),
-            GgmlType::Q6_K => (ggml_x86::dot_q6_k_q8_k, None),
-            other => return Err(QuantError::Unsupported(other)),
-        };
+    /// tokens apart from the rest. On `isa` AVX2 or above (which must be available),
+    /// ggml's own instruction sequences ([`ggml_x86::avx2`]); elsewhere their portable
+    /// statement. The same bits either way.
+    pub fn ggml(weights: GgmlType, isa: Isa) -> Result<Kernels, QuantError> {
         let act = ActType::for_weights(weights)?;
-        Ok(Kernels { weights, act, isa: Isa::Scalar, dot, dot1: None, dot4: None, tile: None, packing: None, dot_in_fours })
+        assert!(isa.available(), "{} kernels requested on a machine without {}", isa.name(), isa.name());
+        let portable = ggml_x86::kernels(weights).ok_or(QuantError::Unsupported(weights))?;
+        let (isa, (dot, dot_in_fours)) = match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512Vnni => (Isa::Avx2, ggml_x86::avx2::kernels(weights).unwrap_or(portable)),
+            _ => (Isa::Scalar, portable),
+        };
+        Ok(Kernels { weights, act, isa, dot, dot1: None, dot4: None, tile: None, packing: None, dot_in_fours })
     }
 
     /// Kernels for `weights` on [`Isa::selected`].
