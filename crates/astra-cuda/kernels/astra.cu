@@ -413,9 +413,10 @@ __device__ __forceinline__ const u8* row_of_3(const u8* w0, const u8* w1, const 
 // token per warp (decode) and, for most types, with eight (prefill: a weight block is
 // loaded once for the eight). Every (row, token) sum is computed by the same lanes in
 // the same order in all of them, so a result does not depend on the launch that made
-// it. The launch offsets the activations to the warp's first token.
-#define MATVEC_ENTRY(name, suffix, T, WBYTES, ABYTES)                                          \
-    extern "C" __global__ void name##suffix(const u8* w, const u8* a, float* out, int rows,    \
+// it. The launch offsets the activations to the warp's first token. BOUNDS, where
+// given, are the launch bounds of the one-token launches.
+#define MATVEC_ENTRY(name, suffix, T, WBYTES, ABYTES, BOUNDS)                                  \
+    extern "C" __global__ void BOUNDS name##suffix(const u8* w, const u8* a, float* out, int rows, \
                                             int nb, int acc, int tokens) {                      \
         int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
         long rb = (long)nb * (WBYTES);                                                          \
@@ -424,7 +425,7 @@ __device__ __forceinline__ const u8* row_of_3(const u8* w0, const u8* w1, const 
         const u8* at = a + (long)blockIdx.y * (T) * nb * (ABYTES);                              \
         if (r < rows) name##_row<T>(w, at, out, rows, nb, r, acc, tokens);                      \
     }                                                                                           \
-    extern "C" __global__ void name##_3##suffix(const u8* w0, const u8* w1, const u8* w2,       \
+    extern "C" __global__ void BOUNDS name##_3##suffix(const u8* w0, const u8* w1, const u8* w2, \
                                                 const u8* a, float* o0, float* o1, float* o2,   \
                                                 int r0, int r1, int r2, int nb, int tokens) {   \
         int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
@@ -436,48 +437,35 @@ __device__ __forceinline__ const u8* row_of_3(const u8* w0, const u8* w1, const 
         else if (r < r0 + r1) name##_row<T>(w1, at, o1, r1, nb, r - r0, 0, tokens);             \
         else if (r < r0 + r1 + r2) name##_row<T>(w2, at, o2, r2, nb, r - r0 - r1, 0, tokens);   \
     }
-#define MATVEC_KERNELS(name, WBYTES, ABYTES) MATVEC_ENTRY(name, , 1, WBYTES, ABYTES) MATVEC_ENTRY(name, _8, 8, WBYTES, ABYTES)
+#define MATVEC_KERNELS_BOUNDED(name, WBYTES, ABYTES, BOUNDS) \
+    MATVEC_ENTRY(name, , 1, WBYTES, ABYTES, BOUNDS) MATVEC_ENTRY(name, _8, 8, WBYTES, ABYTES, )
+#define MATVEC_KERNELS(name, WBYTES, ABYTES) MATVEC_KERNELS_BOUNDED(name, WBYTES, ABYTES, )
 // Q4_1: one token per warp only (its eight-token form measured slower).
-#define MATVEC_KERNELS_1(name, WBYTES, ABYTES) MATVEC_ENTRY(name, , 1, WBYTES, ABYTES)
+#define MATVEC_KERNELS_1(name, WBYTES, ABYTES) MATVEC_ENTRY(name, , 1, WBYTES, ABYTES, )
 
 // The first token of a row function's warp and how many of its T it has.
 #define ROW_TOKENS(T)              \
     int t0 = blockIdx.y * (T);     \
     int nt = min((T), tokens - t0);
 
-// Byte k (0..11) of the 12 scale bytes of a K-quant block held as three words.
-__device__ __forceinline__ int scale_byte(unsigned int s0, unsigned int s1, unsigned int s2, int k) {
-    unsigned int v = k < 4 ? s0 : (k < 8 ? s1 : s2);
-    return (int)((v >> (8 * (k & 3))) & 0xffu);
-}
-
-// scale_min_k4 over the scale bytes held in registers.
-__device__ __forceinline__ void scale_min_k4_regs(int j, unsigned int s0, unsigned int s1, unsigned int s2, int* sc, int* m) {
-    if (j < 4) {
-        *sc = scale_byte(s0, s1, s2, j) & 63;
-        *m = scale_byte(s0, s1, s2, j + 4) & 63;
-    } else {
-        *sc = (scale_byte(s0, s1, s2, j + 4) & 15) | ((scale_byte(s0, s1, s2, j - 4) >> 6) << 4);
-        *m = (scale_byte(s0, s1, s2, j + 4) >> 4) | ((scale_byte(s0, s1, s2, j) >> 6) << 4);
-    }
-}
-
-// Q4_K × Q8_K, four lanes per 256-block and eight blocks per warp step: lane c of a
-// block loads its 32 quant bytes in two 16-byte reads (bytes 32c..32c+31: weights
-// 64c + i in the low nibbles, group 2c, and 64c + 32 + i in the high nibbles, group
-// 2c + 1), the block's d, dmin and scales in one more, and the activations' 64 quants
-// of those groups in four (Q8K_BYTES), with the four 16-element sums its two minimums
-// meet. Rows are 16-byte aligned (144-byte blocks). Four lanes rather than eight, each
-// with twice the bytes, unpack two scales and minimums per 32 bytes rather than three
-// per 16 (8B shape, H200: the same speed on its own, 2.5–3.0 TB/s with the activations'
-// 16-byte reads; two rows per warp sharing the activations measured slower for the
-// 28,672-row gate and up launch, 2.87 against 2.99 TB/s). Each (row, token) sum is the
-// same lanes' in the same order for any T.
+// Q4_K × Q8_K, four lanes per 256-block and eight blocks per warp step. Lane c of a
+// block reads quant bytes 16c..16c+15 and 64 + 16c..64 + 16c + 15 (two 16-byte loads
+// that the block's four lanes make together as 64 consecutive bytes): their low and
+// high nibbles are the weights of the 16-element pieces m, m + 2, m + 8 and m + 10,
+// m = 4(c/2) + c%2, in groups g, g + 1, g + 4 and g + 5, g = 2(c/2). The block's d, dmin
+// and scales come in one more load, the activations' four pieces in four 16-byte loads
+// (again 64 consecutive bytes for the four lanes, as Q8K_BYTES keeps the quants in
+// order), with their four 16-element sums. Rows are 16-byte aligned (144-byte blocks).
+// (Where each lane read its own 32 consecutive quant bytes and 64 activations, every
+// 16-byte load of the four lanes used half of four 32-byte sectors; this measured the
+// same to 1% faster: 8B shape, H200, tg64 409–415 → 415–419 tok/s. Two rows per warp
+// sharing the activations measured slower for the 28,672-row gate and up launch.) Each
+// (row, token) sum is the same lanes' in the same order for any T.
 template <int T>
 __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
     ROW_TOKENS(T)
     int lane = threadIdx.x % WARP;
-    int c = lane % 4;
+    int c = lane % 4, half = c / 2, m = 4 * half + c % 2;
     const u8* wr = w + (long)r * nb * 144;
     float sum[T];
 #pragma unroll
@@ -486,37 +474,39 @@ __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float*
     for (int b = lane / 4; b < nb; b += 8) {
         const u8* wb = wr + (long)b * 144;
         uint4 h = *(const uint4*)wb;
-        int4 q0 = *(const int4*)(wb + 16 + 32 * c), q1 = *(const int4*)(wb + 32 + 32 * c);
-        int q[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-        int sc_lo, m_lo, sc_hi, m_hi;
-        scale_min_k4_regs(2 * c, h.y, h.z, h.w, &sc_lo, &m_lo);
-        scale_min_k4_regs(2 * c + 1, h.y, h.z, h.w, &sc_hi, &m_hi);
+        int4 q0 = *(const int4*)(wb + 16 + 16 * c), q1 = *(const int4*)(wb + 80 + 16 * c);
+        int qlo[4] = {q0.x, q0.y, q0.z, q0.w}, qhi[4] = {q1.x, q1.y, q1.z, q1.w};
+        // Scale bytes g and g + 1 of each third of the 12 (scale_min_k4, two at a time):
+        // six-bit scales and minimums of groups g, g + 1, then those of g + 4, g + 5.
+        unsigned int s_a = (h.y >> (16 * half)) & 0xffffu, s_b = (h.z >> (16 * half)) & 0xffffu, s_e = (h.w >> (16 * half)) & 0xffffu;
+        unsigned int sc01 = s_a & 0x3f3fu, m01 = s_b & 0x3f3fu;
+        unsigned int sc45 = (s_e & 0x0f0fu) | ((s_a >> 2) & 0x3030u), m45 = ((s_e >> 4) & 0x0f0fu) | ((s_b >> 2) & 0x3030u);
         float dw = h2f((u16)(h.x & 0xffffu)), mw = h2f((u16)(h.x >> 16));
 #pragma unroll
         for (int k = 0; k < T; k++) {
             if (k >= nt) break;
             const u8* ab = a + ((long)k * nb + b) * Q8K_BYTES;
-            const int4* yv = (const int4*)(ab + 64 * c);
-            int y[16];
+            int4 y0 = *(const int4*)(ab + 16 * m), y1 = *(const int4*)(ab + 16 * m + 32);
+            int4 y2 = *(const int4*)(ab + 16 * m + 128), y3 = *(const int4*)(ab + 16 * m + 160);
+            int ya[4] = {y0.x, y0.y, y0.z, y0.w}, yb[4] = {y1.x, y1.y, y1.z, y1.w};
+            int yc[4] = {y2.x, y2.y, y2.z, y2.w}, yd[4] = {y3.x, y3.y, y3.z, y3.w};
+            // The 16-element sums of pieces m, m + 2 (words half, half + 1 of the first
+            // eight) and m + 8, m + 10 (of the second), halves c % 2.
+            uint2 s0 = *(const uint2*)(ab + Q8K_SUMS + 8 * half), s1 = *(const uint2*)(ab + Q8K_SUMS + 16 + 8 * half);
+            int sh = 16 * (c % 2);
+            int bs0 = (int)(i16)(s0.x >> sh), bs1 = (int)(i16)(s0.y >> sh), bs2 = (int)(i16)(s1.x >> sh), bs3 = (int)(i16)(s1.y >> sh);
+            float da = *(const float*)(ab + Q8K_D);
+            int d0 = 0, d1 = 0, d2 = 0, d3 = 0;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                int4 t = yv[i];
-                y[4 * i] = t.x;
-                y[4 * i + 1] = t.y;
-                y[4 * i + 2] = t.z;
-                y[4 * i + 3] = t.w;
+                d0 = dp4a(qlo[i] & 0x0f0f0f0f, ya[i], d0);
+                d1 = dp4a((qlo[i] >> 4) & 0x0f0f0f0f, yb[i], d1);
+                d2 = dp4a(qhi[i] & 0x0f0f0f0f, yc[i], d2);
+                d3 = dp4a((qhi[i] >> 4) & 0x0f0f0f0f, yd[i], d3);
             }
-            uint2 bs = *(const uint2*)(ab + Q8K_SUMS + 8 * c);
-            float da = *(const float*)(ab + Q8K_D);
-            int dlo = 0, dhi = 0;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                dlo = dp4a(q[i] & 0x0f0f0f0f, y[i], dlo);
-                dhi = dp4a((q[i] >> 4) & 0x0f0f0f0f, y[8 + i], dhi);
-            }
-            int bs_lo = (int)(i16)(bs.x & 0xffffu) + (int)(i16)(bs.x >> 16);
-            int bs_hi = (int)(i16)(bs.y & 0xffffu) + (int)(i16)(bs.y >> 16);
-            sum[k] += (float)(sc_lo * dlo + sc_hi * dhi) * (dw * da) - (float)(m_lo * bs_lo + m_hi * bs_hi) * (mw * da);
+            int isum = (int)(sc01 & 0xffu) * d0 + (int)(sc01 >> 8) * d1 + (int)(sc45 & 0xffu) * d2 + (int)(sc45 >> 8) * d3;
+            int msum = (int)(m01 & 0xffu) * bs0 + (int)(m01 >> 8) * bs1 + (int)(m45 & 0xffu) * bs2 + (int)(m45 >> 8) * bs3;
+            sum[k] += (float)isum * (dw * da) - (float)msum * (mw * da);
         }
     }
 #pragma unroll
@@ -525,7 +515,11 @@ __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float*
         if (lane == 0 && k < nt) put(out, (long)(t0 + k) * rows + r, total, acc);
     }
 }
-MATVEC_KERNELS(matvec_q4_k, 144, Q8K_BYTES)
+// One token per warp: at most 40 registers a thread, so that twelve CTAs fit an SM
+// rather than nine (8B shape, H200, tg64: 409–415 → 426–437 tok/s; eight tokens per
+// warp keep what they need).
+#define Q4_K_DECODE_BOUNDS __launch_bounds__(128, 12)
+MATVEC_KERNELS_BOUNDED(matvec_q4_k, 144, Q8K_BYTES, Q4_K_DECODE_BOUNDS)
 
 // A word of four bytes at a 2-byte aligned address.
 __device__ __forceinline__ int ld4_2(const u8* p) {
@@ -953,14 +947,31 @@ extern "C" __global__ void rms_norm_quantize(const float* x, const float* w, u8*
 // Longer rows: a CTA of 256 threads per 256 values, grid (rows, ceil(n / 256)). Every
 // CTA of a row computes the row's scale (the same sums in the same order, so the same
 // bits) and quantizes its 256 values (a Q8_K block, or eight 32-blocks), so the row's
-// blocks are made in parallel rather than one after another.
+// blocks are made in parallel rather than one after another. Rows of up to
+// SPLIT_HELD·256 values are read once, every load of a thread in flight together.
+#define SPLIT_HELD 32
 extern "C" __global__ void rms_norm_quantize_split(const float* x, const float* w, u8* out, int n, float eps, int kind) {
     if (PDL && threadIdx.x < 8 && blockIdx.y * 256 + threadIdx.x * 32 < n) l2_line(w + blockIdx.y * 256 + threadIdx.x * 32);
     PDL_START
     const float* xg = x + (long)blockIdx.x * n;
-    float scale = rms_scale(xg, n, eps);
     int i = blockIdx.y * 256 + threadIdx.x;
-    norm_quantize_at<256>(i < n ? normed(xg[i], scale, w[i]) : 0.0f, out, n, blockIdx.y, kind);
+    // The CTA's own value and weight asked for with the row's values, all in flight
+    // together (one wait rather than three, the same sum: rms_scale's order).
+    float xi = i < n ? xg[i] : 0.0f, wi = i < n ? w[i] : 0.0f;
+    float scale;
+    if (n <= SPLIT_HELD * 256) {
+        float v[SPLIT_HELD];
+#pragma unroll
+        for (int u = 0; u < SPLIT_HELD; u++) v[u] = threadIdx.x + u * 256 < n ? xg[threadIdx.x + u * 256] : 0.0f;
+        double s = 0.0;
+#pragma unroll
+        for (int u = 0; u < SPLIT_HELD; u++)
+            if (threadIdx.x + u * 256 < n) s += (double)v[u] * (double)v[u];
+        scale = rms_finish(s, n, eps);
+    } else {
+        scale = rms_scale(xg, n, eps);
+    }
+    norm_quantize_at<256>(i < n ? normed(xi, scale, wi) : 0.0f, out, n, blockIdx.y, kind);
 }
 
 // RoPE on the first `dims` values of a head h: pairs (2i, 2i+1), or (i, i + dims/2)

@@ -1,7 +1,8 @@
 //! The CUDA backend on a GPU (each test says SKIPPED and passes where there is none):
 //! determinism of its logits across batching and caching in the deterministic mode, and
 //! the default mode's batched products against it, on random-weight models of the real
-//! models' shapes.
+//! models' shapes and of a Llama 3 1B shape (whose gate and up kernels quantize the
+//! down product's activations themselves).
 
 use std::sync::Arc;
 
@@ -91,6 +92,14 @@ fn smollm2_shape_is_deterministic_on_the_gpu() {
 #[test]
 fn gemma3_shape_is_deterministic_on_the_gpu() {
     deterministic("gemma3-270m", astra_gguf::GgmlType::Q4_K);
+}
+
+/// Decode rows' feed-forward through the gate and up kernels that quantize to Q8_K
+/// (the last CTA of each 256-row block), batches through a quantization launch.
+#[test]
+fn llama3_1b_shape_is_deterministic_on_the_gpu() {
+    deterministic("llama3-1b", astra_gguf::GgmlType::Q4_K);
+    deterministic("llama3-1b", astra_gguf::GgmlType::Q6_K);
 }
 
 /// The default mode: a prompt's products go through cuBLAS (TF32, activations not

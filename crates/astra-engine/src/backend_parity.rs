@@ -31,6 +31,10 @@ const ROWS: usize = 96;
 const ATTENTION_OUT_TYPES: [GgmlType; 3] = [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K];
 /// Down matrices of the feed-forward comparison: one per 32-block activation format.
 const FFN_DOWN_TYPES: [GgmlType; 2] = [GgmlType::Q4_1, GgmlType::Q8_0];
+/// Gate, up and down types of the feed-forward comparison whose down matrix takes Q8_K
+/// (256-blocks): gate and up of FFN_K_ROWS rows, the down matrix as wide.
+const FFN_K_TYPES: [GgmlType; 2] = [GgmlType::Q4_K, GgmlType::Q6_K];
+const FFN_K_ROWS: usize = 256;
 const COLS: usize = 512;
 /// Batch sizes of the product comparisons: a few tokens, and a batch large enough for
 /// a backend to take another path (the CUDA backend's cuBLAS products).
@@ -119,6 +123,9 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
     // Up matrices (gate is `w.`) and down matrices of the feed-forward below.
     add_random(&mut w, "wu", &TYPES, ROWS, COLS, 300)?;
     add_random(&mut w, "wd", &FFN_DOWN_TYPES, COLS, ROWS, 400)?;
+    add_random(&mut w, "wgk", &FFN_K_TYPES, FFN_K_ROWS, COLS, 500)?;
+    add_random(&mut w, "wuk", &FFN_K_TYPES, FFN_K_ROWS, COLS, 600)?;
+    add_random(&mut w, "wdk", &FFN_K_TYPES, COLS, FFN_K_ROWS, 700)?;
     std::fs::create_dir_all(dir).map_err(io)?;
     let path = dir.join("backend-parity.gguf");
     w.write_file(&path).map_err(io)?;
@@ -240,8 +247,9 @@ fn compare_products<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFile>, 
 }
 
 /// The feed-forward block of one row (a decode step's, which a backend may fuse) for
-/// each gate and up type with each down type: SwiGLU added to the row, and GeGLU
-/// post-normed before the add.
+/// each gate and up type with each 32-block down type, and for the K-quants with each
+/// Q8_K down type (256 gate rows): SwiGLU added to the row, and GeGLU post-normed
+/// before the add.
 fn compare_feed_forward<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFile>, rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
     let mut out = Vec::new();
     let x = rng.vec(COLS);
@@ -251,16 +259,19 @@ fn compare_feed_forward<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFil
     let (nv, pv) = (rng.vec(COLS).iter().map(|v| v * 0.25).collect::<Vec<_>>(), rng.vec(COLS));
     let (na, nb) = (a.vector(&nv)?, b.vector(&nv)?);
     let (pa, pb) = (a.vector(&pv)?, b.vector(&pv)?);
-    for ty in TYPES {
-        let (g, u) = (MatRef::locate(file, &format!("w.{}", ty.name()))?, MatRef::locate(file, &format!("wu.{}", ty.name()))?);
+    let down_32 = FFN_DOWN_TYPES.map(|t| (t, "wd"));
+    let down_k = FFN_K_TYPES.map(|t| (t, "wdk"));
+    let cases = TYPES.iter().map(|&t| (t, "w", "wu", ROWS, &down_32[..])).chain(FFN_K_TYPES.iter().map(|&t| (t, "wgk", "wuk", FFN_K_ROWS, &down_k[..])));
+    for (ty, gate, up, rows, downs) in cases {
+        let (g, u) = (MatRef::locate(file, &format!("{gate}.{}", ty.name()))?, MatRef::locate(file, &format!("{up}.{}", ty.name()))?);
         let (ga, gb, ua, ub) = (a.matrix(file, &g)?, b.matrix(file, &g)?, a.matrix(file, &u)?, b.matrix(file, &u)?);
-        for down in FFN_DOWN_TYPES {
-            let d = MatRef::locate(file, &format!("wd.{}", down.name()))?;
+        for &(down, name) in downs {
+            let d = MatRef::locate(file, &format!("{name}.{}", down.name()))?;
             let (da, db) = (a.matrix(file, &d)?, b.matrix(file, &d)?);
             for post in [false, true] {
                 let act = if post { Activation::GeluTanh } else { Activation::Silu };
-                let want = feed_forward_row(a, &x, &na, [&ga, &ua, &da], act, post.then_some(&pa));
-                let got = feed_forward_row(b, &x, &nb, [&gb, &ub, &db], act, post.then_some(&pb));
+                let want = feed_forward_row(a, &x, &na, [&ga, &ua, &da], rows, act, post.then_some(&pa));
+                let got = feed_forward_row(b, &x, &nb, [&gb, &ub, &db], rows, act, post.then_some(&pb));
                 let post = if post { ", GeGLU, post-norm" } else { ", SwiGLU" };
                 out.push(report(format!("feed-forward {} gate/up, {} down{post}", ty.name(), down.name()), &want, &got));
             }
@@ -269,9 +280,10 @@ fn compare_feed_forward<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFil
     Ok(out)
 }
 
-/// Row `x` through `be`'s feed-forward block with matrices gate, up and down.
-fn feed_forward_row<B: Backend>(be: &B, x: &[f32], norm: &B::Vector, [gate, up, down]: [&B::Matrix; 3], act: Activation, post_norm: Option<&B::Vector>) -> Vec<f32> {
-    let (mut xt, mut normed, mut gate_rows, mut up_rows, mut out) = (be.tensor_from(x, COLS), be.tensor(1, COLS), be.tensor(1, ROWS), be.tensor(1, ROWS), be.tensor(1, COLS));
+/// Row `x` through `be`'s feed-forward block with matrices gate, up and down (gate and
+/// up of `rows` rows).
+fn feed_forward_row<B: Backend>(be: &B, x: &[f32], norm: &B::Vector, [gate, up, down]: [&B::Matrix; 3], rows: usize, act: Activation, post_norm: Option<&B::Vector>) -> Vec<f32> {
+    let (mut xt, mut normed, mut gate_rows, mut up_rows, mut out) = (be.tensor_from(x, COLS), be.tensor(1, COLS), be.tensor(1, rows), be.tensor(1, rows), be.tensor(1, COLS));
     let (gate_rows, up_rows) = (&mut gate_rows, &mut up_rows);
     be.feed_forward(FeedForward { x: &mut xt, norm, eps: 1e-6, gate, up, down, act, post_norm, normed: &mut normed, gate_rows, up_rows, out: &mut out });
     be.read(&xt)
