@@ -1,8 +1,8 @@
 //! The CUDA backend on a GPU (each test says SKIPPED and passes where there is none):
 //! determinism of its logits across batching and caching in the deterministic mode, and
 //! the default mode's batched products against it, on random-weight models of the real
-//! models' shapes and of a Llama 3 1B shape (whose gate and up kernels quantize the
-//! down product's activations themselves).
+//! models' shapes and of a Llama 3 1B shape (rows in whole 256-blocks, as large Llama
+//! models have them).
 
 use std::sync::Arc;
 
@@ -94,8 +94,8 @@ fn gemma3_shape_is_deterministic_on_the_gpu() {
     deterministic("gemma3-270m", astra_gguf::GgmlType::Q4_K);
 }
 
-/// Decode rows' feed-forward through the gate and up kernels that quantize to Q8_K
-/// (the last CTA of each 256-row block), batches through a quantization launch.
+/// K-quant matrices all through (every activation quantized to Q8_K; the 8B shape's
+/// kernels, on a smaller model), in Q4_K and in Q6_K.
 #[test]
 fn llama3_1b_shape_is_deterministic_on_the_gpu() {
     deterministic("llama3-1b", astra_gguf::GgmlType::Q4_K);
