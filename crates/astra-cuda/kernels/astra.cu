@@ -414,7 +414,7 @@ __device__ __forceinline__ const u8* row_of_3(const u8* w0, const u8* w1, const 
 // loaded once for the eight). Every (row, token) sum is computed by the same lanes in
 // the same order in all of them, so a result does not depend on the launch that made
 // it. The launch offsets the activations to the warp's first token. BOUNDS, where
-// given, are the launch bounds of the one-token launches.
+// given, are the entry's launch bounds (MATVEC_KERNELS_BOUNDED: the one-token entries').
 #define MATVEC_ENTRY(name, suffix, T, WBYTES, ABYTES, BOUNDS)                                  \
     extern "C" __global__ void BOUNDS name##suffix(const u8* w, const u8* a, float* out, int rows, \
                                             int nb, int acc, int tokens) {                      \
@@ -451,8 +451,8 @@ __device__ __forceinline__ const u8* row_of_3(const u8* w0, const u8* w1, const 
 // Q4_K × Q8_K, four lanes per 256-block and eight blocks per warp step. Lane c of a
 // block reads quant bytes 16c..16c+15 and 64 + 16c..64 + 16c + 15 (two 16-byte loads
 // that the block's four lanes make together as 64 consecutive bytes): their low and
-// high nibbles are the weights of the 16-element pieces m, m + 2, m + 8 and m + 10,
-// m = 4(c/2) + c%2, in groups g, g + 1, g + 4 and g + 5, g = 2(c/2). The block's d, dmin
+// high nibbles are the weights of the 16-element pieces p, p + 2, p + 8 and p + 10,
+// p = 4(c/2) + c%2 (`piece`), in groups g, g + 1, g + 4 and g + 5, g = 2(c/2). The block's d, dmin
 // and scales come in one more load, the activations' four pieces in four 16-byte loads
 // (again 64 consecutive bytes for the four lanes, as Q8K_BYTES keeps the quants in
 // order), with their four 16-element sums. Rows are 16-byte aligned (144-byte blocks).
@@ -465,7 +465,7 @@ template <int T>
 __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
     ROW_TOKENS(T)
     int lane = threadIdx.x % WARP;
-    int c = lane % 4, half = c / 2, m = 4 * half + c % 2;
+    int c = lane % 4, half = c / 2, piece = 4 * half + c % 2;
     const u8* wr = w + (long)r * nb * 144;
     float sum[T];
 #pragma unroll
@@ -486,12 +486,12 @@ __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float*
         for (int k = 0; k < T; k++) {
             if (k >= nt) break;
             const u8* ab = a + ((long)k * nb + b) * Q8K_BYTES;
-            int4 y0 = *(const int4*)(ab + 16 * m), y1 = *(const int4*)(ab + 16 * m + 32);
-            int4 y2 = *(const int4*)(ab + 16 * m + 128), y3 = *(const int4*)(ab + 16 * m + 160);
+            int4 y0 = *(const int4*)(ab + 16 * piece), y1 = *(const int4*)(ab + 16 * piece + 32);
+            int4 y2 = *(const int4*)(ab + 16 * piece + 128), y3 = *(const int4*)(ab + 16 * piece + 160);
             int ya[4] = {y0.x, y0.y, y0.z, y0.w}, yb[4] = {y1.x, y1.y, y1.z, y1.w};
             int yc[4] = {y2.x, y2.y, y2.z, y2.w}, yd[4] = {y3.x, y3.y, y3.z, y3.w};
-            // The 16-element sums of pieces m, m + 2 (words half, half + 1 of the first
-            // eight) and m + 8, m + 10 (of the second), halves c % 2.
+            // The 16-element sums of pieces p, p + 2 (words half, half + 1 of the first
+            // eight) and p + 8, p + 10 (of the second), halves c % 2.
             uint2 s0 = *(const uint2*)(ab + Q8K_SUMS + 8 * half), s1 = *(const uint2*)(ab + Q8K_SUMS + 16 + 8 * half);
             int sh = 16 * (c % 2);
             int bs0 = (int)(i16)(s0.x >> sh), bs1 = (int)(i16)(s0.y >> sh), bs2 = (int)(i16)(s1.x >> sh), bs3 = (int)(i16)(s1.y >> sh);
@@ -516,8 +516,9 @@ __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float*
     }
 }
 // One token per warp: at most 40 registers a thread, so that twelve CTAs fit an SM
-// rather than nine (8B shape, H200, tg64: 409–415 → 426–437 tok/s; eight tokens per
-// warp keep what they need).
+// rather than nine (8B shape, H200, tg64: 415–419 → 426–433 tok/s, measured with the
+// eight-token kernels bounded too, which decode does not launch; they keep what they
+// need).
 #define Q4_K_DECODE_BOUNDS __launch_bounds__(128, 12)
 MATVEC_KERNELS_BOUNDED(matvec_q4_k, 144, Q8K_BYTES, Q4_K_DECODE_BOUNDS)
 
