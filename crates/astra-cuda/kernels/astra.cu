@@ -448,9 +448,9 @@ __device__ __forceinline__ const u8* row_of_3(const u8* w0, const u8* w1, const 
     int t0 = blockIdx.y * (T);     \
     int nt = min((T), tokens - t0);
 
-// Q4_K × Q8_K, four lanes per 256-block and eight blocks per warp step. Lane c of a
-// block reads quant bytes 16c..16c+15 and 64 + 16c..64 + 16c + 15 (two 16-byte loads
-// that the block's four lanes make together as 64 consecutive bytes): their low and
+// Q4_K × Q8_K, four lanes per 256-block. Lane c of a block reads quant bytes
+// 16c..16c+15 and 64 + 16c..64 + 16c + 15 (two 16-byte loads that the block's four
+// lanes make together as 64 consecutive bytes): their low and
 // high nibbles are the weights of the 16-element pieces p, p + 2, p + 8 and p + 10,
 // p = 4(c/2) + c%2 (`piece`), in groups g, g + 1, g + 4 and g + 5, g = 2(c/2). The block's d, dmin
 // and scales come in one more load, the activations' four pieces in four 16-byte loads
@@ -458,14 +458,68 @@ __device__ __forceinline__ const u8* row_of_3(const u8* w0, const u8* w1, const 
 // order), with their four 16-element sums. Rows are 16-byte aligned (144-byte blocks).
 // (Where each lane read its own 32 consecutive quant bytes and 64 activations, every
 // 16-byte load of the four lanes used half of four 32-byte sectors; this measured the
-// same to 1% faster: 8B shape, H200, tg64 409–415 → 415–419 tok/s. Two rows per warp
-// sharing the activations measured slower for the 28,672-row gate and up launch.) Each
-// (row, token) sum is the same lanes' in the same order for any T.
+// same to 1% faster: 8B shape, H200, tg64 409–415 → 415–419 tok/s.)
+//
+// The activations of a Q4_K block's four pieces that lane c of its four reads: the 64
+// quants, the four 16-element sums and the block's d.
+struct Q8KPieces {
+    int y[16];
+    int sums[4];
+    float d;
+};
+
+__device__ __forceinline__ Q8KPieces q8k_pieces(const u8* ab, int c) {
+    int half = c / 2, piece = 4 * half + c % 2;
+    Q8KPieces p;
+    int4 y0 = *(const int4*)(ab + 16 * piece), y1 = *(const int4*)(ab + 16 * piece + 32);
+    int4 y2 = *(const int4*)(ab + 16 * piece + 128), y3 = *(const int4*)(ab + 16 * piece + 160);
+    p.y[0] = y0.x, p.y[1] = y0.y, p.y[2] = y0.z, p.y[3] = y0.w;
+    p.y[4] = y1.x, p.y[5] = y1.y, p.y[6] = y1.z, p.y[7] = y1.w;
+    p.y[8] = y2.x, p.y[9] = y2.y, p.y[10] = y2.z, p.y[11] = y2.w;
+    p.y[12] = y3.x, p.y[13] = y3.y, p.y[14] = y3.z, p.y[15] = y3.w;
+    // The 16-element sums of pieces p, p + 2 (words half, half + 1 of the first eight)
+    // and p + 8, p + 10 (of the second), halves c % 2.
+    uint2 s0 = *(const uint2*)(ab + Q8K_SUMS + 8 * half), s1 = *(const uint2*)(ab + Q8K_SUMS + 16 + 8 * half);
+    int sh = 16 * (c % 2);
+    p.sums[0] = (int)(i16)(s0.x >> sh), p.sums[1] = (int)(i16)(s0.y >> sh);
+    p.sums[2] = (int)(i16)(s1.x >> sh), p.sums[3] = (int)(i16)(s1.y >> sh);
+    p.d = *(const float*)(ab + Q8K_D);
+    return p;
+}
+
+// A Q4_K block's part that lane c of its four computes: header h (d, dmin, the 12
+// scale bytes), quant bytes 16c.. (q0) and 80 + 16c.. (q1), against the activations'
+// pieces.
+__device__ __forceinline__ float q4_k_pieces_dot(uint4 h, int4 q0, int4 q1, const Q8KPieces& a, int c) {
+    int half = c / 2;
+    int qlo[4] = {q0.x, q0.y, q0.z, q0.w}, qhi[4] = {q1.x, q1.y, q1.z, q1.w};
+    // Scale bytes g and g + 1 of each third of the 12 (scale_min_k4, two at a time):
+    // six-bit scales and minimums of groups g, g + 1, then those of g + 4, g + 5.
+    unsigned int s_a = (h.y >> (16 * half)) & 0xffffu, s_b = (h.z >> (16 * half)) & 0xffffu, s_e = (h.w >> (16 * half)) & 0xffffu;
+    unsigned int sc01 = s_a & 0x3f3fu, m01 = s_b & 0x3f3fu;
+    unsigned int sc45 = (s_e & 0x0f0fu) | ((s_a >> 2) & 0x3030u), m45 = ((s_e >> 4) & 0x0f0fu) | ((s_b >> 2) & 0x3030u);
+    float dw = h2f((u16)(h.x & 0xffffu)), mw = h2f((u16)(h.x >> 16));
+    int d0 = 0, d1 = 0, d2 = 0, d3 = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        d0 = dp4a(qlo[i] & 0x0f0f0f0f, a.y[i], d0);
+        d1 = dp4a((qlo[i] >> 4) & 0x0f0f0f0f, a.y[4 + i], d1);
+        d2 = dp4a(qhi[i] & 0x0f0f0f0f, a.y[8 + i], d2);
+        d3 = dp4a((qhi[i] >> 4) & 0x0f0f0f0f, a.y[12 + i], d3);
+    }
+    int isum = (int)(sc01 & 0xffu) * d0 + (int)(sc01 >> 8) * d1 + (int)(sc45 & 0xffu) * d2 + (int)(sc45 >> 8) * d3;
+    int msum = (int)(m01 & 0xffu) * a.sums[0] + (int)(m01 >> 8) * a.sums[1] + (int)(m45 & 0xffu) * a.sums[2] + (int)(m45 >> 8) * a.sums[3];
+    return (float)isum * (dw * a.d) - (float)msum * (mw * a.d);
+}
+
+// One warp per row, eight blocks per warp step, for rows longer than the held-
+// activations kernel below takes. (Two rows per warp sharing the activations measured
+// slower for the 28,672-row gate and up launch.) Each (row, token) sum is the same
+// lanes' in the same order for any T.
 template <int T>
 __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
     ROW_TOKENS(T)
-    int lane = threadIdx.x % WARP;
-    int c = lane % 4, half = c / 2, piece = 4 * half + c % 2;
+    int lane = threadIdx.x % WARP, c = lane % 4;
     const u8* wr = w + (long)r * nb * 144;
     float sum[T];
 #pragma unroll
@@ -475,38 +529,10 @@ __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float*
         const u8* wb = wr + (long)b * 144;
         uint4 h = *(const uint4*)wb;
         int4 q0 = *(const int4*)(wb + 16 + 16 * c), q1 = *(const int4*)(wb + 80 + 16 * c);
-        int qlo[4] = {q0.x, q0.y, q0.z, q0.w}, qhi[4] = {q1.x, q1.y, q1.z, q1.w};
-        // Scale bytes g and g + 1 of each third of the 12 (scale_min_k4, two at a time):
-        // six-bit scales and minimums of groups g, g + 1, then those of g + 4, g + 5.
-        unsigned int s_a = (h.y >> (16 * half)) & 0xffffu, s_b = (h.z >> (16 * half)) & 0xffffu, s_e = (h.w >> (16 * half)) & 0xffffu;
-        unsigned int sc01 = s_a & 0x3f3fu, m01 = s_b & 0x3f3fu;
-        unsigned int sc45 = (s_e & 0x0f0fu) | ((s_a >> 2) & 0x3030u), m45 = ((s_e >> 4) & 0x0f0fu) | ((s_b >> 2) & 0x3030u);
-        float dw = h2f((u16)(h.x & 0xffffu)), mw = h2f((u16)(h.x >> 16));
 #pragma unroll
         for (int k = 0; k < T; k++) {
             if (k >= nt) break;
-            const u8* ab = a + ((long)k * nb + b) * Q8K_BYTES;
-            int4 y0 = *(const int4*)(ab + 16 * piece), y1 = *(const int4*)(ab + 16 * piece + 32);
-            int4 y2 = *(const int4*)(ab + 16 * piece + 128), y3 = *(const int4*)(ab + 16 * piece + 160);
-            int ya[4] = {y0.x, y0.y, y0.z, y0.w}, yb[4] = {y1.x, y1.y, y1.z, y1.w};
-            int yc[4] = {y2.x, y2.y, y2.z, y2.w}, yd[4] = {y3.x, y3.y, y3.z, y3.w};
-            // The 16-element sums of pieces p, p + 2 (words half, half + 1 of the first
-            // eight) and p + 8, p + 10 (of the second), halves c % 2.
-            uint2 s0 = *(const uint2*)(ab + Q8K_SUMS + 8 * half), s1 = *(const uint2*)(ab + Q8K_SUMS + 16 + 8 * half);
-            int sh = 16 * (c % 2);
-            int bs0 = (int)(i16)(s0.x >> sh), bs1 = (int)(i16)(s0.y >> sh), bs2 = (int)(i16)(s1.x >> sh), bs3 = (int)(i16)(s1.y >> sh);
-            float da = *(const float*)(ab + Q8K_D);
-            int d0 = 0, d1 = 0, d2 = 0, d3 = 0;
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                d0 = dp4a(qlo[i] & 0x0f0f0f0f, ya[i], d0);
-                d1 = dp4a((qlo[i] >> 4) & 0x0f0f0f0f, yb[i], d1);
-                d2 = dp4a(qhi[i] & 0x0f0f0f0f, yc[i], d2);
-                d3 = dp4a((qhi[i] >> 4) & 0x0f0f0f0f, yd[i], d3);
-            }
-            int isum = (int)(sc01 & 0xffu) * d0 + (int)(sc01 >> 8) * d1 + (int)(sc45 & 0xffu) * d2 + (int)(sc45 >> 8) * d3;
-            int msum = (int)(m01 & 0xffu) * bs0 + (int)(m01 >> 8) * bs1 + (int)(m45 & 0xffu) * bs2 + (int)(m45 >> 8) * bs3;
-            sum[k] += (float)isum * (dw * da) - (float)msum * (mw * da);
+            sum[k] += q4_k_pieces_dot(h, q0, q1, q8k_pieces(a + ((long)k * nb + b) * Q8K_BYTES, c), c);
         }
     }
 #pragma unroll
@@ -521,6 +547,101 @@ __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float*
 // need).
 #define Q4_K_DECODE_BOUNDS __launch_bounds__(128, 12)
 MATVEC_KERNELS_BOUNDED(matvec_q4_k, 144, Q8K_BYTES, Q4_K_DECODE_BOUNDS)
+
+// Q4_K × Q8_K with the activations held in registers: a CTA of W = ceil(nb / 8) warps
+// takes a row's blocks together, lane l of warp w the four pieces of block 8w + l/4
+// that lane c = l % 4 takes above, and runs down a range of `per_cta` consecutive rows
+// (of up to three matrices, as row_of_3), Q4K_HELD_ROWS rows' loads in flight at a
+// time. With one token the activations are read once per CTA, not once per row, so
+// that the L1 reads of a row are its weights alone: the per-row kernel above reads
+// them for every row, and its L1 data pipe was 74% busy at 2.9 TB/s (8B shape gate and
+// up, H200). Measured against the kernel above, each pair in one run: 8B shape tg64
+// 430.8 → 445.5 and 439.4 → 446.4 tok/s; llama3-1b shape tg128 1,077 → 1,111. (Each CTA also
+// quantizing its activations itself from the f32 row, so that no kernel runs between
+// the one making the row and the product, measured far slower: 258–304 tok/s with its
+// warps quantizing their eight blocks in turn, 254–282 with each lane holding its 64
+// values at once, 167 registers a thread; 431–439 for the kernels before.)
+// Each (row, token) sum is the lanes' block parts added across the warp (warp_sum)
+// and then over the warps in order, for one token or eight alike. nb ≤ 8·Q4K_HELD_WARPS;
+// grid (ceil(rows / per_cta), token groups), 32·W threads.
+#define Q4K_HELD_ROWS 4
+#define Q4K_HELD_WARPS 8
+
+// The output row of row r of a three-matrix launch: its matrix's out, with `local` and
+// `n` set to the row within it and the matrix's rows.
+__device__ __forceinline__ float* out_of_3(float* o0, float* o1, float* o2, int r0, int r1, int r2, int r, int& local, int& n) {
+    if (r < r0) { local = r, n = r0; return o0; }
+    if (r < r0 + r1) { local = r - r0, n = r1; return o1; }
+    local = r - r0 - r1, n = r2;
+    return o2;
+}
+
+// The most rows a held-activations CTA takes: their sums wait in shared memory until
+// the CTA's warps have all made theirs.
+#define Q4K_HELD_MAX_ROWS 64
+
+template <int T>
+__device__ __forceinline__ void matvec_q4_k_held(const u8* w0, const u8* w1, const u8* w2, const u8* a, float* o0, float* o1, float* o2,
+                                                 int r0, int r1, int r2, int nb, int per_cta, int acc, int tokens) {
+    const int U = Q4K_HELD_ROWS;
+    __shared__ float part[Q4K_HELD_MAX_ROWS * T][Q4K_HELD_WARPS];
+    ROW_TOKENS(T)
+    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, c = lane % 4;
+    int b = 8 * warp + lane / 4;
+    bool on = b < nb;
+    int first = blockIdx.x * per_cta, last = min(r0 + r1 + r2, first + per_cta);
+    long rb = (long)nb * 144;
+    if (PDL && on && c < 3)
+        for (int u = 0; u < U && first + u < last; u++) l1_line(row_of_3(w0, w1, w2, r0, r1, r2, first + u, rb) + b * 144 + 48 * c);
+    PDL_START
+    const u8* at = a + (long)t0 * nb * Q8K_BYTES;
+    Q8KPieces held;
+    if (T == 1 && on) held = q8k_pieces(at + (long)b * Q8K_BYTES, c);
+    for (int r = first; r < last; r += U) {
+        uint4 h[U];
+        int4 q0[U], q1[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (on && r + u < last) {
+                const u8* wb = row_of_3(w0, w1, w2, r0, r1, r2, r + u, rb) + b * 144;
+                h[u] = *(const uint4*)wb;
+                q0[u] = *(const int4*)(wb + 16 + 16 * c);
+                q1[u] = *(const int4*)(wb + 80 + 16 * c);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+#pragma unroll
+            for (int k = 0; k < T; k++) {
+                float p = 0.0f;
+                if (on && r + u < last && k < nt)
+                    p = q4_k_pieces_dot(h[u], q0[u], q1[u], T == 1 ? held : q8k_pieces(at + ((long)k * nb + b) * Q8K_BYTES, c), c);
+                p = warp_sum(p);
+                if (lane == 0 && r + u < last) part[(r + u - first) * T + k][warp] = p;
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < (last - first) * T; i += blockDim.x) {
+        int row = first + i / T, k = i % T;
+        if (k < nt) {
+            float total = part[i][0];
+            for (int j = 1; j < (int)(blockDim.x / WARP); j++) total += part[i][j];
+            int local, n;
+            float* o = out_of_3(o0, o1, o2, r0, r1, r2, row, local, n);
+            put(o, (long)(t0 + k) * n + local, total, acc);
+        }
+    }
+}
+
+#define Q4K_HELD_ENTRY(suffix, T)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(WARP * Q4K_HELD_WARPS) matvec_q4_k_held##suffix(                    \
+        const u8* w0, const u8* w1, const u8* w2, const u8* a, float* o0, float* o1, float* o2, int r0, int r1, int r2, \
+        int nb, int per_cta, int acc, int tokens) {                                                                   \
+        matvec_q4_k_held<T>(w0, w1, w2, a, o0, o1, o2, r0, r1, r2, nb, per_cta, acc, tokens);                         \
+    }
+Q4K_HELD_ENTRY(, 1)
+Q4K_HELD_ENTRY(_8, 8)
 
 // A word of four bytes at a 2-byte aligned address.
 __device__ __forceinline__ int ld4_2(const u8* p) {

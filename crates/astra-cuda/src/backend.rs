@@ -31,6 +31,9 @@ struct Kernels {
     matvec: CudaFunction,
     /// The warp-cooperative matrix kernels.
     matvec_q4_k: MatvecKernels,
+    /// Q4_K products with the activations held in registers (rows of up to
+    /// [`HELD_MAX_BLOCKS`] blocks).
+    matvec_q4_k_held: HeldKernels,
     matvec_q4_1: MatvecKernels,
     matvec_q5_0: MatvecKernels,
     matvec_q8_0: MatvecKernels,
@@ -78,6 +81,7 @@ impl Kernels {
             quantize_q8_k: f("quantize_q8_k")?,
             matvec: f("matvec")?,
             matvec_q4_k: mv("matvec_q4_k", true, false)?,
+            matvec_q4_k_held: HeldKernels::load(&f("matvec_q4_k_held")?, &f("matvec_q4_k_held_8")?, ctx)?,
             matvec_q4_1: mv("matvec_q4_1", false, true)?,
             matvec_q5_0: mv("matvec_q5_0", true, false)?,
             matvec_q8_0: mv("matvec_q8_0", true, false)?,
@@ -119,6 +123,52 @@ struct MatvecKernels {
     /// A decode row's gate and up products, gated and quantized for the down product;
     /// Q4_1 only (astra.cu says why).
     glu: Option<CudaFunction>,
+}
+
+/// The matrix kernels that hold a token's activations in registers (astra.cu,
+/// `matvec_q4_k_held`): one token per CTA and eight, and for each, how many CTAs of
+/// 1..=[`HELD_WARPS`] warps an SM runs at once.
+struct HeldKernels {
+    one: CudaFunction,
+    eight: CudaFunction,
+    ctas_per_sm: [[u32; HELD_WARPS]; 2],
+    sms: u32,
+}
+
+/// astra.cu's `Q4K_HELD_WARPS`: the most warps of a held-activations CTA, one per
+/// eight blocks of a row.
+const HELD_WARPS: usize = 8;
+/// The longest rows, in blocks, that the held-activations kernels take.
+const HELD_MAX_BLOCKS: usize = 8 * HELD_WARPS;
+/// astra.cu's `Q4K_HELD_MAX_ROWS`: the most rows a held-activations CTA takes.
+const HELD_MAX_ROWS: usize = 64;
+/// astra.cu's `Q4K_HELD_ROWS`: rows a held-activations CTA loads at a time; its range
+/// of rows is a multiple of it.
+const HELD_ROWS: usize = 4;
+
+impl HeldKernels {
+    fn load(one: &CudaFunction, eight: &CudaFunction, ctx: &Arc<CudaContext>) -> Result<HeldKernels, EngineError> {
+        let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(gpu_err("counting SMs"))?;
+        let mut ctas_per_sm = [[1; HELD_WARPS]; 2];
+        for (f, per) in [one, eight].into_iter().zip(&mut ctas_per_sm) {
+            for (w, n) in per.iter_mut().enumerate() {
+                *n = f.occupancy_max_active_blocks_per_multiprocessor(32 * (w as u32 + 1), 0, None).map_err(gpu_err("kernel occupancy"))?.max(1);
+            }
+        }
+        Ok(HeldKernels { one: one.clone(), eight: eight.clone(), ctas_per_sm, sms: sms.max(1) as u32 })
+    }
+
+    /// The kernel and launch for `rows` rows of `nb` blocks and `tokens` tokens, and the
+    /// rows each CTA runs down: as many CTAs as the SMs run at once, each with a
+    /// multiple of [`HELD_ROWS`] rows.
+    fn launch(&self, rows: usize, nb: usize, tokens: usize) -> (&CudaFunction, LaunchConfig, i32) {
+        let warps = nb.div_ceil(8);
+        let (f, per_cta, groups) = if tokens > 1 { (&self.eight, &self.ctas_per_sm[1], tokens.div_ceil(8)) } else { (&self.one, &self.ctas_per_sm[0], 1) };
+        let resident = (self.sms * per_cta[warps - 1]) as usize;
+        let per = rows.div_ceil(resident).next_multiple_of(HELD_ROWS).min(HELD_MAX_ROWS);
+        let cfg = LaunchConfig { grid_dim: (rows.div_ceil(per) as u32, groups as u32, 1), block_dim: (32 * warps as u32, 1, 1), shared_mem_bytes: 0 };
+        (f, cfg, per as i32)
+    }
 }
 
 /// How a batch's matrix products are computed.
@@ -413,6 +463,12 @@ impl CudaBackend {
         let mut i = 0;
         while i < outs.len() {
             let w = outs[i].0;
+            let nb = (w.cols / w.ty.block_elems() as usize) as i32;
+            // With a residual, the product is added to it in place.
+            let acc = i32::from(add_to.is_some());
+            // The following matrices of the same type and width (Q, K, V; gate, up) go
+            // in the same launch, up to three.
+            let n = outs[i..].iter().take(3).take_while(|(m, _)| m.ty == w.ty && m.cols == w.cols).count();
             if quantized != Some(w.act) {
                 if !prepare(w.act, &mut scratch) {
                     return;
@@ -420,9 +476,19 @@ impl CudaBackend {
                 quantized = Some(w.act);
             }
             let acts = scratch.buf.as_ref().expect("quantized above");
-            let nb = (w.cols / w.ty.block_elems() as usize) as i32;
-            // With a residual, the product is added to it in place.
-            let acc = i32::from(add_to.is_some());
+            if w.ty == GgmlType::Q4_K && (nb as usize) <= HELD_MAX_BLOCKS {
+                let (rows, weights, outs_ptr) = self.group_args(&mut outs[i..i + n], add_to.as_deref_mut());
+                let held = &self.k().matvec_q4_k_held;
+                let (f, cfg, per_cta) = held.launch(rows.iter().map(|&r| r as usize).sum(), nb as usize, tokens);
+                let toks = tokens as i32;
+                let mut b = Args::new(f, &self.stream);
+                b.arg(weights[0]).arg(weights[1]).arg(weights[2]).arg(acts);
+                b.arg(&outs_ptr[0]).arg(&outs_ptr[1]).arg(&outs_ptr[2]);
+                b.arg(&rows[0]).arg(&rows[1]).arg(&rows[2]).arg(&nb).arg(&per_cta).arg(&acc).arg(&toks);
+                self.launch(b, cfg);
+                i += n;
+                continue;
+            }
             // Warp-cooperative kernels where there is one; a lane per block otherwise.
             let Some(kernels) = self.matvec_kernels(w.ty) else {
                 let (wbytes, abytes) = (w.ty.block_bytes() as i32, device_block_bytes(w.act) as i32);
@@ -440,9 +506,6 @@ impl CudaBackend {
             };
             // Eight tokens per warp for a batch where the type has those kernels (a row's
             // sums are the same either way).
-            // The following matrices of the same type and width (Q, K, V; gate, up) go
-            // in the same launch, up to three.
-            let n = outs[i..].iter().take(3).take_while(|(m, _)| m.ty == w.ty && m.cols == w.cols).count();
             let (one, three, per_warp) = match &kernels.batch {
                 Some((one_8, three_8)) if tokens > 1 => (one_8, three_8, 8),
                 _ => (&kernels.one, &kernels.three, 1),
@@ -461,17 +524,8 @@ impl CudaBackend {
                 i += 1;
                 continue;
             }
-            let group = &mut outs[i..i + n];
-            let rows: [i32; 3] = std::array::from_fn(|j| group.get(j).map_or(0, |(m, _)| m.rows as i32));
+            let (rows, weights, outs_ptr) = self.group_args(&mut outs[i..i + n], None);
             let cfg = matvec_grid(rows.iter().map(|&r| r as usize).sum::<usize>(), tokens.div_ceil(per_warp));
-            // With two matrices the third slot repeats the second's pointers; it has no
-            // rows, so they are never used.
-            let weights: [&CudaSlice<u8>; 3] = std::array::from_fn(|j| &group[j.min(n - 1)].0.data);
-            let mut outs_ptr = [0u64; 3];
-            for (j, p) in outs_ptr.iter_mut().enumerate() {
-                let (ptr, _sync) = group[j.min(n - 1)].1.buf.device_ptr_mut(&self.stream);
-                *p = ptr;
-            }
             let mut b = Args::new(three, &self.stream);
             b.arg(weights[0]).arg(weights[1]).arg(weights[2]).arg(acts);
             b.arg(&outs_ptr[0]).arg(&outs_ptr[1]).arg(&outs_ptr[2]);
@@ -479,6 +533,28 @@ impl CudaBackend {
             self.launch(b, cfg);
             i += n;
         }
+    }
+
+    /// A three-matrix launch's arguments for `group` (up to three matrices): their rows,
+    /// weights and outputs (`add_to`, where given, for a group of one). With fewer than
+    /// three, the last slots repeat the last matrix's pointers with no rows, so they are
+    /// never used.
+    fn group_args<'m>(&self, group: &mut [(&'m GpuMatrix, &mut GpuTensor)], mut add_to: Option<&mut GpuTensor>) -> ([i32; 3], [&'m CudaSlice<u8>; 3], [u64; 3]) {
+        let last = group.len() - 1;
+        let rows = std::array::from_fn(|j| group.get(j).map_or(0, |(m, _)| m.rows as i32));
+        let weights = std::array::from_fn(|j| {
+            let m: &'m GpuMatrix = group[j.min(last)].0;
+            &m.data
+        });
+        let mut outs = [0u64; 3];
+        for (j, p) in outs.iter_mut().enumerate() {
+            let buf = match add_to.as_deref_mut() {
+                Some(r) => &mut r.buf,
+                None => &mut group[j.min(last)].1.buf,
+            };
+            *p = buf.device_ptr_mut(&self.stream).0;
+        }
+        (rows, weights, outs)
     }
 
     /// The warp-cooperative matrix kernels of weight type `ty`, where it has them.
