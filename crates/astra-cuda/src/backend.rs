@@ -162,7 +162,7 @@ impl HeldKernels {
     /// rows each CTA runs down: as many CTAs as the SMs run at once, each with a
     /// multiple of [`HELD_ROWS`] rows.
     fn launch(&self, rows: usize, nb: usize, tokens: usize) -> (&CudaFunction, LaunchConfig, i32) {
-        let warps = nb.div_ceil(8);
+        let warps = nb.div_ceil(8).clamp(1, HELD_WARPS);
         let (f, per_cta, groups) = if tokens > 1 { (&self.eight, &self.ctas_per_sm[1], tokens.div_ceil(8)) } else { (&self.one, &self.ctas_per_sm[0], 1) };
         let resident = (self.sms * per_cta[warps - 1]) as usize;
         let per = rows.div_ceil(resident).next_multiple_of(HELD_ROWS).min(HELD_MAX_ROWS);
