@@ -450,10 +450,10 @@ __device__ __forceinline__ const u8* row_of_3(const u8* w0, const u8* w1, const 
 
 // Q4_K × Q8_K, four lanes per 256-block. Lane c of a block reads quant bytes
 // 16c..16c+15 and 64 + 16c..64 + 16c + 15 (two 16-byte loads that the block's four
-// lanes make together as 64 consecutive bytes): their low and
-// high nibbles are the weights of the 16-element pieces p, p + 2, p + 8 and p + 10,
-// p = 4(c/2) + c%2 (`piece`), in groups g, g + 1, g + 4 and g + 5, g = 2(c/2). The block's d, dmin
-// and scales come in one more load, the activations' four pieces in four 16-byte loads
+// lanes make together as 64 consecutive bytes): their low and high nibbles are the
+// weights of the 16-element pieces p, p + 2, p + 8 and p + 10, p = 4(c/2) + c%2
+// (`piece`), in groups g, g + 1, g + 4 and g + 5, g = 2(c/2). The block's d, dmin and
+// scales come in one more load, the activations' four pieces in four 16-byte loads
 // (again 64 consecutive bytes for the four lanes, as Q8K_BYTES keeps the quants in
 // order), with their four 16-element sums. Rows are 16-byte aligned (144-byte blocks).
 // (Where each lane read its own 32 consecutive quant bytes and 64 activations, every
@@ -548,22 +548,8 @@ __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float*
 #define Q4_K_DECODE_BOUNDS __launch_bounds__(128, 12)
 MATVEC_KERNELS_BOUNDED(matvec_q4_k, 144, Q8K_BYTES, Q4_K_DECODE_BOUNDS)
 
-// Q4_K × Q8_K with the activations held in registers: a CTA of W = ceil(nb / 8) warps
-// takes a row's blocks together, lane l of warp w the four pieces of block 8w + l/4
-// that lane c = l % 4 takes above, and runs down a range of `per_cta` consecutive rows
-// (of up to three matrices, as row_of_3), Q4K_HELD_ROWS rows' loads in flight at a
-// time. With one token the activations are read once per CTA, not once per row, so
-// that the L1 reads of a row are its weights alone: the per-row kernel above reads
-// them for every row, and its L1 data pipe was 74% busy at 2.9 TB/s (8B shape gate and
-// up, H200). Measured against the kernel above, each pair in one run: 8B shape tg64
-// 430.8 → 445.5 and 439.4 → 446.4 tok/s; llama3-1b shape tg128 1,077 → 1,111. (Each CTA also
-// quantizing its activations itself from the f32 row, so that no kernel runs between
-// the one making the row and the product, measured far slower: 258–304 tok/s with its
-// warps quantizing their eight blocks in turn, 254–282 with each lane holding its 64
-// values at once, 167 registers a thread; 431–439 for the kernels before.)
-// Each (row, token) sum is the lanes' block parts added across the warp (warp_sum)
-// and then over the warps in order, for one token or eight alike. nb ≤ 8·Q4K_HELD_WARPS;
-// grid (ceil(rows / per_cta), token groups), 32·W threads.
+// The held-activations kernel below: rows whose loads a warp has in flight at a time,
+// and the most warps of a CTA (one per eight blocks of a row).
 #define Q4K_HELD_ROWS 4
 #define Q4K_HELD_WARPS 8
 
@@ -580,6 +566,23 @@ __device__ __forceinline__ float* out_of_3(float* o0, float* o1, float* o2, int 
 // the CTA's warps have all made theirs.
 #define Q4K_HELD_MAX_ROWS 64
 
+// Q4_K × Q8_K with the activations held in registers: a CTA of W = ceil(nb / 8) warps
+// takes a row's blocks together, lane l of warp w the four pieces of block 8w + l/4
+// that lane c = l % 4 takes above, and runs down a range of `per_cta` consecutive rows
+// (of up to three matrices, as row_of_3), Q4K_HELD_ROWS rows' loads in flight at a
+// time. With one token the activations are read once per CTA, not once per row, so
+// that the L1 reads of a row are its weights alone: the per-row kernel above reads
+// them for every row, and its L1 data pipe was 74% busy at 2.9 TB/s (8B shape gate and
+// up, H200). Measured against the kernel above, each pair in one run: 8B shape tg64
+// 430.8 → 445.5 and 439.4 → 446.4 tok/s; llama3-1b shape tg128 1,077 → 1,111. (Each
+// CTA also quantizing its activations itself from the f32 row, so that no kernel runs
+// between the one making the row and the product, measured far slower: 258–304 tok/s
+// with its warps quantizing their eight blocks in turn, 254–282 with each lane holding
+// its 64 values at once, 167 registers a thread; 431–439 for the kernels before.)
+// Each (row, token) sum is the lanes' block parts added across the warp (warp_sum) and
+// then over the warps in order, for one token or eight alike. nb ≤ 8·Q4K_HELD_WARPS,
+// per_cta ≤ Q4K_HELD_MAX_ROWS; grid (ceil(rows / per_cta), token groups), 32·W
+// threads.
 template <int T>
 __device__ __forceinline__ void matvec_q4_k_held(const u8* w0, const u8* w1, const u8* w2, const u8* a, float* o0, float* o1, float* o2,
                                                  int r0, int r1, int r2, int nb, int per_cta, int acc, int tokens) {
