@@ -36,11 +36,21 @@ const FFN_DOWN_TYPES: [GgmlType; 2] = [GgmlType::Q4_1, GgmlType::Q8_0];
 const FFN_K_TYPES: [GgmlType; 2] = [GgmlType::Q4_K, GgmlType::Q6_K];
 const FFN_K_ROWS: usize = 256;
 const COLS: usize = 512;
-/// Widths of the long-row product comparison, in 256-blocks: 19 (three CUDA warps to a
-/// row, the last part-filled, in the kernels that hold the activations) and 65 (past
-/// the widest rows those take); WIDE_ROWS rows, an odd count.
-const WIDE_BLOCKS: [usize; 2] = [19, 65];
-const WIDE_TYPES: [GgmlType; 2] = [GgmlType::Q4_K, GgmlType::Q6_K];
+/// Types and widths (in their blocks) of the long-row product comparison, WIDE_ROWS rows
+/// (an odd count) each. The K-quants: 19 blocks (three CUDA warps to a row, the last
+/// part-filled, in the kernels that hold the activations) and 65 (past the widest rows
+/// those take). Q8_0: 20 blocks (two warps, rows 8-byte aligned in the CUDA layout),
+/// 45 (odd: rows 2-byte aligned) and 130 (past the held kernel's widest, 4-byte
+/// aligned).
+const WIDE: [(GgmlType, usize); 7] = [
+    (GgmlType::Q4_K, 19),
+    (GgmlType::Q6_K, 19),
+    (GgmlType::Q4_K, 65),
+    (GgmlType::Q6_K, 65),
+    (GgmlType::Q8_0, 20),
+    (GgmlType::Q8_0, 45),
+    (GgmlType::Q8_0, 130),
+];
 const WIDE_ROWS: usize = 37;
 /// Batch sizes of the product comparisons: a few tokens, and a batch large enough for
 /// a backend to take another path (the CUDA backend's cuBLAS products).
@@ -132,8 +142,8 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
     add_random(&mut w, "wgk", &FFN_K_TYPES, FFN_K_ROWS, COLS, 500)?;
     add_random(&mut w, "wuk", &FFN_K_TYPES, FFN_K_ROWS, COLS, 600)?;
     add_random(&mut w, "wdk", &FFN_K_TYPES, COLS, FFN_K_ROWS, 700)?;
-    for (i, blocks) in WIDE_BLOCKS.into_iter().enumerate() {
-        add_random(&mut w, &format!("wide{blocks}"), &WIDE_TYPES, WIDE_ROWS, 256 * blocks, 800 + i as u64)?;
+    for (i, (ty, blocks)) in WIDE.into_iter().enumerate() {
+        add_random(&mut w, &format!("wide{blocks}"), &[ty], WIDE_ROWS, ty.block_elems() as usize * blocks, 800 + i as u64)?;
     }
     std::fs::create_dir_all(dir).map_err(io)?;
     let path = dir.join("backend-parity.gguf");
@@ -256,22 +266,27 @@ fn compare_products<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFile>, 
     Ok(out)
 }
 
-/// Products with rows of many blocks (WIDE_BLOCKS), of one token and of a few.
+/// Products with rows of many blocks (WIDE), of one token and of a few, and the
+/// embedding lookup of their rows.
 fn compare_wide_products<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFile>, rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
     let mut out = Vec::new();
-    for blocks in WIDE_BLOCKS {
-        for ty in WIDE_TYPES {
-            let m = MatRef::locate(file, &format!("wide{blocks}.{}", ty.name()))?;
-            let (ma, mb) = (a.matrix(file, &m)?, b.matrix(file, &m)?);
-            for tokens in [1, BATCHES[0]] {
-                let x = rng.vec(tokens * 256 * blocks);
-                let (xa, xb) = (a.tensor_from(&x, 256 * blocks), b.tensor_from(&x, 256 * blocks));
-                let (mut oa, mut ob) = (a.tensor(tokens, WIDE_ROWS), b.tensor(tokens, WIDE_ROWS));
-                a.matmul(&xa, &mut [(&ma, &mut oa)]);
-                b.matmul(&xb, &mut [(&mb, &mut ob)]);
-                out.push(report(format!("matmul {}, {blocks} blocks a row, {tokens} tokens", ty.name()), &a.read(&oa), &b.read(&ob)));
-            }
+    for (ty, blocks) in WIDE {
+        let cols = ty.block_elems() as usize * blocks;
+        let m = MatRef::locate(file, &format!("wide{blocks}.{}", ty.name()))?;
+        let (ma, mb) = (a.matrix(file, &m)?, b.matrix(file, &m)?);
+        for tokens in [1, BATCHES[0]] {
+            let x = rng.vec(tokens * cols);
+            let (xa, xb) = (a.tensor_from(&x, cols), b.tensor_from(&x, cols));
+            let (mut oa, mut ob) = (a.tensor(tokens, WIDE_ROWS), b.tensor(tokens, WIDE_ROWS));
+            a.matmul(&xa, &mut [(&ma, &mut oa)]);
+            b.matmul(&xb, &mut [(&mb, &mut ob)]);
+            out.push(report(format!("matmul {}, {blocks} blocks a row, {tokens} tokens", ty.name()), &a.read(&oa), &b.read(&ob)));
         }
+        let ids = [1u32, WIDE_ROWS as u32 - 1];
+        let (mut ea, mut eb) = (a.tensor(ids.len(), cols), b.tensor(ids.len(), cols));
+        a.embed(&ma, &a.ids(&ids), None, &mut ea);
+        b.embed(&mb, &b.ids(&ids), None, &mut eb);
+        out.push(report(format!("embed {}, {blocks} blocks a row", ty.name()), &a.read(&ea), &b.read(&eb)));
     }
     Ok(out)
 }
