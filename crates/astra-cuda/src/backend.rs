@@ -141,8 +141,9 @@ struct HeldKernels {
 
 /// The most warps of a held-activations CTA (astra.cu's `HELD_WARPS`).
 const HELD_WARPS: usize = 8;
-/// The most rows a held-activations CTA takes (astra.cu's `HELD_MAX_ROWS`).
-const HELD_MAX_ROWS: usize = 64;
+/// The most rows a held-activations CTA takes with one token and with eight (astra.cu's
+/// `HELD_MAX_ROWS_1` and `HELD_MAX_ROWS_8`).
+const HELD_MAX_ROWS: [usize; 2] = [128, 64];
 /// `matvec_q4_k_held`'s blocks a warp (astra.cu, `Q4KHeldLanes`): eight 256-blocks, a
 /// lane per quarter block.
 const Q4K_HELD_BLOCKS: usize = 8;
@@ -170,14 +171,15 @@ impl HeldKernels {
     /// The kernel and launch for `rows` rows of `nb` blocks and `tokens` tokens, and the
     /// rows each CTA runs down: as many CTAs as the SMs run at once, or whole waves of
     /// them. (Rows spread over the waves rather than a last part-filled one: 8B shape,
-    /// H200, tg64 476.9–481.2 → 482.5–486.7 tok/s, the 128,256-row output matrix taking
-    /// four waves.)
+    /// H200, tg64 476.9–481.2 → 482.5–486.7 tok/s, measured with at most 64 rows a CTA,
+    /// when the 128,256-row output matrix took four waves.)
     fn launch(&self, rows: usize, nb: usize, tokens: usize) -> (&CudaFunction, LaunchConfig, i32) {
         let warps = nb.div_ceil(self.blocks_per_warp).clamp(1, HELD_WARPS);
-        let (f, per_cta, groups) = if tokens > 1 { (&self.eight, &self.ctas_per_sm[1], tokens.div_ceil(8)) } else { (&self.one, &self.ctas_per_sm[0], 1) };
-        let resident = (self.sms * per_cta[warps - 1]) as usize;
-        let waves = rows.div_ceil(resident * HELD_MAX_ROWS).max(1);
-        let per = rows.div_ceil(resident * waves).clamp(1, HELD_MAX_ROWS);
+        let set = usize::from(tokens > 1);
+        let (f, groups) = if tokens > 1 { (&self.eight, tokens.div_ceil(8)) } else { (&self.one, 1) };
+        let (resident, max_rows) = ((self.sms * self.ctas_per_sm[set][warps - 1]) as usize, HELD_MAX_ROWS[set]);
+        let waves = rows.div_ceil(resident * max_rows).max(1);
+        let per = rows.div_ceil(resident * waves).clamp(1, max_rows);
         let cfg = LaunchConfig { grid_dim: (rows.div_ceil(per) as u32, groups as u32, 1), block_dim: (32 * warps as u32, 1, 1), shared_mem_bytes: 0 };
         (f, cfg, per as i32)
     }
