@@ -664,18 +664,15 @@ __device__ __forceinline__ void matvec_held(const u8* w0, const u8* w1, const u8
     held_sums_out(&part[0][0], HELD_WARPS, first, last, T, nt, t0, o0, o1, o2, r0, r1, r2, acc);
 }
 
-// A held-activations kernel's entries for lane type K: one token per CTA and eight.
-#define HELD_ENTRIES(name, K)                                                                                          \
+// A held-activations kernel's entry for lane type K and T tokens a CTA, and its entries
+// of one token per CTA (`name`) and eight (`name`_8).
+#define HELD_ENTRY(name, K, T)                                                                                         \
     extern "C" __global__ void __launch_bounds__(WARP * HELD_WARPS) name(                                             \
         const u8* w0, const u8* w1, const u8* w2, const u8* a, float* o0, float* o1, float* o2, int r0, int r1, int r2, \
         int nb, int per_cta, int acc, int tokens) {                                                                   \
-        matvec_held<1, K>(w0, w1, w2, a, o0, o1, o2, r0, r1, r2, nb, per_cta, acc, tokens);                           \
-    }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(WARP * HELD_WARPS) name##_8(                                         \
-        const u8* w0, const u8* w1, const u8* w2, const u8* a, float* o0, float* o1, float* o2, int r0, int r1, int r2, \
-        int nb, int per_cta, int acc, int tokens) {                                                                   \
-        matvec_held<8, K>(w0, w1, w2, a, o0, o1, o2, r0, r1, r2, nb, per_cta, acc, tokens);                           \
+        matvec_held<T, K>(w0, w1, w2, a, o0, o1, o2, r0, r1, r2, nb, per_cta, acc, tokens);                           \
     }
+#define HELD_ENTRIES(name, K) HELD_ENTRY(name, K, 1) HELD_ENTRY(name##_8, K, 8)
 
 // Q4_K × Q8_K held (matvec_q4_k_held): lane l of warp w takes the four pieces of block
 // 8w + l/4 that lane c = l % 4 takes in matvec_q4_k_row; W = ceil(nb / 8) warps, nb ≤
