@@ -597,24 +597,6 @@ __device__ __forceinline__ float* out_of_3(float* o0, float* o1, float* o2, int 
     return o2;
 }
 
-// The rows [first, last) of a held-activations CTA (below) written out, once its warps
-// have all made their sums: for row `row` and token k, part[(row − first)·T + k][j]
-// (rows of `stride` floats) added over the CTA's warps j in order.
-__device__ __forceinline__ void held_sums_out(const float* part, int stride, int first, int last, int T, int nt, int t0, float* o0, float* o1,
-                                              float* o2, int r0, int r1, int r2, int acc) {
-    for (int i = threadIdx.x; i < (last - first) * T; i += blockDim.x) {
-        int row = first + i / T, k = i % T;
-        if (k < nt) {
-            const float* p = part + (long)i * stride;
-            float total = p[0];
-            for (int j = 1; j < (int)(blockDim.x / WARP); j++) total += p[j];
-            int local, n;
-            float* o = out_of_3(o0, o1, o2, r0, r1, r2, row, local, n);
-            put(o, (long)(t0 + k) * n + local, total, acc);
-        }
-    }
-}
-
 // A matrix product with the activations held in registers: a CTA of up to HELD_WARPS
 // warps takes a row's blocks together, each lane its part of the row as the lane type
 // K says (K::Weights, loaded by K::load from the row; K::dot of them with the token's
@@ -660,8 +642,18 @@ __device__ __forceinline__ void matvec_held(const u8* w0, const u8* w1, const u8
             if (lane % (WARP / U) == 0 && r + mine < last) part[(r + mine - first) * T + k][warp] = s;
         }
     }
+    // Once every warp has made its sums: each (row, token)'s over the warps in order.
     __syncthreads();
-    held_sums_out(&part[0][0], HELD_WARPS, first, last, T, nt, t0, o0, o1, o2, r0, r1, r2, acc);
+    for (int i = threadIdx.x; i < (last - first) * T; i += blockDim.x) {
+        int row = first + i / T, k = i % T;
+        if (k < nt) {
+            float total = part[i][0];
+            for (int j = 1; j < (int)(blockDim.x / WARP); j++) total += part[i][j];
+            int local, n;
+            float* o = out_of_3(o0, o1, o2, r0, r1, r2, row, local, n);
+            put(o, (long)(t0 + k) * n + local, total, acc);
+        }
+    }
 }
 
 // A held-activations kernel's entry for lane type K and T tokens a CTA, and its entries

@@ -848,7 +848,7 @@ impl Backend for CudaBackend {
         }
         let bytes = m.view(file).bytes();
         let data = match m.ty {
-            GgmlType::Q8_0 => self.stream.clone_htod(&q8_0_rows_to_device(bytes, m.cols / 32)),
+            GgmlType::Q8_0 => self.stream.clone_htod(&q8_0_rows_to_device(bytes, m.cols / m.ty.block_elems() as usize)),
             _ => self.stream.clone_htod(bytes),
         };
         let data = data.map_err(gpu_err("uploading weights"))?;
