@@ -423,11 +423,18 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
     return r;
 }
 
+// The same with a's bytes unsigned (0..255).
+__device__ __forceinline__ int dp4a_us(int a, int b, int c) {
+    int r;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
 // Row r of the three matrices of a three-matrix launch taken in turn (rows of rb bytes);
 // null past their end. (One helper naming the matrix and its row, with the pointers
-// picked from it, for this, out_of_3 and MATVEC_ENTRY's three-matrix launches alike,
-// measured slower: 8B shape, H200, tg64 491.9–492.2 → 471.1–472.0 tok/s, smollm2 shape
-// tg128 1,599 → 1,578; the held kernels' register counts moved both ways.)
+// picked from it, for this and MATVEC_ENTRY's three-matrix launches alike, measured
+// slower when the held kernels used it too: 8B shape, H200, tg64 491.9–492.2 →
+// 471.1–472.0 tok/s, smollm2 shape tg128 1,599 → 1,578.)
 __device__ __forceinline__ const u8* row_of_3(const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2, int r, long rb) {
     if (r < r0) return w0 + r * rb;
     if (r < r0 + r1) return w1 + (r - r0) * rb;
@@ -528,14 +535,17 @@ __device__ __forceinline__ float q4_k_pieces_dot(uint4 h, int4 q0, int4 q1, cons
     unsigned int sc01 = s_a & 0x3f3fu, m01 = s_b & 0x3f3fu;
     unsigned int sc45 = (s_e & 0x0f0fu) | ((s_a >> 2) & 0x3030u), m45 = ((s_e >> 4) & 0x0f0fu) | ((s_b >> 2) & 0x3030u);
     float dw = h2f((u16)(h.x & 0xffffu)), mw = h2f((u16)(h.x >> 16));
+    // The high nibbles are taken in place, as sixteen times their values (unsigned
+    // bytes), and their sums divided by 16 exactly: one operation a word, not two.
     int d0 = 0, d1 = 0, d2 = 0, d3 = 0;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         d0 = dp4a(qlo[i] & 0x0f0f0f0f, a.y[i], d0);
-        d1 = dp4a((qlo[i] >> 4) & 0x0f0f0f0f, a.y[4 + i], d1);
+        d1 = dp4a_us(qlo[i] & 0xf0f0f0f0, a.y[4 + i], d1);
         d2 = dp4a(qhi[i] & 0x0f0f0f0f, a.y[8 + i], d2);
-        d3 = dp4a((qhi[i] >> 4) & 0x0f0f0f0f, a.y[12 + i], d3);
+        d3 = dp4a_us(qhi[i] & 0xf0f0f0f0, a.y[12 + i], d3);
     }
+    d1 >>= 4, d3 >>= 4;
     int isum = (int)(sc01 & 0xffu) * d0 + (int)(sc01 >> 8) * d1 + (int)(sc45 & 0xffu) * d2 + (int)(sc45 >> 8) * d3;
     int msum = (int)(m01 & 0xffu) * a.sums[0] + (int)(m01 >> 8) * a.sums[1] + (int)(m45 & 0xffu) * a.sums[2] + (int)(m45 >> 8) * a.sums[3];
     return (float)isum * (dw * a.d) - (float)msum * (mw * a.d);
@@ -588,25 +598,25 @@ MATVEC_KERNELS_BOUNDED(matvec_q4_k, 144, Q8K_BYTES, Q4_K_DECODE_BOUNDS)
 #define HELD_MAX_ROWS_1 128
 #define HELD_MAX_ROWS_8 64
 
-// The output row of row r of a three-matrix launch: its matrix's out, with `local` and
-// `n` set to the row within it and the matrix's rows.
-__device__ __forceinline__ float* out_of_3(float* o0, float* o1, float* o2, int r0, int r1, int r2, int r, int& local, int& n) {
-    if (r < r0) { local = r, n = r0; return o0; }
-    if (r < r0 + r1) { local = r - r0, n = r1; return o1; }
-    local = r - r0 - r1, n = r2;
-    return o2;
-}
-
 // A matrix product with the activations held in registers: a CTA of up to HELD_WARPS
 // warps takes a row's blocks together, each lane its part of the row as the lane type
-// K says (K::Weights, loaded by K::load from the row; K::dot of them with the token's
-// K::Acts), and runs down `per_cta` consecutive rows (of up to three matrices, as
-// row_of_3), HELD_ROWS rows' loads in flight at a time. With one token the activations
+// K says (K::Weights, loaded by K::load from the part's start, K::offset bytes into
+// the row; K::dot of them with the token's K::Acts), and runs down up to `per_cta`
+// consecutive rows of one of up to three matrices, HELD_ROWS rows' loads in flight at
+// a time. The first ceil(r0 / per_cta) CTAs take the first matrix's rows, the next the
+// second's, then the third's, so that a lane's parts of a CTA's rows are one pointer
+// stepped by a row's bytes. (Against rows spanning the matrices, each row's address
+// made from its index, and with the high nibbles of Q4_K taken in place: 8B shape,
+// H200, tg64 491.2 → 506.1, 489.5 → 504.9, 488.0 → 496.6 tok/s. The Q4_K kernel's
+// loop is about 390 instructions long rather than 561; by Nsight Compute, caches
+// flushed, its gate and up launch 22.7 → 21.3–23.0 µs, down 14.3 → 14.0, QKV 9.9 →
+// 9.2, attention output 8.2 → 7.7.)
+// With one token the activations
 // are read once per CTA, not once per row, so that the L1 reads of a row are its
 // weights alone. Each (row, token) sum is the lanes' parts added across the warp, the
 // rows' together (warp_sum_n), and then over the warps in order, for one token or eight
-// alike. per_cta ≤ HELD_MAX_ROWS_1 or _8; grid (ceil(rows / per_cta), token groups),
-// 32 per warp threads.
+// alike. per_cta ≤ HELD_MAX_ROWS_1 or _8; grid (the three matrices' CTAs, token
+// groups), 32 per warp threads.
 template <int T, class K>
 __device__ __forceinline__ void matvec_held(const u8* w0, const u8* w1, const u8* w2, const u8* a, float* o0, float* o1, float* o2, int r0,
                                             int r1, int r2, int nb, int per_cta, int acc, int tokens) {
@@ -615,21 +625,34 @@ __device__ __forceinline__ void matvec_held(const u8* w0, const u8* w1, const u8
     ROW_TOKENS(T)
     int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     K lanes(nb);
-    int first = blockIdx.x * per_cta, last = min(r0 + r1 + r2, first + per_cta);
-    long rb = K::row_bytes(nb);
+    // This CTA's matrix (weights, output, rows) and rows [first, last) of it.
+    int cta = blockIdx.x, ctas0 = (r0 + per_cta - 1) / per_cta, ctas1 = (r1 + per_cta - 1) / per_cta;
+    const u8* w = w0;
+    float* out = o0;
+    int rows = r0;
+    if (cta >= ctas0 + ctas1) cta -= ctas0 + ctas1, w = w2, out = o2, rows = r2;
+    else if (cta >= ctas0) cta -= ctas0, w = w1, out = o1, rows = r1;
+    int first = cta * per_cta, last = min(rows, first + per_cta);
+    // (Opaque to the compiler, which would otherwise make each row's address again
+    // from its index in every step.)
+    long rb;
+    asm("mov.b64 %0, %1;" : "=l"(rb) : "l"(K::row_bytes(nb)));
+    // This lane's part of the CTA's first row.
+    const u8* row = w + first * rb + lanes.offset();
     if (PDL && lanes.on)
-        for (int u = 0; u < U && first + u < last; u++) lanes.prefetch(row_of_3(w0, w1, w2, r0, r1, r2, first + u, rb));
+        for (int u = 0; u < U && first + u < last; u++) lanes.prefetch(row + u * rb);
     PDL_START
     const u8* at = a + (long)t0 * K::act_row_bytes(nb);
     typename K::Acts held;
     if (T == 1 && lanes.on) held = lanes.acts(at);
     // The row of the U whose sum this lane ends with.
     int mine = warp_sum_n_row<U>(lane);
-    for (int r = first; r < last; r += U) {
+    for (int r = first; r < last; r += U, row += U * rb) {
         typename K::Weights w[U];
+        const u8* p = row;
 #pragma unroll
-        for (int u = 0; u < U; u++)
-            if (lanes.on && r + u < last) w[u] = lanes.load(row_of_3(w0, w1, w2, r0, r1, r2, r + u, rb));
+        for (int u = 0; u < U; u++, p += rb)
+            if (lanes.on && r + u < last) w[u] = lanes.load(p);
 #pragma unroll
         for (int k = 0; k < T; k++) {
             float v[U];
@@ -645,13 +668,11 @@ __device__ __forceinline__ void matvec_held(const u8* w0, const u8* w1, const u8
     // Once every warp has made its sums: each (row, token)'s over the warps in order.
     __syncthreads();
     for (int i = threadIdx.x; i < (last - first) * T; i += blockDim.x) {
-        int row = first + i / T, k = i % T;
+        int k = i % T;
         if (k < nt) {
             float total = part[i][0];
             for (int j = 1; j < (int)(blockDim.x / WARP); j++) total += part[i][j];
-            int local, n;
-            float* o = out_of_3(o0, o1, o2, r0, r1, r2, row, local, n);
-            put(o, (long)(t0 + k) * n + local, total, acc);
+            put(out, (long)(t0 + k) * rows + first + i / T, total, acc);
         }
     }
 }
@@ -687,12 +708,13 @@ struct Q4KHeldLanes {
     __device__ Q4KHeldLanes(int nb) : b(8 * (threadIdx.x / WARP) + threadIdx.x % WARP / 4), c(threadIdx.x % 4), on(b < nb) {}
     static __device__ long row_bytes(int nb) { return (long)nb * 144; }
     static __device__ long act_row_bytes(int nb) { return (long)nb * Q8K_BYTES; }
-    __device__ void prefetch(const u8* row) const {
-        if (c < 3) l1_line(row + b * 144 + 48 * c);
+    // The lane's part of a row starts at its block.
+    __device__ long offset() const { return (long)b * 144; }
+    __device__ void prefetch(const u8* part) const {
+        if (c < 3) l1_line(part + 48 * c);
     }
-    __device__ Weights load(const u8* row) const {
-        const u8* wb = row + b * 144;
-        return {*(const uint4*)wb, *(const int4*)(wb + 16 + 16 * c), *(const int4*)(wb + 80 + 16 * c)};
+    __device__ Weights load(const u8* part) const {
+        return {*(const uint4*)part, *(const int4*)(part + 16 + 16 * c), *(const int4*)(part + 80 + 16 * c)};
     }
     __device__ Acts acts(const u8* at) const { return q8k_pieces(at + (long)b * Q8K_BYTES, c); }
     __device__ float dot(const Weights& w, const Acts& y) const { return q4_k_pieces_dot(w.h, w.q0, w.q1, y, c); }
@@ -938,15 +960,18 @@ struct Q8_0HeldLanes {
         float d;
     };
     typedef Weights Acts;
-    int i, b, nb, align;
+    // scale: from the lane's quants to its block's scale.
+    int i, b, scale, align;
     bool on;
-    __device__ Q8_0HeldLanes(int nb) : i(threadIdx.x), b(threadIdx.x / 2), nb(nb), align(q8_0_align(nb)), on(b < nb) {}
+    __device__ Q8_0HeldLanes(int nb) : i(threadIdx.x), b(threadIdx.x / 2), scale(32 * nb + 2 * b - 16 * i), align(q8_0_align(nb)), on(b < nb) {}
     static __device__ long row_bytes(int nb) { return (long)nb * 34; }
     static __device__ long act_row_bytes(int nb) { return (long)nb * 34; }
-    __device__ void prefetch(const u8* row) const {
-        if (i % 8 == 0) l1_line(row + 16 * i);
+    // The lane's part of a row starts at its 16 quant bytes.
+    __device__ long offset() const { return 16L * i; }
+    __device__ void prefetch(const u8* part) const {
+        if (i % 8 == 0) l1_line(part);
     }
-    __device__ Weights load(const u8* row) const { return {ld16(row + 16 * i, align), q8_0_scale(row, nb, b)}; }
+    __device__ Weights load(const u8* part) const { return {ld16(part, align), h2f(*(const u16*)(part + scale))}; }
     // The activations' blocks as quantize_q8_32 stores them (2-byte aligned).
     __device__ Acts acts(const u8* at) const {
         const u8* ab = at + (long)b * 34;

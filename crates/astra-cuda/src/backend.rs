@@ -168,19 +168,22 @@ impl HeldKernels {
         self.blocks_per_warp * HELD_WARPS
     }
 
-    /// The kernel and launch for `rows` rows of `nb` blocks and `tokens` tokens, and the
-    /// rows each CTA runs down: as many CTAs as the SMs run at once, or whole waves of
-    /// them. (Rows spread over the waves rather than a last part-filled one: 8B shape,
-    /// H200, tg64 476.9–481.2 → 482.5–486.7 tok/s, measured with at most 64 rows a CTA,
-    /// when the 128,256-row output matrix took four waves.)
-    fn launch(&self, rows: usize, nb: usize, tokens: usize) -> (&CudaFunction, LaunchConfig, i32) {
+    /// The kernel and launch for matrices of `matrix_rows` rows (each CTA's rows of one
+    /// of them) of `nb` blocks and `tokens` tokens, and the rows each CTA runs down: as
+    /// many CTAs as the SMs run at once, or whole waves of them. (Rows spread over the
+    /// waves rather than a last part-filled one: 8B shape, H200, tg64 476.9–481.2 →
+    /// 482.5–486.7 tok/s, measured with at most 64 rows a CTA, when the 128,256-row
+    /// output matrix took four waves.)
+    fn launch(&self, matrix_rows: [usize; 3], nb: usize, tokens: usize) -> (&CudaFunction, LaunchConfig, i32) {
+        let rows: usize = matrix_rows.iter().sum();
         let warps = nb.div_ceil(self.blocks_per_warp).clamp(1, HELD_WARPS);
         let set = usize::from(tokens > 1);
         let (f, groups) = if tokens > 1 { (&self.eight, tokens.div_ceil(8)) } else { (&self.one, 1) };
         let (resident, max_rows) = ((self.sms * self.ctas_per_sm[set][warps - 1]) as usize, HELD_MAX_ROWS[set]);
         let waves = rows.div_ceil(resident * max_rows).max(1);
         let per = rows.div_ceil(resident * waves).clamp(1, max_rows);
-        let cfg = LaunchConfig { grid_dim: (rows.div_ceil(per) as u32, groups as u32, 1), block_dim: (32 * warps as u32, 1, 1), shared_mem_bytes: 0 };
+        let ctas: usize = matrix_rows.iter().map(|r| r.div_ceil(per)).sum();
+        let cfg = LaunchConfig { grid_dim: (ctas as u32, groups as u32, 1), block_dim: (32 * warps as u32, 1, 1), shared_mem_bytes: 0 };
         (f, cfg, per as i32)
     }
 }
@@ -492,7 +495,7 @@ impl CudaBackend {
             let acts = scratch.buf.as_ref().expect("quantized above");
             if let Some(held) = self.held_kernels(w.ty).filter(|h| nb as usize <= h.max_blocks()) {
                 let (rows, weights, outs_ptr) = self.group_args(&mut outs[i..i + n], add_to.as_deref_mut());
-                let (f, cfg, per_cta) = held.launch(rows.iter().map(|&r| r as usize).sum(), nb as usize, tokens);
+                let (f, cfg, per_cta) = held.launch(rows.map(|r| r as usize), nb as usize, tokens);
                 let toks = tokens as i32;
                 let mut b = Args::new(f, &self.stream);
                 b.arg(weights[0]).arg(weights[1]).arg(weights[2]).arg(acts);
