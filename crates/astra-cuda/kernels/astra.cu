@@ -610,12 +610,10 @@ MATVEC_KERNELS_BOUNDED(matvec_q4_k, 144, Q8K_BYTES, Q4_K_DECODE_BOUNDS)
 // H200, tg64 491.2 → 506.1, 489.5 → 504.9, 488.0 → 496.6 tok/s. The Q4_K kernel's
 // loop is about 390 instructions long rather than 561; by Nsight Compute, caches
 // flushed, its gate and up launch 22.7 → 21.3–23.0 µs, down 14.3 → 14.0, QKV 9.9 →
-// 9.2, attention output 8.2 → 7.7.)
-// With one token the activations
-// are read once per CTA, not once per row, so that the L1 reads of a row are its
-// weights alone. Each (row, token) sum is the lanes' parts added across the warp, the
-// rows' together (warp_sum_n), and then over the warps in order, for one token or eight
-// alike. per_cta ≤ HELD_MAX_ROWS_1 or _8; grid (the three matrices' CTAs, token
+// 9.2, attention output 8.2 → 7.7.) With one token the activations are read once per
+// CTA, not once per row, so that the L1 reads of a row are its weights alone. Each
+// (row, token) sum is the lanes' parts added across the warp, the rows' together
+// (warp_sum_n), and then over the warps in order, for one token or eight alike. per_cta ≤ HELD_MAX_ROWS_1 or _8; grid (the three matrices' CTAs, token
 // groups), 32 per warp threads.
 template <int T, class K>
 __device__ __forceinline__ void matvec_held(const u8* w0, const u8* w1, const u8* w2, const u8* a, float* o0, float* o1, float* o2, int r0,
@@ -627,18 +625,18 @@ __device__ __forceinline__ void matvec_held(const u8* w0, const u8* w1, const u8
     K lanes(nb);
     // This CTA's matrix (weights, output, rows) and rows [first, last) of it.
     int cta = blockIdx.x, ctas0 = (r0 + per_cta - 1) / per_cta, ctas1 = (r1 + per_cta - 1) / per_cta;
-    const u8* w = w0;
+    const u8* matrix = w0;
     float* out = o0;
     int rows = r0;
-    if (cta >= ctas0 + ctas1) cta -= ctas0 + ctas1, w = w2, out = o2, rows = r2;
-    else if (cta >= ctas0) cta -= ctas0, w = w1, out = o1, rows = r1;
+    if (cta >= ctas0 + ctas1) cta -= ctas0 + ctas1, matrix = w2, out = o2, rows = r2;
+    else if (cta >= ctas0) cta -= ctas0, matrix = w1, out = o1, rows = r1;
     int first = cta * per_cta, last = min(rows, first + per_cta);
     // (Opaque to the compiler, which would otherwise make each row's address again
     // from its index in every step.)
     long rb;
     asm("mov.b64 %0, %1;" : "=l"(rb) : "l"(K::row_bytes(nb)));
     // This lane's part of the CTA's first row.
-    const u8* row = w + first * rb + lanes.offset();
+    const u8* row = matrix + first * rb + lanes.offset();
     if (PDL && lanes.on)
         for (int u = 0; u < U && first + u < last; u++) lanes.prefetch(row + u * rb);
     PDL_START
