@@ -787,8 +787,7 @@ fn device_row_bytes(act: ActType, n: usize) -> usize {
 /// Q8_0 weights in the kernels' layout (astra.cu, `q8_0_scale`): each row of `nb`
 /// blocks as its quants, block by block, then its f16 scales — the same bytes per row,
 /// so a row keeps its place, with block b's 32 quants at 32·b within it. Rows are
-/// rearranged on every core, a few hundred to a task (the 8B shape's 558 MB output
-/// matrix: 229 → 134 ms on two cores, 1.5 → 0.6 s where its pages are touched first).
+/// rearranged on every core, at least 256 to a task.
 fn q8_0_rows_to_device(bytes: &[u8], nb: usize) -> Vec<u8> {
     let row_bytes = (34 * nb).max(1);
     let mut out = vec![0u8; bytes.len()];
