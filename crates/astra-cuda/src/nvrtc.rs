@@ -140,14 +140,23 @@ pub fn cubin_cached(name: &str, source: &str, arch: &str, driver: i32) -> Result
 mod tests {
     use super::*;
 
+    /// Whether NVRTC is there to compile with; without it (and not required by
+    /// `ASTRA_REQUIRE_NVRTC=1`), a test says why it skips.
+    fn loadable() -> bool {
+        if available() {
+            return true;
+        }
+        let why = "NVRTC (libnvrtc.so.13) is not loadable; scripts/test installs it";
+        assert!(std::env::var("ASTRA_REQUIRE_NVRTC").map_or(true, |v| v != "1"), "{why}");
+        eprintln!("SKIPPED: {why}");
+        false
+    }
+
     /// Every kernel source compiles for sm_90 (the H200), with NVRTC alone: no GPU needed.
     /// Without NVRTC the test says so, and fails when ASTRA_REQUIRE_NVRTC=1.
     #[test]
     fn every_kernel_compiles_for_sm_90() {
-        if !available() {
-            let why = "NVRTC (libnvrtc.so.13) is not loadable; scripts/test installs it";
-            assert!(std::env::var("ASTRA_REQUIRE_NVRTC").map_or(true, |v| v != "1"), "{why}");
-            eprintln!("SKIPPED: {why}");
+        if !loadable() {
             return;
         }
         for (name, source) in SOURCES {
@@ -156,5 +165,18 @@ mod tests {
                 assert_eq!(&cubin[..4], b"\x7fELF", "{name}: a cubin is an ELF image");
             }
         }
+    }
+
+    /// The kernels of scripts/decode-ceiling.cu (a program built with nvcc on a GPU
+    /// machine) compile too.
+    #[test]
+    fn the_decode_ceiling_kernels_compile_for_sm_90() {
+        if !loadable() {
+            return;
+        }
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/decode-ceiling.cu");
+        let source = std::fs::read_to_string(path).expect("scripts/decode-ceiling.cu");
+        let cubin = compile("decode-ceiling.cu", &source, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(&cubin[..4], b"\x7fELF", "a cubin is an ELF image");
     }
 }
