@@ -63,7 +63,7 @@ extern "C" __global__ void stream(const uint4* __restrict__ w, long n16, unsigne
         uint4 a = __ldg(w + i);
         acc ^= a.x ^ a.y ^ a.z ^ a.w;
     }
-    // Never true for the bytes written below; keeps the loads.
+    // Never true for the bytes main writes (every byte 1); keeps the loads.
     if (acc == 0x12345678u) sink[0] = acc;
     if (ticket) {
         __shared__ bool last;
@@ -96,6 +96,17 @@ extern "C" __global__ void other(float* __restrict__ x, int first) {
 #include <cstdlib>
 #include <vector>
 
+// A whole argument as a number, or exit 2.
+static long number(const char* arg) {
+    char* end;
+    long v = strtol(arg, &end, 10);
+    if (*arg == '\0' || *end != '\0') {
+        fprintf(stderr, "not a number: %s\n", arg);
+        exit(2);
+    }
+    return v;
+}
+
 #define CHECK(x)                                                                              \
     do {                                                                                      \
         cudaError_t e = (x);                                                                  \
@@ -118,7 +129,7 @@ static void launch(cudaStream_t s, const void* f, dim3 grid, dim3 block, void** 
 struct Variant {
     const char* name;
     bool one;        // one kernel for every byte of the step
-    int others;      // other kernels a layer (0: products only)
+    bool others;     // the step's other kernels launched too
     bool dependent;  // programmatic dependent launches
     bool early;      // products ask for their first weights before the wait
     int first;       // other kernels let the next be scheduled before their wait
@@ -134,13 +145,15 @@ int main(int argc, char** argv) {
             fprintf(stderr, "usage: %s [LAYERS OTHERS OUTPUT_BYTES BYTES...]\n", argv[0]);
             return 2;
         }
-        layers = atoi(argv[1]), others = atoi(argv[2]), output = atol(argv[3]);
+        long n = number(argv[1]), o = number(argv[2]);
+        output = number(argv[3]);
         layer.clear();
-        for (int i = 4; i < argc; i++) layer.push_back(atol(argv[i]));
-        if (layers < 1 || others < 0 || output < 0) {
-            fprintf(stderr, "LAYERS must be positive, OTHERS and OUTPUT_BYTES not negative\n");
+        for (int i = 4; i < argc; i++) layer.push_back(number(argv[i]));
+        if (n < 1 || n > 1000 || o < 0 || o > 1000 || output < 0) {
+            fprintf(stderr, "LAYERS must be 1..1000, OTHERS 0..1000, OUTPUT_BYTES not negative\n");
             return 2;
         }
+        layers = (int)n, others = (int)o;
         for (long b : layer)
             if (b < 16) {
                 fprintf(stderr, "each launch streams at least 16 bytes\n");
@@ -150,12 +163,9 @@ int main(int argc, char** argv) {
     // The launches of a step: bytes, and how many other kernels follow.
     std::vector<long> bytes;
     std::vector<int> after;
+    int share = others / (int)layer.size(), first_share = others - share * ((int)layer.size() - 1);
     for (int l = 0; l < layers; l++)
-        for (size_t k = 0; k < layer.size(); k++) {
-            bytes.push_back(layer[k]);
-            int share = others / (int)layer.size();
-            after.push_back(k == 0 ? others - share * ((int)layer.size() - 1) : share);
-        }
+        for (size_t k = 0; k < layer.size(); k++) bytes.push_back(layer[k]), after.push_back(k == 0 ? first_share : share);
     if (output > 0) bytes.push_back(output), after.push_back(0);
     long total = 0;
     std::vector<long> offset;
@@ -184,15 +194,18 @@ int main(int argc, char** argv) {
            2.0 * mem_khz * 1e3 * bus_bits / 8 / 1e12);
 
     Variant variants[] = {
-        {"one kernel streaming every byte", true, 0, false, false, 0, false},
-        {"a kernel a product", false, 0, false, false, 0, false},
-        {"a kernel a product, dependent launches", false, 0, true, false, 0, false},
-        {"  and first weights asked before the wait", false, 0, true, true, 0, false},
-        {"+ the other kernels, dependent launches", false, others, true, false, 0, false},
-        {"  and first weights asked before the wait", false, others, true, true, 0, false},
-        {"  and the others scheduling the next first", false, others, true, true, 1, false},
-        {"  and an other folded into each product but the first", false, others, true, true, 0, true},
+        {"one kernel streaming every byte", true, false, false, false, 0, false},
+        {"a kernel a product", false, false, false, false, 0, false},
+        {"a kernel a product, dependent launches", false, false, true, false, 0, false},
+        {"  and first weights asked before the wait", false, false, true, true, 0, false},
+        {"+ the other kernels, dependent launches", false, true, true, false, 0, false},
+        {"  and first weights asked before the wait", false, true, true, true, 0, false},
+        {"  and the others scheduling the next first", false, true, true, true, 1, false},
+        {"  and an other folded into each product but the first", false, true, true, true, 0, true},
     };
+    cudaEvent_t a, b;
+    CHECK(cudaEventCreate(&a));
+    CHECK(cudaEventCreate(&b));
     double one_step = 0;
     for (const Variant& v : variants) {
         cudaGraph_t g;
@@ -224,9 +237,6 @@ int main(int argc, char** argv) {
         CHECK(cudaGraphInstantiate(&exec, g, 0));
         for (int r = 0; r < 5; r++) CHECK(cudaGraphLaunch(exec, s));
         CHECK(cudaStreamSynchronize(s));
-        cudaEvent_t a, b;
-        CHECK(cudaEventCreate(&a));
-        CHECK(cudaEventCreate(&b));
         const int reps = 50;
         CHECK(cudaEventRecord(a, s));
         for (int r = 0; r < reps; r++) CHECK(cudaGraphLaunch(exec, s));
