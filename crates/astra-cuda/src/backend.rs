@@ -7,14 +7,20 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use astra_engine::backend::{add_to_residual, compose_feed_forward, Activation, Attend, Backend, FeedForward, Heads, Input, Rope, SeqRows};
-use astra_engine::weights::MatRef;
 use astra_engine::attention::{KvLayout, KvType, LayerSlots, CHUNK};
+use astra_engine::backend::{
+    add_to_residual, compose_feed_forward, Activation, Attend, Backend, FeedForward, Heads, Input,
+    Rope, SeqRows,
+};
+use astra_engine::weights::MatRef;
 use astra_engine::EngineError;
 use astra_gguf::{GgmlType, GgufFile};
 use astra_quant::ActType;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PinnedHostSlice};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    DevicePtrMut, LaunchConfig, PinnedHostSlice,
+};
 use rayon::prelude::*;
 
 use crate::gemm::{self, Gemm};
@@ -64,27 +70,55 @@ struct Kernels {
 impl Kernels {
     /// Compiles `source` for `arch` (or takes it from the disk cache), loads it, and
     /// writes the IQ2_S codebook into its table.
-    fn load(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, name: &str, source: &str, arch: &str, driver: i32) -> Result<Kernels, EngineError> {
+    fn load(
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+        name: &str,
+        source: &str,
+        arch: &str,
+        driver: i32,
+    ) -> Result<Kernels, EngineError> {
         let cubin = nvrtc::cubin_cached(name, source, arch, driver).map_err(EngineError::Load)?;
-        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(gpu_err("loading kernels"))?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(gpu_err("loading kernels"))?;
         let f = |n: &str| module.load_function(n).map_err(gpu_err("kernel lookup"));
         // A type's one- and three-matrix launches with a name suffix, where it has them.
-        let launches = |has: bool, n: &str, suffix: &str| -> Result<Option<(CudaFunction, CudaFunction)>, EngineError> {
-            has.then(|| Ok((f(&format!("{n}{suffix}"))?, f(&format!("{n}_3{suffix}"))?))).transpose()
+        let launches = |has: bool,
+                        n: &str,
+                        suffix: &str|
+         -> Result<Option<(CudaFunction, CudaFunction)>, EngineError> {
+            has.then(|| Ok((f(&format!("{n}{suffix}"))?, f(&format!("{n}_3{suffix}"))?)))
+                .transpose()
         };
         let mv = |n: &str, batch: bool, glu: bool| -> Result<MatvecKernels, EngineError> {
             let (one, three) = launches(true, n, "")?.expect("always built");
             let batch = launches(batch, n, "_8")?;
             let glu = glu.then(|| f(&format!("{n}_glu"))).transpose()?;
-            Ok(MatvecKernels { one, three, batch, glu })
+            Ok(MatvecKernels {
+                one,
+                three,
+                batch,
+                glu,
+            })
         };
         let k = Kernels {
             quantize_q8_32: f("quantize_q8_32")?,
             quantize_q8_k: f("quantize_q8_k")?,
             matvec: f("matvec")?,
             matvec_q4_k: mv("matvec_q4_k", true, false)?,
-            matvec_q4_k_held: HeldKernels::load(&f("matvec_q4_k_held")?, &f("matvec_q4_k_held_8")?, ctx, Q4K_HELD_BLOCKS)?,
-            matvec_q8_0_held: HeldKernels::load(&f("matvec_q8_0_held")?, &f("matvec_q8_0_held_8")?, ctx, Q8_0_HELD_BLOCKS)?,
+            matvec_q4_k_held: HeldKernels::load(
+                &f("matvec_q4_k_held")?,
+                &f("matvec_q4_k_held_8")?,
+                ctx,
+                Q4K_HELD_BLOCKS,
+            )?,
+            matvec_q8_0_held: HeldKernels::load(
+                &f("matvec_q8_0_held")?,
+                &f("matvec_q8_0_held_8")?,
+                ctx,
+                Q8_0_HELD_BLOCKS,
+            )?,
             matvec_q4_1: mv("matvec_q4_1", false, true)?,
             matvec_q5_0: mv("matvec_q5_0", true, false)?,
             matvec_q8_0: mv("matvec_q8_0", true, false)?,
@@ -106,11 +140,17 @@ impl Kernels {
             _module: Arc::clone(&module),
         };
         // The IQ2_S codebook, from the one table the CPU kernels use.
-        let mut grid = module.get_global("iq2s_grid", stream).map_err(gpu_err("finding the IQ2_S table"))?;
+        let mut grid = module
+            .get_global("iq2s_grid", stream)
+            .map_err(gpu_err("finding the IQ2_S table"))?;
         // SAFETY: `iq2s_grid` is declared in astra.cu as 1024 u64s.
         let mut grid = unsafe { grid.transmute_mut::<u64>(astra_quant::IQ2S_GRID.len()) }
-            .ok_or_else(|| EngineError::Backend("the kernels' IQ2_S table has the wrong size".into()))?;
-        stream.memcpy_htod(&astra_quant::IQ2S_GRID[..], &mut grid).map_err(gpu_err("uploading the IQ2_S table"))?;
+            .ok_or_else(|| {
+                EngineError::Backend("the kernels' IQ2_S table has the wrong size".into())
+            })?;
+        stream
+            .memcpy_htod(&astra_quant::IQ2S_GRID[..], &mut grid)
+            .map_err(gpu_err("uploading the IQ2_S table"))?;
         Ok(k)
     }
 }
@@ -153,15 +193,33 @@ const Q4K_HELD_BLOCKS: usize = 8;
 const Q8_0_HELD_BLOCKS: usize = 16;
 
 impl HeldKernels {
-    fn load(one: &CudaFunction, eight: &CudaFunction, ctx: &Arc<CudaContext>, blocks_per_warp: usize) -> Result<HeldKernels, EngineError> {
-        let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(gpu_err("counting SMs"))?;
+    fn load(
+        one: &CudaFunction,
+        eight: &CudaFunction,
+        ctx: &Arc<CudaContext>,
+        blocks_per_warp: usize,
+    ) -> Result<HeldKernels, EngineError> {
+        let sms = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(gpu_err("counting SMs"))?;
         let mut ctas_per_sm = [[1; HELD_WARPS]; 2];
         for (f, per) in [one, eight].into_iter().zip(&mut ctas_per_sm) {
             for (w, n) in per.iter_mut().enumerate() {
-                *n = f.occupancy_max_active_blocks_per_multiprocessor(32 * (w as u32 + 1), 0, None).map_err(gpu_err("kernel occupancy"))?.max(1);
+                *n = f
+                    .occupancy_max_active_blocks_per_multiprocessor(32 * (w as u32 + 1), 0, None)
+                    .map_err(gpu_err("kernel occupancy"))?
+                    .max(1);
             }
         }
-        Ok(HeldKernels { one: one.clone(), eight: eight.clone(), blocks_per_warp, ctas_per_sm, sms: sms.max(1) as u32 })
+        Ok(HeldKernels {
+            one: one.clone(),
+            eight: eight.clone(),
+            blocks_per_warp,
+            ctas_per_sm,
+            sms: sms.max(1) as u32,
+        })
     }
 
     /// The longest rows, in blocks, that the kernels take.
@@ -175,16 +233,32 @@ impl HeldKernels {
     /// waves rather than a last part-filled one: 8B shape, H200, tg64 476.9–481.2 →
     /// 482.5–486.7 tok/s, measured with at most 64 rows a CTA, when the 128,256-row
     /// output matrix took four waves.)
-    fn launch(&self, matrix_rows: [usize; 3], nb: usize, tokens: usize) -> (&CudaFunction, LaunchConfig, i32) {
+    fn launch(
+        &self,
+        matrix_rows: [usize; 3],
+        nb: usize,
+        tokens: usize,
+    ) -> (&CudaFunction, LaunchConfig, i32) {
         let rows: usize = matrix_rows.iter().sum();
         let warps = nb.div_ceil(self.blocks_per_warp).clamp(1, HELD_WARPS);
         let set = usize::from(tokens > 1);
-        let (f, groups) = if tokens > 1 { (&self.eight, tokens.div_ceil(8)) } else { (&self.one, 1) };
-        let (resident, max_rows) = ((self.sms * self.ctas_per_sm[set][warps - 1]) as usize, HELD_MAX_ROWS[set]);
+        let (f, groups) = if tokens > 1 {
+            (&self.eight, tokens.div_ceil(8))
+        } else {
+            (&self.one, 1)
+        };
+        let (resident, max_rows) = (
+            (self.sms * self.ctas_per_sm[set][warps - 1]) as usize,
+            HELD_MAX_ROWS[set],
+        );
         let waves = rows.div_ceil(resident * max_rows).max(1);
         let per = rows.div_ceil(resident * waves).clamp(1, max_rows);
         let ctas: usize = matrix_rows.iter().map(|r| r.div_ceil(per)).sum();
-        let cfg = LaunchConfig { grid_dim: (ctas as u32, groups as u32, 1), block_dim: (32 * warps as u32, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (ctas as u32, groups as u32, 1),
+            block_dim: (32 * warps as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
         (f, cfg, per as i32)
     }
 }
@@ -317,7 +391,11 @@ fn attention_threads(head_dim: usize) -> u32 {
 const THREADS: u32 = 256;
 
 fn grid_for(n: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: ((n as u32).div_ceil(THREADS), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(THREADS), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// Why CUDA cannot be used here, in one line; `None` when the driver is present.
@@ -341,13 +419,17 @@ impl CudaBackend {
         }
         let count = CudaContext::device_count().map_err(gpu_err("counting devices"))?;
         if ordinal as i32 >= count {
-            return Err(EngineError::Backend(format!("CUDA device {ordinal} requested; {count} present")));
+            return Err(EngineError::Backend(format!(
+                "CUDA device {ordinal} requested; {count} present"
+            )));
         }
         let ctx = CudaContext::new(ordinal).map_err(gpu_err("creating a context"))?;
         // One stream, in order: the per-buffer event tracking is not needed.
         // SAFETY: every launch goes to the one stream below.
         unsafe { ctx.disable_event_tracking() };
-        let (major, minor) = ctx.compute_capability().map_err(gpu_err("compute capability"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(gpu_err("compute capability"))?;
         let arch = format!("sm_{major}{minor}");
         let mut driver = 0;
         // SAFETY: an out-parameter.
@@ -359,24 +441,41 @@ impl CudaBackend {
         // Recorded decode steps launch each kernel as a programmatic dependent of the
         // one before (compute capability 9.0 and up; ASTRA_CUDA_PDL=0 turns it off).
         let graphs = std::env::var("ASTRA_CUDA_GRAPHS").map_or(true, |v| v != "0");
-        let k_graph = if graphs && major >= 9 && std::env::var("ASTRA_CUDA_PDL").map_or(true, |v| v != "0") {
-            Some(Kernels::load(&ctx, &stream, name, &nvrtc::with_dependent_launch(source), &arch, driver)?)
-        } else {
-            None
-        };
+        let k_graph =
+            if graphs && major >= 9 && std::env::var("ASTRA_CUDA_PDL").map_or(true, |v| v != "0") {
+                Some(Kernels::load(
+                    &ctx,
+                    &stream,
+                    name,
+                    &nvrtc::with_dependent_launch(source),
+                    &arch,
+                    driver,
+                )?)
+            } else {
+                None
+            };
         let gemm = match mode {
             Mode::Fast => match gemm::Precision::from_env().map_err(EngineError::Backend)? {
-                Some(precision) if gemm::available() => Some(Gemm::new(&stream, precision).map_err(EngineError::Backend)?),
+                Some(precision) if gemm::available() => {
+                    Some(Gemm::new(&stream, precision).map_err(EngineError::Backend)?)
+                }
                 _ => None,
             },
             Mode::Deterministic => None,
         };
         let products = match &gemm {
-            Some(g) => format!("batches of {}+ tokens through cuBLAS, {:?}", gemm::MIN_TOKENS, g.precision()),
+            Some(g) => format!(
+                "batches of {}+ tokens through cuBLAS, {:?}",
+                gemm::MIN_TOKENS,
+                g.precision()
+            ),
             None if mode == Mode::Deterministic => "deterministic".into(),
             None => "every product by astra's kernels".into(),
         };
-        let device = format!("{} ({arch}, driver {driver}; {products})", ctx.name().unwrap_or_else(|_| "GPU".into()));
+        let device = format!(
+            "{} ({arch}, driver {driver}; {products})",
+            ctx.name().unwrap_or_else(|_| "GPU".into())
+        );
         Ok(CudaBackend {
             stream,
             k,
@@ -392,8 +491,14 @@ impl CudaBackend {
             gemm,
             dequantized: Mutex::new(None),
             gemm_products: AtomicU64::new(0),
-            separate_steps: std::env::var("ASTRA_CUDA_SEPARATE_DECODE").ok().and_then(|v| v.parse().ok()).unwrap_or(SEPARATE_DECODE_STEPS).max(1),
-            staging: std::env::var("ASTRA_CUDA_PINNED").map_or(true, |v| v != "0").then(|| Mutex::new(None)),
+            separate_steps: std::env::var("ASTRA_CUDA_SEPARATE_DECODE")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(SEPARATE_DECODE_STEPS)
+                .max(1),
+            staging: std::env::var("ASTRA_CUDA_PINNED")
+                .map_or(true, |v| v != "0")
+                .then(|| Mutex::new(None)),
         })
     }
 
@@ -404,7 +509,13 @@ impl CudaBackend {
     /// `scratch` with room for `rows` rows of `width` values quantized for `act`, grown
     /// if too small; `None` where it would have to grow during a capture (which is then
     /// dropped).
-    fn reserve<'s>(&self, scratch: &'s mut Scratch, act: ActType, rows: usize, width: usize) -> Option<&'s mut CudaSlice<u8>> {
+    fn reserve<'s>(
+        &self,
+        scratch: &'s mut Scratch,
+        act: ActType,
+        rows: usize,
+        width: usize,
+    ) -> Option<&'s mut CudaSlice<u8>> {
         let need = device_row_bytes(act, width) * rows;
         if scratch.buf.as_ref().is_none_or(|b| b.len() < need) {
             if self.capturing.load(Ordering::Relaxed) {
@@ -412,7 +523,8 @@ impl CudaBackend {
                 return None;
             }
             // SAFETY: every byte read is first written by a quantization kernel.
-            scratch.buf = Some(unsafe { self.stream.alloc::<u8>(need.max(1 << 16)) }.expect("CUDA alloc"));
+            scratch.buf =
+                Some(unsafe { self.stream.alloc::<u8>(need.max(1 << 16)) }.expect("CUDA alloc"));
             self.scratch_generation.fetch_add(1, Ordering::Relaxed);
         }
         scratch.buf.as_mut()
@@ -423,16 +535,33 @@ impl CudaBackend {
     /// during a capture. Norm and gated product are computed inside the quantization.
     fn quantize(&self, input: &Input<'_, Self>, act: ActType, scratch: &mut Scratch) -> bool {
         let x = input_rows(input);
-        let Some(out) = self.reserve(scratch, act, x.rows, x.width) else { return false };
+        let Some(out) = self.reserve(scratch, act, x.rows, x.width) else {
+            return false;
+        };
         let (cols, rows) = (x.width as i32, x.rows as u32);
         if let Input::Normed { w, eps, .. } = input {
             let kind = quant_kind(act).expect("float weights are not uploaded to this backend");
             // Rows longer than 2,048 values take a CTA per 256 of them.
-            let (f, split) =
-                if x.width > 2048 { (&self.k().rms_norm_quantize.1, (x.width as u32).div_ceil(THREADS)) } else { (&self.k().rms_norm_quantize.0, 1) };
-            let cfg = LaunchConfig { grid_dim: (rows, split, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+            let (f, split) = if x.width > 2048 {
+                (
+                    &self.k().rms_norm_quantize.1,
+                    (x.width as u32).div_ceil(THREADS),
+                )
+            } else {
+                (&self.k().rms_norm_quantize.0, 1)
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (rows, split, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
             let mut b = Args::new(f, &self.stream);
-            b.arg(&x.buf).arg(*w).out(out).arg(&cols).arg(eps).arg(&kind);
+            b.arg(&x.buf)
+                .arg(*w)
+                .out(out)
+                .arg(&cols)
+                .arg(eps)
+                .arg(&kind);
             self.launch(b, cfg);
             return true;
         }
@@ -447,13 +576,26 @@ impl CudaBackend {
         match act {
             ActType::Q8_0 | ActType::Q8_1 => {
                 let with_sum = i32::from(act == ActType::Q8_1);
-                let cfg = LaunchConfig { grid_dim: (x.width as u32 / 32, rows, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
+                let cfg = LaunchConfig {
+                    grid_dim: (x.width as u32 / 32, rows, 1),
+                    block_dim: (32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
                 let mut b = Args::new(&self.k().quantize_q8_32, &self.stream);
-                b.arg(&x.buf).out(out).arg(&cols).arg(&with_sum).arg(&up).arg(&glu);
+                b.arg(&x.buf)
+                    .out(out)
+                    .arg(&cols)
+                    .arg(&with_sum)
+                    .arg(&up)
+                    .arg(&glu);
                 self.launch(b, cfg);
             }
             ActType::Q8K => {
-                let cfg = LaunchConfig { grid_dim: (x.width as u32 / 256, rows, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+                let cfg = LaunchConfig {
+                    grid_dim: (x.width as u32 / 256, rows, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
                 let mut b = Args::new(&self.k().quantize_q8_k, &self.stream);
                 b.arg(&x.buf).out(out).arg(&cols).arg(&up).arg(&glu);
                 self.launch(b, cfg);
@@ -475,7 +617,10 @@ impl CudaBackend {
         mut add_to: Option<&mut GpuTensor>,
         prepare: &mut dyn FnMut(ActType, &mut Scratch) -> bool,
     ) {
-        assert!(add_to.is_none() || outs.len() == 1, "a residual add takes one matrix");
+        assert!(
+            add_to.is_none() || outs.len() == 1,
+            "a residual add takes one matrix"
+        );
         let mut scratch = source.lock().expect("scratch lock");
         let mut quantized: Option<ActType> = None;
         let mut i = 0;
@@ -486,7 +631,11 @@ impl CudaBackend {
             let acc = i32::from(add_to.is_some());
             // The following matrices of the same type and width (Q, K, V; gate, up) go
             // in the same launch, up to three.
-            let n = outs[i..].iter().take(3).take_while(|(m, _)| m.ty == w.ty && m.cols == w.cols).count();
+            let n = outs[i..]
+                .iter()
+                .take(3)
+                .take_while(|(m, _)| m.ty == w.ty && m.cols == w.cols)
+                .count();
             if quantized != Some(w.act) {
                 if !prepare(w.act, &mut scratch) {
                     return;
@@ -494,21 +643,32 @@ impl CudaBackend {
                 quantized = Some(w.act);
             }
             let acts = scratch.buf.as_ref().expect("quantized above");
-            if let Some(held) = self.held_kernels(w.ty).filter(|h| nb as usize <= h.max_blocks()) {
-                let (rows, weights, outs_ptr) = self.group_args(&mut outs[i..i + n], add_to.as_deref_mut());
+            if let Some(held) = self
+                .held_kernels(w.ty)
+                .filter(|h| nb as usize <= h.max_blocks())
+            {
+                let (rows, weights, outs_ptr) =
+                    self.group_args(&mut outs[i..i + n], add_to.as_deref_mut());
                 let (f, cfg, per_cta) = held.launch(rows.map(|r| r as usize), nb as usize, tokens);
                 let toks = tokens as i32;
                 let mut b = Args::new(f, &self.stream);
                 b.arg(weights[0]).arg(weights[1]).arg(weights[2]).arg(acts);
                 b.arg(&outs_ptr[0]).arg(&outs_ptr[1]).arg(&outs_ptr[2]);
-                b.arg(&rows[0]).arg(&rows[1]).arg(&rows[2]).arg(&nb).arg(&per_cta).arg(&acc).arg(&toks);
+                b.arg(&rows[0])
+                    .arg(&rows[1])
+                    .arg(&rows[2])
+                    .arg(&nb)
+                    .arg(&per_cta)
+                    .arg(&acc)
+                    .arg(&toks);
                 self.launch(b, cfg);
                 i += n;
                 continue;
             }
             // Warp-cooperative kernels where there is one; a lane per block otherwise.
             let Some(kernels) = self.matvec_kernels(w.ty) else {
-                let (wbytes, abytes) = (w.ty.block_bytes() as i32, device_block_bytes(w.act) as i32);
+                let (wbytes, abytes) =
+                    (w.ty.block_bytes() as i32, device_block_bytes(w.act) as i32);
                 let (ty, rows) = (type_code(w.ty), w.rows as i32);
                 let cfg = matvec_grid(w.rows, tokens);
                 let out = match add_to.as_deref_mut() {
@@ -516,7 +676,15 @@ impl CudaBackend {
                     None => &mut outs[i].1.buf,
                 };
                 let mut b = Args::new(&self.k().matvec, &self.stream);
-                b.arg(&ty).arg(&w.data).arg(acts).out(out).arg(&rows).arg(&nb).arg(&wbytes).arg(&abytes).arg(&acc);
+                b.arg(&ty)
+                    .arg(&w.data)
+                    .arg(acts)
+                    .out(out)
+                    .arg(&rows)
+                    .arg(&nb)
+                    .arg(&wbytes)
+                    .arg(&abytes)
+                    .arg(&acc);
                 self.launch(b, cfg);
                 i += 1;
                 continue;
@@ -536,17 +704,30 @@ impl CudaBackend {
                     None => &mut outs[i].1.buf,
                 };
                 let mut b = Args::new(one, &self.stream);
-                b.arg(&w.data).arg(acts).out(out).arg(&rows).arg(&nb).arg(&acc).arg(&toks);
+                b.arg(&w.data)
+                    .arg(acts)
+                    .out(out)
+                    .arg(&rows)
+                    .arg(&nb)
+                    .arg(&acc)
+                    .arg(&toks);
                 self.launch(b, cfg);
                 i += 1;
                 continue;
             }
             let (rows, weights, outs_ptr) = self.group_args(&mut outs[i..i + n], None);
-            let cfg = matvec_grid(rows.iter().map(|&r| r as usize).sum::<usize>(), tokens.div_ceil(per_warp));
+            let cfg = matvec_grid(
+                rows.iter().map(|&r| r as usize).sum::<usize>(),
+                tokens.div_ceil(per_warp),
+            );
             let mut b = Args::new(three, &self.stream);
             b.arg(weights[0]).arg(weights[1]).arg(weights[2]).arg(acts);
             b.arg(&outs_ptr[0]).arg(&outs_ptr[1]).arg(&outs_ptr[2]);
-            b.arg(&rows[0]).arg(&rows[1]).arg(&rows[2]).arg(&nb).arg(&toks);
+            b.arg(&rows[0])
+                .arg(&rows[1])
+                .arg(&rows[2])
+                .arg(&nb)
+                .arg(&toks);
             self.launch(b, cfg);
             i += n;
         }
@@ -556,7 +737,11 @@ impl CudaBackend {
     /// weights and outputs (`add_to`, where given, for a group of one). With fewer than
     /// three, the last slots repeat the last matrix's pointers with no rows, so they are
     /// never used.
-    fn group_args<'m>(&self, group: &mut [(&'m GpuMatrix, &mut GpuTensor)], mut add_to: Option<&mut GpuTensor>) -> ([i32; 3], [&'m CudaSlice<u8>; 3], [u64; 3]) {
+    fn group_args<'m>(
+        &self,
+        group: &mut [(&'m GpuMatrix, &mut GpuTensor)],
+        mut add_to: Option<&mut GpuTensor>,
+    ) -> ([i32; 3], [&'m CudaSlice<u8>; 3], [u64; 3]) {
         let last = group.len() - 1;
         let rows = std::array::from_fn(|j| group.get(j).map_or(0, |(m, _)| m.rows as i32));
         let weights = std::array::from_fn(|j| {
@@ -598,7 +783,13 @@ impl CudaBackend {
     /// Attention of sequence `seq` of `a` (kernels as `attend` in astra.cu): into
     /// `out`, or, with `quantized` (one decode row), as the quantized row of a matrix
     /// product's activations (its quantization kind, as [`quant_kind`]).
-    fn launch_attention(&self, a: &mut Attend<'_, '_, Self>, seq: usize, out: &mut GpuTensor, quantized: Option<(&mut CudaSlice<u8>, i32)>) {
+    fn launch_attention(
+        &self,
+        a: &mut Attend<'_, '_, Self>,
+        seq: usize,
+        out: &mut GpuTensor,
+        quantized: Option<(&mut CudaSlice<u8>, i32)>,
+    ) {
         let (q, positions, scale) = (a.q, a.positions, a.scale);
         let s = &mut a.seqs[seq];
         let kv = &mut *s.kv;
@@ -608,7 +799,9 @@ impl CudaBackend {
         let n = s.rows.len() as u32;
         let window = l.window.map_or(0, |w| w as i32);
         let (nh, grp, hdi) = (n_head as i32, group as i32, hd as i32);
-        let (qout, qkind) = quantized.map_or((0u64, -1i32), |(buf, kind)| (buf.device_ptr_mut(&self.stream).0, kind));
+        let (qout, qkind) = quantized.map_or((0u64, -1i32), |(buf, kind)| {
+            (buf.device_ptr_mut(&self.stream).0, kind)
+        });
         // A row's result is the same whichever kernel runs it (astra.cu, `attend`).
         let block_dim = (attention_threads(hd), 1, 1);
         if n == 1 {
@@ -616,31 +809,77 @@ impl CudaBackend {
             // The chunk's value rows in dynamic shared memory, each padded by 16 bytes
             // (astra.cu, chunk_part and SV_STRIDE).
             let shared = (CHUNK * (hd + 8) * 2) as u32;
-            let cfg = LaunchConfig { grid_dim: (n_head as u32, split as u32, 1), block_dim, shared_mem_bytes: shared };
+            let cfg = LaunchConfig {
+                grid_dim: (n_head as u32, split as u32, 1),
+                block_dim,
+                shared_mem_bytes: shared,
+            };
             let max_chunks = kv.max_chunks as i32;
             let mut b = Args::new(&self.k().attention.0, &self.stream);
-            b.arg(&q.buf).arg(&l.k).arg(&l.v).out(&mut out.buf).arg(&row0).arg(positions).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi);
-            b.arg(&scale).arg(&qout).arg(&qkind).out(&mut kv.parts).out(&mut kv.tickets).arg(&max_chunks);
+            b.arg(&q.buf)
+                .arg(&l.k)
+                .arg(&l.v)
+                .out(&mut out.buf)
+                .arg(&row0)
+                .arg(positions)
+                .arg(&slots)
+                .arg(&window)
+                .arg(&nh)
+                .arg(&grp)
+                .arg(&hdi);
+            b.arg(&scale)
+                .arg(&qout)
+                .arg(&qkind)
+                .out(&mut kv.parts)
+                .out(&mut kv.tickets)
+                .arg(&max_chunks);
             self.launch(b, cfg);
             return;
         }
-        let cfg = LaunchConfig { grid_dim: (n_head as u32, n.div_ceil(4), 1), block_dim, shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (n_head as u32, n.div_ceil(4), 1),
+            block_dim,
+            shared_mem_bytes: 0,
+        };
         let rows = n as i32;
         let mut b = Args::new(&self.k().attention.1, &self.stream);
-        b.arg(&q.buf).arg(&l.k).arg(&l.v).out(&mut out.buf).arg(&row0).arg(positions).arg(&rows).arg(&slots).arg(&window).arg(&nh).arg(&grp).arg(&hdi).arg(&scale);
+        b.arg(&q.buf)
+            .arg(&l.k)
+            .arg(&l.v)
+            .out(&mut out.buf)
+            .arg(&row0)
+            .arg(positions)
+            .arg(&rows)
+            .arg(&slots)
+            .arg(&window)
+            .arg(&nh)
+            .arg(&grp)
+            .arg(&hdi)
+            .arg(&scale);
         self.launch(b, cfg);
     }
 
     /// The products of a batch of `tokens` through cuBLAS, where they go there.
     fn batched(&self, tokens: usize) -> Option<&Gemm> {
-        self.gemm.as_ref().filter(|_| tokens >= gemm::MIN_TOKENS && !self.capturing.load(Ordering::Relaxed))
+        self.gemm
+            .as_ref()
+            .filter(|_| tokens >= gemm::MIN_TOKENS && !self.capturing.load(Ordering::Relaxed))
     }
 
     /// `input`'s rows (made in f32: normed into `normed`, gated over `gate`) times each
     /// matrix of `outs` through `gemm`, dequantized a slice of rows at a time; with
     /// `add_to`, the one product is added to it.
-    fn products_through(&self, gemm: &Gemm, input: Input<'_, Self>, outs: &mut [(&GpuMatrix, &mut GpuTensor)], mut add_to: Option<&mut GpuTensor>) {
-        assert!(add_to.is_none() || outs.len() == 1, "a residual add takes one matrix");
+    fn products_through(
+        &self,
+        gemm: &Gemm,
+        input: Input<'_, Self>,
+        outs: &mut [(&GpuMatrix, &mut GpuTensor)],
+        mut add_to: Option<&mut GpuTensor>,
+    ) {
+        assert!(
+            add_to.is_none() || outs.len() == 1,
+            "a residual add takes one matrix"
+        );
         let x = input.make(self);
         let mut scratch = self.dequantized.lock().expect("scratch lock");
         for (w, out) in outs.iter_mut() {
@@ -648,7 +887,8 @@ impl CudaBackend {
             let slice = (gemm::SLICE_BYTES / (4 * w.cols)).clamp(1, w.rows);
             if scratch.as_ref().is_none_or(|b| b.len() < slice * w.cols) {
                 // SAFETY: every value read is first written by `dequantize`.
-                *scratch = Some(unsafe { self.stream.alloc::<f32>(slice * w.cols) }.expect("CUDA alloc"));
+                *scratch =
+                    Some(unsafe { self.stream.alloc::<f32>(slice * w.cols) }.expect("CUDA alloc"));
             }
             let dq = scratch.as_mut().expect("allocated above");
             let accumulate = add_to.is_some();
@@ -661,11 +901,25 @@ impl CudaBackend {
             for row0 in (0..w.rows).step_by(slice) {
                 let n = slice.min(w.rows - row0);
                 let src = base + (row0 * row_bytes) as u64;
-                let cfg = LaunchConfig { grid_dim: (n as u32, (w.cols as u32).div_ceil(THREADS), 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+                let cfg = LaunchConfig {
+                    grid_dim: (n as u32, (w.cols as u32).div_ceil(THREADS), 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
                 let mut b = Args::new(&self.k().dequantize, &self.stream);
                 b.arg(&ty).arg(&src).out(dq).arg(&cols).arg(&rb);
                 self.launch(b, cfg);
-                let done = gemm.product(dq, n, w.cols, &x.buf, x.rows, &mut dst.buf, row0, w.rows, accumulate);
+                let done = gemm.product(
+                    dq,
+                    n,
+                    w.cols,
+                    &x.buf,
+                    x.rows,
+                    &mut dst.buf,
+                    row0,
+                    w.rows,
+                    accumulate,
+                );
                 done.unwrap_or_else(|e| panic!("CUDA: {e}"));
             }
             self.gemm_products.fetch_add(1, Ordering::Relaxed);
@@ -685,28 +939,62 @@ impl CudaBackend {
     /// not, or where a capture would need to allocate.
     fn fused_feed_forward(&self, f: &mut FeedForward<'_, Self>) -> bool {
         let (g, u, d) = (f.gate, f.up, f.down);
-        let Some(glu) = self.matvec_kernels(g.ty).and_then(|k| k.glu.as_ref()) else { return false };
-        let Some(kind) = quant_kind(d.act).filter(|&k| k < 2) else { return false };
-        if f.x.rows != 1 || u.ty != g.ty || u.rows != g.rows || u.cols != g.cols || g.rows % 32 != 0 || d.cols != g.rows {
+        let Some(glu) = self.matvec_kernels(g.ty).and_then(|k| k.glu.as_ref()) else {
+            return false;
+        };
+        let Some(kind) = quant_kind(d.act).filter(|&k| k < 2) else {
+            return false;
+        };
+        if f.x.rows != 1
+            || u.ty != g.ty
+            || u.rows != g.rows
+            || u.cols != g.cols
+            || g.rows % 32 != 0
+            || d.cols != g.rows
+        {
             return false;
         }
         let mut acts = self.acts.lock().expect("scratch lock");
         let mut gated = self.gated_acts.lock().expect("scratch lock");
         // Reserve first: nothing is launched unless everything fits.
-        if self.reserve(&mut acts, g.act, 1, g.cols).is_none() || self.reserve(&mut gated, d.act, 1, g.rows).is_none() {
+        if self.reserve(&mut acts, g.act, 1, g.cols).is_none()
+            || self.reserve(&mut gated, d.act, 1, g.rows).is_none()
+        {
             return false;
         }
-        let normed_input = Input::Normed { x: &*f.x, w: f.norm, eps: f.eps, normed: &mut *f.normed };
-        assert!(self.quantize(&normed_input, g.act, &mut acts), "reserved above");
-        let (nb, act) = ((g.cols / g.ty.block_elems() as usize) as i32, glu_code(f.act));
-        let cfg = LaunchConfig { grid_dim: ((g.rows / 32) as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let normed_input = Input::Normed {
+            x: &*f.x,
+            w: f.norm,
+            eps: f.eps,
+            normed: &mut *f.normed,
+        };
+        assert!(
+            self.quantize(&normed_input, g.act, &mut acts),
+            "reserved above"
+        );
+        let (nb, act) = (
+            (g.cols / g.ty.block_elems() as usize) as i32,
+            glu_code(f.act),
+        );
+        let cfg = LaunchConfig {
+            grid_dim: ((g.rows / 32) as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = Args::new(glu, &self.stream);
-        b.arg(&g.data).arg(&u.data).arg(acts.buf.as_ref().expect("reserved")).out(gated.buf.as_mut().expect("reserved"));
+        b.arg(&g.data)
+            .arg(&u.data)
+            .arg(acts.buf.as_ref().expect("reserved"))
+            .out(gated.buf.as_mut().expect("reserved"));
         b.arg(&nb).arg(&kind).arg(&act);
         self.launch(b, cfg);
         drop(acts);
         drop(gated);
-        let down = |out: &mut GpuTensor, add_to: Option<&mut GpuTensor>| self.matvecs(&self.gated_acts, 1, &mut [(d, out)], add_to, &mut |_, _| true);
+        let down = |out: &mut GpuTensor, add_to: Option<&mut GpuTensor>| {
+            self.matvecs(&self.gated_acts, 1, &mut [(d, out)], add_to, &mut |_, _| {
+                true
+            })
+        };
         add_to_residual(self, f.post_norm, f.eps, f.out, f.x, down);
         true
     }
@@ -791,13 +1079,20 @@ fn device_row_bytes(act: ActType, n: usize) -> usize {
 fn q8_0_rows_to_device(bytes: &[u8], nb: usize) -> Vec<u8> {
     let row_bytes = (34 * nb).max(1);
     let mut out = vec![0u8; bytes.len()];
-    out.par_chunks_exact_mut(row_bytes).zip(bytes.par_chunks_exact(row_bytes)).with_min_len(256).for_each(|(dst, row)| {
-        let (quants, scales) = dst.split_at_mut(32 * nb);
-        for ((block, q), d) in row.chunks_exact(34).zip(quants.chunks_exact_mut(32)).zip(scales.chunks_exact_mut(2)) {
-            d.copy_from_slice(&block[..2]);
-            q.copy_from_slice(&block[2..]);
-        }
-    });
+    out.par_chunks_exact_mut(row_bytes)
+        .zip(bytes.par_chunks_exact(row_bytes))
+        .with_min_len(256)
+        .for_each(|(dst, row)| {
+            let (quants, scales) = dst.split_at_mut(32 * nb);
+            for ((block, q), d) in row
+                .chunks_exact(34)
+                .zip(quants.chunks_exact_mut(32))
+                .zip(scales.chunks_exact_mut(2))
+            {
+                d.copy_from_slice(&block[..2]);
+                q.copy_from_slice(&block[2..]);
+            }
+        });
     out
 }
 
@@ -818,12 +1113,25 @@ fn q8k_to_device(block: &[u8]) -> [u8; Q8K_DEVICE_BYTES] {
 /// The matrix kernels' launch: a warp per output row (four warps per block of 128
 /// threads), a grid row per token, or per group of tokens a warp takes.
 fn matvec_grid(rows: usize, tokens: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: ((rows as u32).div_ceil(4), tokens as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: ((rows as u32).div_ceil(4), tokens as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// Weight types the matvec kernel reads.
 fn supported(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::IQ2_S)
+    matches!(
+        ty,
+        GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q8_0
+            | GgmlType::Q4_K
+            | GgmlType::Q6_K
+            | GgmlType::IQ2_S
+    )
 }
 
 impl Backend for CudaBackend {
@@ -849,38 +1157,69 @@ impl Backend for CudaBackend {
 
     fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<GpuMatrix, EngineError> {
         if !supported(m.ty) {
-            return Err(EngineError::Unsupported(format!("{} weights on the CUDA backend", m.ty)));
+            return Err(EngineError::Unsupported(format!(
+                "{} weights on the CUDA backend",
+                m.ty
+            )));
         }
         let bytes = m.view(file).bytes();
         let data = match m.ty {
-            GgmlType::Q8_0 => self.stream.clone_htod(&q8_0_rows_to_device(bytes, m.cols / m.ty.block_elems() as usize)),
+            GgmlType::Q8_0 => self.stream.clone_htod(&q8_0_rows_to_device(
+                bytes,
+                m.cols / m.ty.block_elems() as usize,
+            )),
             _ => self.stream.clone_htod(bytes),
         };
         let data = data.map_err(gpu_err("uploading weights"))?;
-        Ok(GpuMatrix { data, ty: m.ty, rows: m.rows, cols: m.cols, act: m.kernels.act })
+        Ok(GpuMatrix {
+            data,
+            ty: m.ty,
+            rows: m.rows,
+            cols: m.cols,
+            act: m.kernels.act,
+        })
     }
 
     fn vector(&self, v: &[f32]) -> Result<CudaSlice<f32>, EngineError> {
-        self.stream.clone_htod(v).map_err(gpu_err("uploading a vector"))
+        self.stream
+            .clone_htod(v)
+            .map_err(gpu_err("uploading a vector"))
     }
 
     fn tensor(&self, rows: usize, width: usize) -> GpuTensor {
-        debug_assert!(!self.capturing.load(Ordering::Relaxed), "no allocation while recording");
-        let buf = self.stream.alloc_zeros::<f32>((rows * width).max(1)).expect("CUDA alloc");
+        debug_assert!(
+            !self.capturing.load(Ordering::Relaxed),
+            "no allocation while recording"
+        );
+        let buf = self
+            .stream
+            .alloc_zeros::<f32>((rows * width).max(1))
+            .expect("CUDA alloc");
         GpuTensor { buf, rows, width }
     }
 
     fn tensor_from(&self, data: &[f32], width: usize) -> GpuTensor {
-        GpuTensor { buf: self.upload(data), rows: data.len() / width.max(1), width }
+        GpuTensor {
+            buf: self.upload(data),
+            rows: data.len() / width.max(1),
+            width,
+        }
     }
 
     fn kv_cache(&self, layout: &KvLayout) -> Result<GpuKv, EngineError> {
         if layout.elem != KvType::F16 {
-            return Err(EngineError::Invalid(format!("the CUDA backend keeps its KV cache in f16, not {}", layout.elem.name())));
+            return Err(EngineError::Invalid(format!(
+                "the CUDA backend keeps its KV cache in f16, not {}",
+                layout.elem.name()
+            )));
         }
         // astra.cu's attention: a thread per element of a head, up to MAX_HEAD_DIM.
         if layout.head_dim > 4 * CHUNK {
-            return Err(EngineError::Invalid(format!("the CUDA attention takes heads of up to {} elements, not {}", 4 * CHUNK, layout.head_dim)));
+            return Err(EngineError::Invalid(format!(
+                "the CUDA attention takes heads of up to {} elements, not {}",
+                4 * CHUNK,
+                layout.head_dim
+            )));
         }
         let layers = layout
             .layers
@@ -888,17 +1227,47 @@ impl Backend for CudaBackend {
             .enumerate()
             .map(|(l, &LayerSlots { slots, window })| {
                 let n = layout.layer_elems(l);
-                let k = self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating the KV cache"))?;
-                let v = self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating the KV cache"))?;
-                Ok(LayerKv { k, v, slots, window })
+                let k = self
+                    .stream
+                    .alloc_zeros::<u16>(n)
+                    .map_err(gpu_err("allocating the KV cache"))?;
+                let v = self
+                    .stream
+                    .alloc_zeros::<u16>(n)
+                    .map_err(gpu_err("allocating the KV cache"))?;
+                Ok(LayerKv {
+                    k,
+                    v,
+                    slots,
+                    window,
+                })
             })
             .collect::<Result<_, EngineError>>()?;
         // A row at position p of a layer sees at most its slots' positions, from
         // wherever a chunk starts.
-        let max_chunks = layout.layers.iter().map(|l| l.slots.div_ceil(CHUNK) + 1).max().unwrap_or(1);
-        let parts = self.stream.alloc_zeros::<f32>(layout.n_head * max_chunks * (layout.head_dim + 2)).map_err(gpu_err("allocating the KV cache"))?;
-        let tickets = self.stream.alloc_zeros::<u32>(layout.n_head).map_err(gpu_err("allocating the KV cache"))?;
-        Ok(GpuKv { layers, n_head: layout.n_head, n_head_kv: layout.n_head_kv, head_dim: layout.head_dim, parts, tickets, max_chunks })
+        let max_chunks = layout
+            .layers
+            .iter()
+            .map(|l| l.slots.div_ceil(CHUNK) + 1)
+            .max()
+            .unwrap_or(1);
+        let parts = self
+            .stream
+            .alloc_zeros::<f32>(layout.n_head * max_chunks * (layout.head_dim + 2))
+            .map_err(gpu_err("allocating the KV cache"))?;
+        let tickets = self
+            .stream
+            .alloc_zeros::<u32>(layout.n_head)
+            .map_err(gpu_err("allocating the KV cache"))?;
+        Ok(GpuKv {
+            layers,
+            n_head: layout.n_head,
+            n_head_kv: layout.n_head_kv,
+            head_dim: layout.head_dim,
+            parts,
+            tickets,
+            max_chunks,
+        })
     }
 
     fn read(&self, t: &GpuTensor) -> Vec<f32> {
@@ -913,25 +1282,58 @@ impl Backend for CudaBackend {
         if staging.as_ref().is_none_or(|p| p.len() < n) {
             // Plain page-locked memory (not write-combined: the host reads it).
             // SAFETY: only the first `n` values are read, after the copy into them.
-            let p = unsafe { self.stream.context().alloc_pinned_with_flags::<f32>(n.max(1 << 16), 0) };
+            let p = unsafe {
+                self.stream
+                    .context()
+                    .alloc_pinned_with_flags::<f32>(n.max(1 << 16), 0)
+            };
             *staging = Some(p.expect("CUDA page-locked allocation"));
         }
-        let p = staging.as_mut().expect("allocated above").as_mut_ptr().expect("CUDA page-locked memory");
+        let p = staging
+            .as_mut()
+            .expect("allocated above")
+            .as_mut_ptr()
+            .expect("CUDA page-locked memory");
         // SAFETY: the allocation holds at least `n` values, and nothing else uses it
         // while the lock is held. (A copy takes its length from the host slice, so it is
         // cut to the tensor's.)
         let host = unsafe { std::slice::from_raw_parts_mut(p, n) };
-        self.stream.memcpy_dtoh(&t.buf.slice(0..n), host).expect("CUDA download");
+        self.stream
+            .memcpy_dtoh(&t.buf.slice(0..n), host)
+            .expect("CUDA download");
         self.stream.synchronize().expect("CUDA synchronize");
         host.to_vec()
     }
 
-    fn embed(&self, table: &GpuMatrix, ids: &CudaSlice<u32>, scale: Option<f32>, out: &mut GpuTensor) {
-        let row_bytes = astra_quant::row_bytes(table.ty, table.cols).expect("checked at load") as i64;
-        let (ty, cols, s, scaled) = (type_code(table.ty), table.cols as i32, scale.unwrap_or(1.0), i32::from(scale.is_some()));
-        let cfg = LaunchConfig { grid_dim: ((table.cols as u32).div_ceil(THREADS), ids.len() as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    fn embed(
+        &self,
+        table: &GpuMatrix,
+        ids: &CudaSlice<u32>,
+        scale: Option<f32>,
+        out: &mut GpuTensor,
+    ) {
+        let row_bytes =
+            astra_quant::row_bytes(table.ty, table.cols).expect("checked at load") as i64;
+        let (ty, cols, s, scaled) = (
+            type_code(table.ty),
+            table.cols as i32,
+            scale.unwrap_or(1.0),
+            i32::from(scale.is_some()),
+        );
+        let cfg = LaunchConfig {
+            grid_dim: ((table.cols as u32).div_ceil(THREADS), ids.len() as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = Args::new(&self.k().embed, &self.stream);
-        b.arg(&ty).arg(&table.data).arg(ids).out(&mut out.buf).arg(&cols).arg(&row_bytes).arg(&s).arg(&scaled);
+        b.arg(&ty)
+            .arg(&table.data)
+            .arg(ids)
+            .out(&mut out.buf)
+            .arg(&cols)
+            .arg(&row_bytes)
+            .arg(&s)
+            .arg(&scaled);
         self.launch(b, cfg);
     }
 
@@ -940,7 +1342,11 @@ impl Backend for CudaBackend {
         let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         let idx = self.upload(&idx);
         let width = x.width as i32;
-        let cfg = LaunchConfig { grid_dim: ((x.width as u32).div_ceil(THREADS), rows.len() as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: ((x.width as u32).div_ceil(THREADS), rows.len() as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = Args::new(&self.k().gather, &self.stream);
         b.arg(&x.buf).arg(&idx).out(&mut out.buf).arg(&width);
         self.launch(b, cfg);
@@ -949,7 +1355,11 @@ impl Backend for CudaBackend {
 
     fn rms_norm(&self, x: &GpuTensor, w: &CudaSlice<f32>, eps: f32, out: &mut GpuTensor) {
         let n = w.len() as i32;
-        let cfg = LaunchConfig { grid_dim: ((x.rows * x.width / w.len()) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: ((x.rows * x.width / w.len()) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = Args::new(&self.k().rms_norm, &self.stream);
         b.arg(&x.buf).arg(w).out(&mut out.buf).arg(&n).arg(&eps);
         self.launch(b, cfg);
@@ -957,7 +1367,11 @@ impl Backend for CudaBackend {
 
     fn rms_norm_groups(&self, x: &mut GpuTensor, w: &CudaSlice<f32>, eps: f32) {
         let n = w.len() as i32;
-        let cfg = LaunchConfig { grid_dim: ((x.rows * x.width / w.len()) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: ((x.rows * x.width / w.len()) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = Args::new(&self.k().rms_norm_inplace, &self.stream);
         b.out(&mut x.buf).arg(w).arg(&n).arg(&eps);
         self.launch(b, cfg);
@@ -967,16 +1381,30 @@ impl Backend for CudaBackend {
         self.product(Input::Rows(x), outs, None);
     }
 
-    fn product(&self, input: Input<'_, Self>, outs: &mut [(&GpuMatrix, &mut GpuTensor)], add_to: Option<&mut GpuTensor>) {
+    fn product(
+        &self,
+        input: Input<'_, Self>,
+        outs: &mut [(&GpuMatrix, &mut GpuTensor)],
+        add_to: Option<&mut GpuTensor>,
+    ) {
         let tokens = input_rows(&input).rows;
         if let Some(gemm) = self.batched(tokens) {
             self.products_through(gemm, input, outs, add_to);
             return;
         }
-        self.matvecs(&self.acts, tokens, outs, add_to, &mut |act, scratch| self.quantize(&input, act, scratch));
+        self.matvecs(&self.acts, tokens, outs, add_to, &mut |act, scratch| {
+            self.quantize(&input, act, scratch)
+        });
     }
 
-    fn attention_product(&self, mut a: Attend<'_, '_, Self>, att: &mut GpuTensor, w: &GpuMatrix, out: &mut GpuTensor, add_to: Option<&mut GpuTensor>) {
+    fn attention_product(
+        &self,
+        mut a: Attend<'_, '_, Self>,
+        att: &mut GpuTensor,
+        w: &GpuMatrix,
+        out: &mut GpuTensor,
+        add_to: Option<&mut GpuTensor>,
+    ) {
         // One decode row of one sequence, for a matrix taking 32-blocks: each warp of the
         // attention kernel quantizes the 32 outputs it holds, the f32 row never stored.
         let kind = quant_kind(w.act).filter(|&k| k < 2);
@@ -989,11 +1417,19 @@ impl Backend for CudaBackend {
             self.product(Input::Rows(att), &mut [(w, out)], add_to);
             return;
         };
-        self.matvecs(&self.acts, 1, &mut [(w, out)], add_to, &mut |act, scratch| {
-            let Some(qout) = self.reserve(scratch, act, a.q.rows, a.q.width) else { return false };
-            self.launch_attention(&mut a, 0, att, Some((qout, kind)));
-            true
-        });
+        self.matvecs(
+            &self.acts,
+            1,
+            &mut [(w, out)],
+            add_to,
+            &mut |act, scratch| {
+                let Some(qout) = self.reserve(scratch, act, a.q.rows, a.q.width) else {
+                    return false;
+                };
+                self.launch_attention(&mut a, 0, att, Some((qout, kind)));
+                true
+            },
+        );
     }
 
     fn feed_forward(&self, mut f: FeedForward<'_, Self>) {
@@ -1010,7 +1446,11 @@ impl Backend for CudaBackend {
             return;
         }
         let n = o.width as i32;
-        let cfg = LaunchConfig { grid_dim: (o.rows as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (o.rows as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = Args::new(&self.k().rms_norm_add, &self.stream);
         b.arg(&o.buf).arg(w).out(&mut x.buf).arg(&n).arg(&eps);
         self.launch(b, cfg);
@@ -1032,22 +1472,48 @@ impl Backend for CudaBackend {
         let theta_scale = r.base.powf(-2.0 / r.dims as f32);
         let hd = heads.head_dim;
         let (n_q, n_k) = ((q.width / hd) as i32, (k.width / hd) as i32);
-        let (hdi, dims, neox, qs, eps) = (hd as i32, r.dims as i32, i32::from(r.neox), heads.q_scale.unwrap_or(0.0), heads.eps);
+        let (hdi, dims, neox, qs, eps) = (
+            hd as i32,
+            r.dims as i32,
+            i32::from(r.neox),
+            heads.q_scale.unwrap_or(0.0),
+            heads.eps,
+        );
         // One sequence: its keys and values are stored by the same launch.
         let store = match seqs {
             [s] if s.rows == (0..q.rows) => {
                 let l = &mut s.kv.layers[layer];
-                Some((l.k.device_ptr_mut(&self.stream).0, l.v.device_ptr_mut(&self.stream).0, l.slots as i32))
+                Some((
+                    l.k.device_ptr_mut(&self.stream).0,
+                    l.v.device_ptr_mut(&self.stream).0,
+                    l.slots as i32,
+                ))
             }
             _ => None,
         };
         let (kc, vc, slots) = store.unwrap_or((0, 0, 0));
         let ctas = n_q + n_k + if store.is_some() { n_k } else { 0 };
         let threads = (hd as u32).div_ceil(32) * 32;
-        let cfg = LaunchConfig { grid_dim: (ctas as u32, q.rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (ctas as u32, q.rows as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = Args::new(&self.k().qk_rope, &self.stream);
-        b.out(&mut q.buf).out(&mut k.buf).arg(&v.buf).arg(&qn).arg(&kn).arg(positions);
-        b.arg(&n_q).arg(&n_k).arg(&hdi).arg(&dims).arg(&theta_scale).arg(&neox).arg(&eps).arg(&qs);
+        b.out(&mut q.buf)
+            .out(&mut k.buf)
+            .arg(&v.buf)
+            .arg(&qn)
+            .arg(&kn)
+            .arg(positions);
+        b.arg(&n_q)
+            .arg(&n_k)
+            .arg(&hdi)
+            .arg(&dims)
+            .arg(&theta_scale)
+            .arg(&neox)
+            .arg(&eps)
+            .arg(&qs);
         b.arg(&kc).arg(&vc).arg(&slots);
         self.launch(b, cfg);
         if store.is_none() {
@@ -1066,10 +1532,25 @@ impl Backend for CudaBackend {
     fn rope(&self, x: &mut GpuTensor, head_dim: usize, pos: &CudaSlice<u32>, r: Rope) {
         // The angle step exactly as the CPU engine computes it.
         let theta_scale = r.base.powf(-2.0 / r.dims as f32);
-        let (width, hd, dims, neox) = (x.width as i32, head_dim as i32, r.dims as i32, i32::from(r.neox));
-        let cfg = LaunchConfig { grid_dim: ((x.width / head_dim) as u32, x.rows as u32, 1), block_dim: ((r.dims / 2) as u32, 1, 1), shared_mem_bytes: 0 };
+        let (width, hd, dims, neox) = (
+            x.width as i32,
+            head_dim as i32,
+            r.dims as i32,
+            i32::from(r.neox),
+        );
+        let cfg = LaunchConfig {
+            grid_dim: ((x.width / head_dim) as u32, x.rows as u32, 1),
+            block_dim: ((r.dims / 2) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = Args::new(&self.k().rope, &self.stream);
-        b.out(&mut x.buf).arg(pos).arg(&width).arg(&hd).arg(&dims).arg(&theta_scale).arg(&neox);
+        b.out(&mut x.buf)
+            .arg(pos)
+            .arg(&width)
+            .arg(&hd)
+            .arg(&dims)
+            .arg(&theta_scale)
+            .arg(&neox);
         self.launch(b, cfg);
     }
 
@@ -1095,17 +1576,36 @@ impl Backend for CudaBackend {
         self.launch(b, grid_for(n as usize));
     }
 
-    fn kv_store(&self, layer: usize, seqs: &mut [SeqRows<'_, GpuKv>], positions: &CudaSlice<u32>, k: &GpuTensor, v: &GpuTensor) {
+    fn kv_store(
+        &self,
+        layer: usize,
+        seqs: &mut [SeqRows<'_, GpuKv>],
+        positions: &CudaSlice<u32>,
+        k: &GpuTensor,
+        v: &GpuTensor,
+    ) {
         for s in seqs.iter_mut() {
             let kv = &mut *s.kv;
             let (hd, kv_dim) = (kv.head_dim, kv.n_head_kv * kv.head_dim);
             let l = &mut kv.layers[layer];
             // Positions are read on the device, so a replayed graph follows them.
             let (row0, slots) = (s.rows.start as i32, l.slots as i32);
-            let cfg = LaunchConfig { grid_dim: (kv.n_head_kv as u32, s.rows.len() as u32, 1), block_dim: (hd as u32, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig {
+                grid_dim: (kv.n_head_kv as u32, s.rows.len() as u32, 1),
+                block_dim: (hd as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
             let (kd, hdi) = (kv_dim as i32, hd as i32);
             let mut b = Args::new(&self.k().kv_store, &self.stream);
-            b.arg(&k.buf).arg(&v.buf).out(&mut l.k).out(&mut l.v).arg(&row0).arg(positions).arg(&slots).arg(&kd).arg(&hdi);
+            b.arg(&k.buf)
+                .arg(&v.buf)
+                .out(&mut l.k)
+                .out(&mut l.v)
+                .arg(&row0)
+                .arg(positions)
+                .arg(&slots)
+                .arg(&kd)
+                .arg(&hdi);
             self.launch(b, cfg);
         }
     }
@@ -1123,7 +1623,9 @@ impl Backend for CudaBackend {
         }
         let generation = self.scratch_generation.load(Ordering::Relaxed);
         // Thread-local: other threads' calls (memory queries) stay legal meanwhile.
-        self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).expect("CUDA capture");
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .expect("CUDA capture");
         self.capturing.store(true, Ordering::Relaxed);
         launches();
         self.capturing.store(false, Ordering::Relaxed);
@@ -1143,7 +1645,11 @@ impl Backend for CudaBackend {
     }
 
     fn separate_decode_steps(&self) -> usize {
-        if self.graphs { self.separate_steps } else { 1 }
+        if self.graphs {
+            self.separate_steps
+        } else {
+            1
+        }
     }
 
     fn replay(&self, g: &StepGraph) -> bool {
@@ -1168,13 +1674,28 @@ mod tests {
     fn q8_0_device_rows_hold_the_stored_blocks() {
         for nb in [1, 18, 45, 128] {
             let rows = 3;
-            let stored = astra_quant::parity::random_weights(GgmlType::Q8_0, rows, 32 * nb, nb as u64).unwrap();
+            let stored =
+                astra_quant::parity::random_weights(GgmlType::Q8_0, rows, 32 * nb, nb as u64)
+                    .unwrap();
             let device = q8_0_rows_to_device(&stored, nb);
             assert_eq!(device.len(), stored.len());
             for (r, row) in device.chunks_exact(34 * nb).enumerate() {
-                let rebuilt: Vec<u8> = (0..nb).flat_map(|b| [&row[32 * nb + 2 * b..32 * nb + 2 * b + 2], &row[32 * b..32 * b + 32]].concat()).collect();
+                let rebuilt: Vec<u8> = (0..nb)
+                    .flat_map(|b| {
+                        [
+                            &row[32 * nb + 2 * b..32 * nb + 2 * b + 2],
+                            &row[32 * b..32 * b + 32],
+                        ]
+                        .concat()
+                    })
+                    .collect();
                 let (mut want, mut got) = (vec![0f32; 32 * nb], vec![0f32; 32 * nb]);
-                astra_quant::dequantize(GgmlType::Q8_0, &stored[r * 34 * nb..(r + 1) * 34 * nb], &mut want).unwrap();
+                astra_quant::dequantize(
+                    GgmlType::Q8_0,
+                    &stored[r * 34 * nb..(r + 1) * 34 * nb],
+                    &mut want,
+                )
+                .unwrap();
                 astra_quant::dequantize(GgmlType::Q8_0, &rebuilt, &mut got).unwrap();
                 assert_eq!(got, want, "{nb} blocks, row {r}");
                 assert!(want.iter().any(|&v| v != 0.0));
@@ -1192,13 +1713,18 @@ mod tests {
         }
         let gpu = CudaBackend::new(0, Mode::Deterministic).unwrap();
         let cols = 512;
-        let x: Vec<f32> = (0..3 * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32)).collect();
+        let x: Vec<f32> = (0..3 * cols)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32))
+            .collect();
         let t = gpu.tensor_from(&x, cols);
         for act in [ActType::Q8_0, ActType::Q8_1, ActType::Q8K] {
             let mut scratch = Scratch { buf: None };
             assert!(gpu.quantize(&Input::Rows(&t), act, &mut scratch));
             let rb = act.row_bytes(cols).unwrap();
-            let mut got = gpu.stream.clone_dtoh(scratch.buf.as_ref().unwrap()).unwrap();
+            let mut got = gpu
+                .stream
+                .clone_dtoh(scratch.buf.as_ref().unwrap())
+                .unwrap();
             got.truncate(3 * device_row_bytes(act, cols));
             let mut want = vec![0u8; 3 * rb];
             for (row, out) in x.chunks_exact(cols).zip(want.chunks_exact_mut(rb)) {
@@ -1214,10 +1740,26 @@ mod tests {
                 }
             }
             let first = got.iter().zip(&want).position(|(a, b)| a != b);
-            let diffs: Vec<(usize, u8, u8)> = got.iter().zip(&want).enumerate().filter(|(_, (a, b))| a != b).map(|(i, (a, b))| (i % block, *a, *b)).take(24).collect();
-            eprintln!("{act:?}: {} differing bytes; (offset in block, gpu, cpu): {diffs:?}", got.iter().zip(&want).filter(|(a, b)| a != b).count());
-            assert_eq!(first, None, "{act:?}: first differing byte (of {}); gpu {:?} cpu {:?}", want.len(),
-                first.map(|i| &got[i.saturating_sub(4)..(i + 8).min(got.len())]), first.map(|i| &want[i.saturating_sub(4)..(i + 8).min(want.len())]));
+            let diffs: Vec<(usize, u8, u8)> = got
+                .iter()
+                .zip(&want)
+                .enumerate()
+                .filter(|(_, (a, b))| a != b)
+                .map(|(i, (a, b))| (i % block, *a, *b))
+                .take(24)
+                .collect();
+            eprintln!(
+                "{act:?}: {} differing bytes; (offset in block, gpu, cpu): {diffs:?}",
+                got.iter().zip(&want).filter(|(a, b)| a != b).count()
+            );
+            assert_eq!(
+                first,
+                None,
+                "{act:?}: first differing byte (of {}); gpu {:?} cpu {:?}",
+                want.len(),
+                first.map(|i| &got[i.saturating_sub(4)..(i + 8).min(got.len())]),
+                first.map(|i| &want[i.saturating_sub(4)..(i + 8).min(want.len())])
+            );
         }
     }
 }

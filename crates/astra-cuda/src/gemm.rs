@@ -71,8 +71,13 @@ pub struct Gemm {
 
 impl Gemm {
     pub fn new(stream: &Arc<CudaStream>, precision: Precision) -> Result<Gemm, String> {
-        let blas = CudaBlas::new(Arc::clone(stream)).map_err(|e| format!("creating a cuBLAS handle: {e:?}"))?;
-        Ok(Gemm { blas, stream: Arc::clone(stream), precision })
+        let blas = CudaBlas::new(Arc::clone(stream))
+            .map_err(|e| format!("creating a cuBLAS handle: {e:?}"))?;
+        Ok(Gemm {
+            blas,
+            stream: Arc::clone(stream),
+            precision,
+        })
     }
 
     pub fn precision(&self) -> Precision {
@@ -95,7 +100,11 @@ impl Gemm {
         stride: usize,
         accumulate: bool,
     ) -> Result<(), String> {
-        assert!(w.len() >= rows * cols && x.len() >= tokens * cols && out.len() >= (tokens - 1) * stride + row0 + rows);
+        assert!(
+            w.len() >= rows * cols
+                && x.len() >= tokens * cols
+                && out.len() >= (tokens - 1) * stride + row0 + rows
+        );
         let stream = &self.stream;
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         let (wp, _w) = w.device_ptr(stream);

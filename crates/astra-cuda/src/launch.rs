@@ -59,7 +59,12 @@ pub struct Args<'a> {
 
 impl<'a> Args<'a> {
     pub fn new(f: &'a CudaFunction, stream: &'a Arc<CudaStream>) -> Args<'a> {
-        Args { f, stream, words: [0; MAX_ARGS], n: 0 }
+        Args {
+            f,
+            stream,
+            words: [0; MAX_ARGS],
+            n: 0,
+        }
     }
 
     /// An argument the kernel reads.
@@ -109,6 +114,14 @@ impl<'a> Args<'a> {
         self.stream.context().bind_to_thread()?;
         // SAFETY: `params` points at `self.n` words that outlive the call; the caller
         // vouches for their meaning.
-        unsafe { sys::cuLaunchKernelEx(&config, self.f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result()
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                self.f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
     }
 }

@@ -22,12 +22,29 @@ pub fn with_dependent_launch(source: &str) -> String {
 /// `CUDA_PATH`, the `nvcc` on `PATH`, `/usr/local/cuda`), and the `nvidia-cuda-nvrtc`
 /// Python package that scripts/test installs into the cache.
 pub(crate) fn toolkit_dirs() -> Vec<PathBuf> {
-    let mut roots: Vec<PathBuf> = ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(std::env::var_os).map(PathBuf::from).collect();
+    let mut roots: Vec<PathBuf> = ["CUDA_HOME", "CUDA_PATH"]
+        .iter()
+        .filter_map(std::env::var_os)
+        .map(PathBuf::from)
+        .collect();
     if let Some(path) = std::env::var_os("PATH") {
-        roots.extend(std::env::split_paths(&path).filter(|d| d.join("nvcc").is_file()).filter_map(|d| d.parent().map(PathBuf::from)));
+        roots.extend(
+            std::env::split_paths(&path)
+                .filter(|d| d.join("nvcc").is_file())
+                .filter_map(|d| d.parent().map(PathBuf::from)),
+        );
     }
     roots.push(PathBuf::from("/usr/local/cuda"));
-    let mut dirs: Vec<PathBuf> = roots.iter().flat_map(|r| [r.join("lib64"), r.join("targets/x86_64-linux/lib"), r.join("lib")]).collect();
+    let mut dirs: Vec<PathBuf> = roots
+        .iter()
+        .flat_map(|r| {
+            [
+                r.join("lib64"),
+                r.join("targets/x86_64-linux/lib"),
+                r.join("lib"),
+            ]
+        })
+        .collect();
     dirs.push(cache_home().join("python/nvrtc/nvidia/cu13/lib"));
     dirs
 }
@@ -61,7 +78,9 @@ pub fn available() -> bool {
 pub fn version() -> Result<(i32, i32), String> {
     let (mut major, mut minor) = (0, 0);
     // SAFETY: two out-parameters.
-    unsafe { sys::nvrtcVersion(&mut major, &mut minor) }.result().map_err(|e| format!("nvrtcVersion: {e:?}"))?;
+    unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| format!("nvrtcVersion: {e:?}"))?;
     Ok((major, minor))
 }
 
@@ -69,8 +88,13 @@ pub fn version() -> Result<(i32, i32), String> {
 pub fn compile(name: &str, source: &str, arch: &str) -> Result<Vec<u8>, String> {
     let src = CString::new(source).map_err(|_| format!("{name}: a NUL byte in the source"))?;
     let cname = CString::new(name).expect("no NUL in a file name");
-    let prog = result::create_program(&src, Some(&cname)).map_err(|e| format!("{name}: nvrtcCreateProgram: {e:?}"))?;
-    let options = [format!("--gpu-architecture={arch}"), "--std=c++17".into(), "-lineinfo".into()];
+    let prog = result::create_program(&src, Some(&cname))
+        .map_err(|e| format!("{name}: nvrtcCreateProgram: {e:?}"))?;
+    let options = [
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        "-lineinfo".into(),
+    ];
     // SAFETY: a program just created; the options outlive the call.
     let compiled = unsafe { result::compile_program(prog, &options) };
     let out = match compiled {
@@ -78,7 +102,11 @@ pub fn compile(name: &str, source: &str, arch: &str) -> Result<Vec<u8>, String> 
         Err(e) => {
             // SAFETY: the program's log after a failed compile.
             let log = unsafe { result::get_program_log(prog) }
-                .map(|raw| unsafe { CStr::from_ptr(raw.as_ptr()) }.to_string_lossy().into_owned())
+                .map(|raw| {
+                    unsafe { CStr::from_ptr(raw.as_ptr()) }
+                        .to_string_lossy()
+                        .into_owned()
+                })
                 .unwrap_or_default();
             Err(format!("{name}: NVRTC failed for {arch} ({e:?}):\n{log}"))
         }
@@ -92,9 +120,13 @@ fn cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>, String> {
     let mut size = 0usize;
     // SAFETY: a compiled program; the buffer has the size NVRTC reports.
     unsafe {
-        sys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| format!("nvrtcGetCUBINSize: {e:?}"))?;
+        sys::nvrtcGetCUBINSize(prog, &mut size)
+            .result()
+            .map_err(|e| format!("nvrtcGetCUBINSize: {e:?}"))?;
         let mut buf = vec![0u8; size];
-        sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()).result().map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))?;
+        sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast())
+            .result()
+            .map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))?;
         Ok(buf)
     }
 }
@@ -116,12 +148,21 @@ fn cache_dir() -> PathBuf {
 pub fn cubin_cached(name: &str, source: &str, arch: &str, driver: i32) -> Result<Vec<u8>, String> {
     let (major, minor) = version()?;
     let mut h = Sha256::new();
-    for part in [source, arch, &format!("nvrtc {major}.{minor}"), &format!("driver {driver}")] {
+    for part in [
+        source,
+        arch,
+        &format!("nvrtc {major}.{minor}"),
+        &format!("driver {driver}"),
+    ] {
         h.update(part.as_bytes());
         h.update([0]);
     }
     let key: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
-    let path = cache_dir().join(format!("{}-{arch}-{}.cubin", name.trim_end_matches(".cu"), &key[..16]));
+    let path = cache_dir().join(format!(
+        "{}-{arch}-{}.cubin",
+        name.trim_end_matches(".cu"),
+        &key[..16]
+    ));
     if let Ok(bytes) = std::fs::read(&path) {
         return Ok(bytes);
     }
@@ -147,7 +188,10 @@ mod tests {
             return true;
         }
         let why = "NVRTC (libnvrtc.so.13) is not loadable; scripts/test installs it";
-        assert!(std::env::var("ASTRA_REQUIRE_NVRTC").map_or(true, |v| v != "1"), "{why}");
+        assert!(
+            std::env::var("ASTRA_REQUIRE_NVRTC").map_or(true, |v| v != "1"),
+            "{why}"
+        );
         eprintln!("SKIPPED: {why}");
         false
     }
@@ -174,9 +218,13 @@ mod tests {
         if !loadable() {
             return;
         }
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/decode-ceiling.cu");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../scripts/decode-ceiling.cu"
+        );
         let source = std::fs::read_to_string(path).expect("scripts/decode-ceiling.cu");
-        let cubin = compile("decode-ceiling.cu", &source, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+        let cubin =
+            compile("decode-ceiling.cu", &source, "sm_90").unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(&cubin[..4], b"\x7fELF", "a cubin is an ELF image");
     }
 }

@@ -9,7 +9,11 @@ use std::sync::Arc;
 use astra_cuda::{unavailable_reason, CudaBackend, Mode};
 use astra_engine::{Model, Step};
 
-fn gpu_model(like: &str, ty: astra_gguf::GgmlType, mode: Mode) -> Option<(tempfile::TempDir, Arc<Model<CudaBackend>>)> {
+fn gpu_model(
+    like: &str,
+    ty: astra_gguf::GgmlType,
+    mode: Mode,
+) -> Option<(tempfile::TempDir, Arc<Model<CudaBackend>>)> {
     if let Some(why) = unavailable_reason() {
         eprintln!("SKIPPED: {why}");
         return None;
@@ -31,7 +35,9 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// chunks over CTAs), and in chunks over the cached prefix; and of 1, 4 and 16 sequences
 /// sharing batches: all bitwise the same.
 fn deterministic(like: &str, ty: astra_gguf::GgmlType) {
-    let Some((_dir, model)) = gpu_model(like, ty, Mode::Deterministic) else { return };
+    let Some((_dir, model)) = gpu_model(like, ty, Mode::Deterministic) else {
+        return;
+    };
     let prompt: Vec<u32> = (0..300u32).map(|i| (i * 7919) % 20000 + 300).collect();
     let n = prompt.len();
     let whole = {
@@ -41,15 +47,25 @@ fn deterministic(like: &str, ty: astra_gguf::GgmlType) {
     let one_by_one = {
         let replays = model.backend.graph_replays();
         let mut s = model.session(1024).unwrap();
-        let mut out: Vec<f32> = prompt[..75].iter().flat_map(|&t| model.forward(&mut s, &[t], 0).unwrap()).collect();
+        let mut out: Vec<f32> = prompt[..75]
+            .iter()
+            .flat_map(|&t| model.forward(&mut s, &[t], 0).unwrap())
+            .collect();
         let mut other = model.session(1024).unwrap();
         let long: Vec<u32> = (0..512u32).map(|i| (i * 104_729) % 20000 + 300).collect();
         model.forward(&mut other, &long, 511).unwrap();
-        out.extend(prompt[75..].iter().flat_map(|&t| model.forward(&mut s, &[t], 0).unwrap()));
+        out.extend(
+            prompt[75..]
+                .iter()
+                .flat_map(|&t| model.forward(&mut s, &[t], 0).unwrap()),
+        );
         // Every step but the two recordings (first, and after the scratch grew) replayed.
         if std::env::var("ASTRA_CUDA_GRAPHS").map_or(true, |v| v != "0") {
             let replayed = model.backend.graph_replays() - replays;
-            assert!(replayed as usize >= n - 10, "{like}: {replayed} of {n} decode steps replayed a graph");
+            assert!(
+                replayed as usize >= n - 10,
+                "{like}: {replayed} of {n} decode steps replayed a graph"
+            );
         }
         bits(&out)
     };
@@ -62,12 +78,23 @@ fn deterministic(like: &str, ty: astra_gguf::GgmlType) {
         bits(&out)
     };
     assert!(whole == one_by_one, "{like}: batch vs token by token");
-    assert!(whole == chunked, "{like}: batch vs chunks over the cached prefix");
+    assert!(
+        whole == chunked,
+        "{like}: batch vs chunks over the cached prefix"
+    );
     // The last 20 tokens decoded with 0, 3 and 15 other sequences in the same batches.
     let alone = &whole[whole.len() - 20 * model.cfg.n_vocab..];
     for others in [0usize, 3, 15] {
         let mut sessions: Vec<_> = (0..=others).map(|_| model.session(1024).unwrap()).collect();
-        let prompts: Vec<Vec<u32>> = (0..=others).map(|i| if i == 0 { prompt.clone() } else { prompt.iter().map(|t| t + i as u32).collect() }).collect();
+        let prompts: Vec<Vec<u32>> = (0..=others)
+            .map(|i| {
+                if i == 0 {
+                    prompt.clone()
+                } else {
+                    prompt.iter().map(|t| t + i as u32).collect()
+                }
+            })
+            .collect();
         for (s, p) in sessions.iter_mut().zip(&prompts) {
             model.forward(s, &p[..n - 20], 0).unwrap();
         }
@@ -76,11 +103,18 @@ fn deterministic(like: &str, ty: astra_gguf::GgmlType) {
             let mut steps: Vec<Step<CudaBackend>> = sessions
                 .iter_mut()
                 .zip(&prompts)
-                .map(|(session, p)| Step { session, tokens: &p[i..i + 1], logits_from: 0 })
+                .map(|(session, p)| Step {
+                    session,
+                    tokens: &p[i..i + 1],
+                    logits_from: 0,
+                })
                 .collect();
             got.extend(model.forward_many(&mut steps).unwrap().swap_remove(0));
         }
-        assert!(bits(&got) == alone, "{like}: decoding beside {others} other sequences");
+        assert!(
+            bits(&got) == alone,
+            "{like}: decoding beside {others} other sequences"
+        );
     }
 }
 
@@ -110,8 +144,14 @@ fn llama3_1b_shape_is_deterministic_on_the_gpu() {
 /// the same distances: they are the 8-bit rounding's, which the random gemma3-shaped
 /// model amplifies at a few positions.)
 fn batched_products_stay_close(like: &str, ty: astra_gguf::GgmlType, median: f64, worst: f64) {
-    let Some((dir, fast)) = gpu_model(like, ty, Mode::Fast) else { return };
-    let exact = Model::load_on(CudaBackend::new(0, Mode::Deterministic).unwrap(), &dir.path().join(format!("{like}.gguf"))).unwrap();
+    let Some((dir, fast)) = gpu_model(like, ty, Mode::Fast) else {
+        return;
+    };
+    let exact = Model::load_on(
+        CudaBackend::new(0, Mode::Deterministic).unwrap(),
+        &dir.path().join(format!("{like}.gguf")),
+    )
+    .unwrap();
     let prompt: Vec<u32> = (0..150u32).map(|i| (i * 7919) % 20000 + 300).collect();
     let logits = |m: &Model<CudaBackend>| {
         let mut s = m.session(1024).unwrap();
@@ -119,13 +159,24 @@ fn batched_products_stay_close(like: &str, ty: astra_gguf::GgmlType, median: f64
     };
     let before = fast.backend.gemm_products();
     let (got, want) = (logits(&fast), logits(&exact));
-    assert!(fast.backend.gemm_products() > before, "{like}: the prompt's products did not go through cuBLAS");
+    assert!(
+        fast.backend.gemm_products() > before,
+        "{like}: the prompt's products did not go through cuBLAS"
+    );
     let n = fast.cfg.n_vocab;
-    let argmax = |v: &[f32]| v.iter().enumerate().fold(0, |b, (i, &x)| if x > v[b] { i } else { b });
+    let argmax = |v: &[f32]| {
+        v.iter()
+            .enumerate()
+            .fold(0, |b, (i, &x)| if x > v[b] { i } else { b })
+    };
     let mut same_top = 0;
     let mut apart: Vec<(f64, usize)> = Vec::new();
     for (i, (g, w)) in got.chunks_exact(n).zip(want.chunks_exact(n)).enumerate() {
-        let d: f64 = g.iter().zip(w).map(|(a, b)| (f64::from(*a) - f64::from(*b)).powi(2)).sum();
+        let d: f64 = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (f64::from(*a) - f64::from(*b)).powi(2))
+            .sum();
         let r: f64 = w.iter().map(|b| f64::from(*b).powi(2)).sum();
         apart.push(((d / r).sqrt(), i));
         same_top += usize::from(argmax(g) == argmax(w));
@@ -137,9 +188,22 @@ fn batched_products_stay_close(like: &str, ty: astra_gguf::GgmlType, median: f64
         &apart[..3],
         prompt.len()
     );
-    assert!(mid < median, "{like}: median position's logits {mid:.3e} apart (relative L2)");
-    assert!(apart[0].0 < worst, "{like}: position {}'s logits {:.3e} apart (relative L2)", apart[0].1, apart[0].0);
-    assert!(same_top * 10 >= prompt.len() * 9, "{like}: the top token differs at {} of {} positions", prompt.len() - same_top, prompt.len());
+    assert!(
+        mid < median,
+        "{like}: median position's logits {mid:.3e} apart (relative L2)"
+    );
+    assert!(
+        apart[0].0 < worst,
+        "{like}: position {}'s logits {:.3e} apart (relative L2)",
+        apart[0].1,
+        apart[0].0
+    );
+    assert!(
+        same_top * 10 >= prompt.len() * 9,
+        "{like}: the top token differs at {} of {} positions",
+        prompt.len() - same_top,
+        prompt.len()
+    );
 }
 
 #[test]

@@ -116,12 +116,23 @@ impl KvLayout {
     pub fn new(cfg: &Config, ctx: usize, max_batch: usize) -> KvLayout {
         let layers = (0..cfg.n_layer)
             .map(|l| {
-                let window = if cfg.layer_local[l] { cfg.sliding_window } else { None };
-                let slots = window.map_or(ctx, |w| ctx.min((w + max_batch).next_multiple_of(CHUNK)));
+                let window = if cfg.layer_local[l] {
+                    cfg.sliding_window
+                } else {
+                    None
+                };
+                let slots =
+                    window.map_or(ctx, |w| ctx.min((w + max_batch).next_multiple_of(CHUNK)));
                 LayerSlots { slots, window }
             })
             .collect();
-        KvLayout { layers, n_head: cfg.n_head, n_head_kv: cfg.n_head_kv, head_dim: cfg.head_dim, elem: KvType::F16 }
+        KvLayout {
+            layers,
+            n_head: cfg.n_head,
+            n_head_kv: cfg.n_head_kv,
+            head_dim: cfg.head_dim,
+            elem: KvType::F16,
+        }
     }
 
     /// The same layout storing `elem`.
@@ -136,14 +147,20 @@ impl KvLayout {
 
     /// Bytes of the whole cache (keys and values).
     pub fn bytes(&self) -> usize {
-        (0..self.layers.len()).map(|l| 2 * self.layer_elems(l) * self.elem.bytes()).sum()
+        (0..self.layers.len())
+            .map(|l| 2 * self.layer_elems(l) * self.elem.bytes())
+            .sum()
     }
 
     /// How far below the highest position written a sequence may be cut back and
     /// continued: a ring keeps the positions a query needs only while fewer than
     /// `slots - window` later positions have overwritten them.
     pub fn rewind_limit(&self) -> usize {
-        self.layers.iter().filter_map(|l| l.window.map(|w| l.slots.saturating_sub(w))).min().unwrap_or(usize::MAX)
+        self.layers
+            .iter()
+            .filter_map(|l| l.window.map(|w| l.slots.saturating_sub(w)))
+            .min()
+            .unwrap_or(usize::MAX)
     }
 }
 
@@ -162,10 +179,20 @@ impl KvCache {
             .enumerate()
             .map(|(l, &LayerSlots { slots, window })| {
                 let n = layout.layer_elems(l);
-                LayerCache { k: KvRows::new(layout.elem, n), v: KvRows::new(layout.elem, n), slots, window }
+                LayerCache {
+                    k: KvRows::new(layout.elem, n),
+                    v: KvRows::new(layout.elem, n),
+                    slots,
+                    window,
+                }
             })
             .collect();
-        KvCache { layers, n_head: layout.n_head, n_head_kv: layout.n_head_kv, head_dim: layout.head_dim }
+        KvCache {
+            layers,
+            n_head: layout.n_head,
+            n_head_kv: layout.n_head_kv,
+            head_dim: layout.head_dim,
+        }
     }
 
     /// Stores the key and value rows (all KV heads) of position `pos` in `layer`.
@@ -231,8 +258,12 @@ impl AttnLayer<'_> {
         let mut acc = vec![0.0f32; hd];
         let w = &mut weights[..hi + 1 - lo];
         let (max, sum) = match (&c.k, &c.v) {
-            (KvRows::F16(k), KvRows::F16(v)) => attend_rows(q, &k[rows.clone()], &v[rows], self.scale, w, &mut acc),
-            (KvRows::F32(k), KvRows::F32(v)) => attend_rows(q, &k[rows.clone()], &v[rows], self.scale, w, &mut acc),
+            (KvRows::F16(k), KvRows::F16(v)) => {
+                attend_rows(q, &k[rows.clone()], &v[rows], self.scale, w, &mut acc)
+            }
+            (KvRows::F32(k), KvRows::F32(v)) => {
+                attend_rows(q, &k[rows.clone()], &v[rows], self.scale, w, &mut acc)
+            }
             _ => unreachable!("keys and values are made in one type"),
         };
         Partial { max, sum, acc }
@@ -240,7 +271,10 @@ impl AttnLayer<'_> {
 
     /// Merges partials (in chunk order) into `out`.
     fn merge(partials: &[Partial], out: &mut [f32]) {
-        let max = partials.iter().map(|p| p.max).fold(f32::NEG_INFINITY, f32::max);
+        let max = partials
+            .iter()
+            .map(|p| p.max)
+            .fold(f32::NEG_INFINITY, f32::max);
         out.fill(0.0);
         let mut sum = 0.0f32;
         for p in partials {
@@ -272,14 +306,18 @@ impl AttnLayer<'_> {
                 let heads = g * self.group..(g + 1) * self.group;
                 let last = n_past + toks.end - 1;
                 let lo = self.first(n_past + toks.start);
-                let mut partials: Vec<Vec<Partial>> = (0..toks.len() * self.group).map(|_| Vec::new()).collect();
+                let mut partials: Vec<Vec<Partial>> =
+                    (0..toks.len() * self.group).map(|_| Vec::new()).collect();
                 for c in lo / CHUNK..=last / CHUNK {
                     for (i, t) in toks.clone().enumerate() {
                         let pos = n_past + t;
                         if !self.chunks(pos).contains(&c) {
                             continue;
                         }
-                        let (qa, qb) = ((c * CHUNK).max(self.first(pos)), (c * CHUNK + CHUNK - 1).min(pos));
+                        let (qa, qb) = (
+                            (c * CHUNK).max(self.first(pos)),
+                            (c * CHUNK + CHUNK - 1).min(pos),
+                        );
                         for (j, h) in heads.clone().enumerate() {
                             let qh = &q[(t * self.n_head + h) * hd..][..hd];
                             partials[i * self.group + j].push(self.partial(qh, g, qa, qb));
@@ -298,7 +336,10 @@ impl AttnLayer<'_> {
             };
             *results[task].lock().expect("own slot") = rows;
         });
-        for (t, h, o) in results.into_iter().flat_map(|r| r.into_inner().expect("own slot")) {
+        for (t, h, o) in results
+            .into_iter()
+            .flat_map(|r| r.into_inner().expect("own slot"))
+        {
             out[(t * self.n_head + h) * hd..][..hd].copy_from_slice(&o);
         }
     }
@@ -307,12 +348,16 @@ impl AttnLayer<'_> {
     fn attend_one(&self, par: &dyn Parallel, q: &[f32], pos: usize, out: &mut [f32]) {
         let hd = self.head_dim;
         let lo = self.first(pos);
-        let tasks: Vec<(usize, usize)> = (0..self.n_head_kv).flat_map(|g| self.chunks(pos).map(move |c| (g, c))).collect();
-        let slots: Vec<Mutex<Vec<Partial>>> = tasks.iter().map(|_| Mutex::new(Vec::new())).collect();
+        let tasks: Vec<(usize, usize)> = (0..self.n_head_kv)
+            .flat_map(|g| self.chunks(pos).map(move |c| (g, c)))
+            .collect();
+        let slots: Vec<Mutex<Vec<Partial>>> =
+            tasks.iter().map(|_| Mutex::new(Vec::new())).collect();
         par.run(tasks.len(), &|task| {
             let (g, c) = tasks[task];
             let (a, b) = ((c * CHUNK).max(lo), (c * CHUNK + CHUNK - 1).min(pos));
-            let heads = (g * self.group..(g + 1) * self.group).map(|h| self.partial(&q[h * hd..(h + 1) * hd], g, a, b));
+            let heads = (g * self.group..(g + 1) * self.group)
+                .map(|h| self.partial(&q[h * hd..(h + 1) * hd], g, a, b));
             *slots[task].lock().expect("own slot") = heads.collect();
         });
         // Tasks run KV head by KV head, chunks in order: moving each task's partials to
@@ -337,18 +382,34 @@ impl AttnLayer<'_> {
     /// 256, at least 256, at most the cache), `threads` as llama.cpp's thread count.
     /// Needs an f16 cache, as llama.cpp's default. `isa` (available here) picks the
     /// instructions, not the bits.
-    pub fn attend_ggml(&self, par: &dyn Parallel, q: &[f32], n_past: usize, out: &mut [f32], threads: usize, isa: astra_quant::Isa) {
+    pub fn attend_ggml(
+        &self,
+        par: &dyn Parallel,
+        q: &[f32],
+        n_past: usize,
+        out: &mut [f32],
+        threads: usize,
+        isa: astra_quant::Isa,
+    ) {
         use crate::ggml_ops::{attend_row, FlashShape, KvHead};
         let (KvRows::F16(k), KvRows::F16(v)) = (&self.cache.k, &self.cache.v) else {
             unreachable!("llama.cpp's arithmetic runs over an f16 cache (checked at load)")
         };
         let (hd, slots) = (self.head_dim, self.cache.slots);
         let tokens = q.len() / (self.n_head * hd);
-        let n_kv = (n_past + tokens).next_multiple_of(256).max(256).min(self.cache.window.map_or(slots, |_| usize::MAX));
+        let n_kv = (n_past + tokens)
+            .next_multiple_of(256)
+            .max(256)
+            .min(self.cache.window.map_or(slots, |_| usize::MAX));
         let heads: Vec<KvHead> = (0..self.n_head_kv)
             .map(|g| {
                 let span = g * slots * hd..(g + 1) * slots * hd;
-                KvHead { k: &k[span.clone()], v: &v[span], slots, dim: hd }
+                KvHead {
+                    k: &k[span.clone()],
+                    v: &v[span],
+                    slots,
+                    dim: hd,
+                }
             })
             .collect();
         let rows = tokens * self.n_head;
@@ -359,7 +420,19 @@ impl AttnLayer<'_> {
             let (qh, kv) = (&q[row * hd..(row + 1) * hd], &heads[h / self.group]);
             let valid = self.first(pos)..pos + 1;
             let mut o = vec![0.0f32; hd];
-            attend_row(qh, kv, &valid, self.scale, FlashShape { tokens, n_kv, threads }, isa, &mut o);
+            attend_row(
+                qh,
+                kv,
+                &valid,
+                self.scale,
+                FlashShape {
+                    tokens,
+                    n_kv,
+                    threads,
+                },
+                isa,
+                &mut o,
+            );
             *results[row].lock().expect("own slot") = o;
         });
         for (o, r) in out.chunks_exact_mut(hd).zip(results) {
@@ -399,7 +472,15 @@ mod tests {
     }
 
     /// Causal attention in f64 over positions `first..=pos` of f16-rounded keys and values.
-    fn reference(q: &[f32], keys: &[Vec<f32>], values: &[Vec<f32>], first: usize, pos: usize, cfg: &Config, scale: f32) -> Vec<f64> {
+    fn reference(
+        q: &[f32],
+        keys: &[Vec<f32>],
+        values: &[Vec<f32>],
+        first: usize,
+        pos: usize,
+        cfg: &Config,
+        scale: f32,
+    ) -> Vec<f64> {
         let (hd, group) = (cfg.head_dim, cfg.n_head / cfg.n_head_kv);
         let r = |x: f32| f16::from_f32(x).to_f64();
         let mut out = vec![0.0f64; cfg.n_head * hd];
@@ -407,7 +488,12 @@ mod tests {
             let g = h / group;
             let qh = &q[h * hd..(h + 1) * hd];
             let scores: Vec<f64> = (first..=pos)
-                .map(|p| (0..hd).map(|i| qh[i] as f64 * r(keys[p][g * hd + i])).sum::<f64>() * scale as f64)
+                .map(|p| {
+                    (0..hd)
+                        .map(|i| qh[i] as f64 * r(keys[p][g * hd + i]))
+                        .sum::<f64>()
+                        * scale as f64
+                })
                 .collect();
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
@@ -431,7 +517,10 @@ mod tests {
         let cfg = config(window);
         let (ctx, max_batch) = (700, 64);
         let mut kv = KvCache::new(&KvLayout::new(&cfg, ctx, max_batch));
-        assert!(kv.layers[0].slots < ctx, "the local layer keeps a ring, not the context");
+        assert!(
+            kv.layers[0].slots < ctx,
+            "the local layer keeps a ring, not the context"
+        );
         assert_eq!(kv.layers[1].slots, ctx);
         let pool = Pool::new(2);
         let mut rng = Rng(7);
@@ -439,7 +528,10 @@ mod tests {
         let (qd, kd) = (cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim);
         let (mut keys, mut values) = (Vec::new(), Vec::new());
         let mut pos = 0;
-        for &n in [1usize, 37, 64, 5, 64, 64, 1, 63, 64, 64, 64, 64, 64, 50].iter().cycle() {
+        for &n in [1usize, 37, 64, 5, 64, 64, 1, 63, 64, 64, 64, 64, 64, 50]
+            .iter()
+            .cycle()
+        {
             if pos + n > ctx {
                 break;
             }
@@ -451,22 +543,50 @@ mod tests {
             }
             for layer in 0..2 {
                 for i in 0..n {
-                    kv.store(layer, pos + i, &k[i * kd..(i + 1) * kd], &v[i * kd..(i + 1) * kd]);
+                    kv.store(
+                        layer,
+                        pos + i,
+                        &k[i * kd..(i + 1) * kd],
+                        &v[i * kd..(i + 1) * kd],
+                    );
                 }
                 let mut out = vec![0.0f32; n * qd];
                 kv.layer(layer, scale).attend(&pool, &q, pos, &mut out);
                 for i in 0..n {
                     let p = pos + i;
-                    let first = if layer == 0 { (p + 1).saturating_sub(window) } else { 0 };
-                    let want = reference(&q[i * qd..(i + 1) * qd], &keys, &values, first, p, &cfg, scale);
+                    let first = if layer == 0 {
+                        (p + 1).saturating_sub(window)
+                    } else {
+                        0
+                    };
+                    let want = reference(
+                        &q[i * qd..(i + 1) * qd],
+                        &keys,
+                        &values,
+                        first,
+                        p,
+                        &cfg,
+                        scale,
+                    );
                     let got = &out[i * qd..(i + 1) * qd];
-                    let err = got.iter().zip(&want).map(|(&a, &b)| (a as f64 - b).abs()).fold(0.0, f64::max);
+                    let err = got
+                        .iter()
+                        .zip(&want)
+                        .map(|(&a, &b)| (a as f64 - b).abs())
+                        .fold(0.0, f64::max);
                     assert!(err < 1e-5, "layer {layer} position {p}: max error {err}");
                     if i == n - 1 {
                         // The last query alone (its keys are already stored).
                         let mut alone = vec![0.0f32; qd];
-                        kv.layer(layer, scale).attend(&pool, &q[i * qd..], p, &mut alone);
-                        assert!(alone.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()), "layer {layer} position {p}: alone vs batch");
+                        kv.layer(layer, scale)
+                            .attend(&pool, &q[i * qd..], p, &mut alone);
+                        assert!(
+                            alone
+                                .iter()
+                                .zip(got)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "layer {layer} position {p}: alone vs batch"
+                        );
                     }
                 }
             }

@@ -42,9 +42,18 @@ pub enum Input<'a, B: Backend> {
     /// The rows of a tensor.
     Rows(&'a B::Tensor),
     /// `rms_norm(x) · w`, which a backend may write to `normed` or not at all.
-    Normed { x: &'a B::Tensor, w: &'a B::Vector, eps: f32, normed: &'a mut B::Tensor },
+    Normed {
+        x: &'a B::Tensor,
+        w: &'a B::Vector,
+        eps: f32,
+        normed: &'a mut B::Tensor,
+    },
     /// `act(gate) · up`, which a backend may write over `gate` or not at all.
-    Glu { gate: &'a mut B::Tensor, up: &'a B::Tensor, act: Activation },
+    Glu {
+        gate: &'a mut B::Tensor,
+        up: &'a B::Tensor,
+        act: Activation,
+    },
 }
 
 impl<'a, B: Backend> Input<'a, B> {
@@ -99,10 +108,38 @@ pub struct FeedForward<'a, B: Backend> {
 /// [`Backend::feed_forward`] composed from [`Backend::product`] and
 /// [`Backend::norm_add`].
 pub fn compose_feed_forward<B: Backend>(be: &B, f: FeedForward<'_, B>) {
-    let FeedForward { x, norm, eps, gate, up, down, act, post_norm, normed, gate_rows, up_rows, out } = f;
-    be.product(Input::Normed { x, w: norm, eps, normed }, &mut [(gate, gate_rows), (up, up_rows)], None);
-    let gated = Input::Glu { gate: gate_rows, up: up_rows, act };
-    add_to_residual(be, post_norm, eps, out, x, |out, add_to| be.product(gated, &mut [(down, out)], add_to));
+    let FeedForward {
+        x,
+        norm,
+        eps,
+        gate,
+        up,
+        down,
+        act,
+        post_norm,
+        normed,
+        gate_rows,
+        up_rows,
+        out,
+    } = f;
+    be.product(
+        Input::Normed {
+            x,
+            w: norm,
+            eps,
+            normed,
+        },
+        &mut [(gate, gate_rows), (up, up_rows)],
+        None,
+    );
+    let gated = Input::Glu {
+        gate: gate_rows,
+        up: up_rows,
+        act,
+    };
+    add_to_residual(be, post_norm, eps, out, x, |out, add_to| {
+        be.product(gated, &mut [(down, out)], add_to)
+    });
 }
 
 /// A block's output added to the residual `x`: `product` writes it into `out` and adds
@@ -192,7 +229,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
     }
 
     /// `out[i] = dequantize(table row tokens[i]) · scale`.
-    fn embed(&self, table: &Self::Matrix, tokens: &Self::Ids, scale: Option<f32>, out: &mut Self::Tensor);
+    fn embed(
+        &self,
+        table: &Self::Matrix,
+        tokens: &Self::Ids,
+        scale: Option<f32>,
+        out: &mut Self::Tensor,
+    );
     /// A tensor of the given rows of `x`, in that order.
     fn gather(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
     /// `out = rms_norm(x) · w` for each row.
@@ -217,7 +260,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// `positions` holds every row's position (for a sequence's rows `pos`, `pos + 1`,
     /// …): a backend may read them there rather than from [`SeqRows::pos`], so that a
     /// replayed [`Backend::Graph`] follows them.
-    fn kv_store(&self, layer: usize, seqs: &mut [SeqRows<'_, Self::KvCache>], positions: &Self::Ids, k: &Self::Tensor, v: &Self::Tensor);
+    fn kv_store(
+        &self,
+        layer: usize,
+        seqs: &mut [SeqRows<'_, Self::KvCache>],
+        positions: &Self::Ids,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+    );
     /// Writes to `out` the attention `a` describes.
     fn attention(&self, a: Attend<'_, '_, Self>, out: &mut Self::Tensor);
 
@@ -225,11 +275,18 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// `input` makes, times each matrix of `outs`; with `add_to` (one matrix only) the
     /// product is added to that tensor (the residual) and `outs`' tensor is left as
     /// scratch. As composed from the ops above, with the same results.
-    fn product(&self, input: Input<'_, Self>, outs: &mut [(&Self::Matrix, &mut Self::Tensor)], add_to: Option<&mut Self::Tensor>) {
+    fn product(
+        &self,
+        input: Input<'_, Self>,
+        outs: &mut [(&Self::Matrix, &mut Self::Tensor)],
+        add_to: Option<&mut Self::Tensor>,
+    ) {
         let x = input.make(self);
         self.matmul(x, outs);
         if let Some(residual) = add_to {
-            let [(_, out)] = outs else { panic!("a residual add takes one matrix") };
+            let [(_, out)] = outs else {
+                panic!("a residual add takes one matrix")
+            };
             self.add(residual, out);
         }
     }
@@ -237,7 +294,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// The attention `a` describes (as [`Backend::attention`], into `att`) and the
     /// product of its rows with `w` (as [`Backend::product`]); a backend may hand the
     /// attention's rows to the product without writing `att`.
-    fn attention_product(&self, a: Attend<'_, '_, Self>, att: &mut Self::Tensor, w: &Self::Matrix, out: &mut Self::Tensor, add_to: Option<&mut Self::Tensor>) {
+    fn attention_product(
+        &self,
+        a: Attend<'_, '_, Self>,
+        att: &mut Self::Tensor,
+        w: &Self::Matrix,
+        out: &mut Self::Tensor,
+        add_to: Option<&mut Self::Tensor>,
+    ) {
         self.attention(a, att);
         self.product(Input::Rows(att), &mut [(w, out)], add_to);
     }

@@ -24,8 +24,15 @@ pub struct OpReport {
 }
 
 /// Weight types compared, with the shapes used.
-pub const TYPES: [GgmlType; 7] =
-    [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::IQ2_S];
+pub const TYPES: [GgmlType; 7] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q6_K,
+    GgmlType::IQ2_S,
+];
 const ROWS: usize = 96;
 /// Weight types of the attention-and-product comparison: one per activation format.
 const ATTENTION_OUT_TYPES: [GgmlType; 3] = [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K];
@@ -66,13 +73,24 @@ pub fn distance(want: &[f32], got: &[f32]) -> (f64, f64) {
         den += (a as f64) * (a as f64);
         max_abs = max_abs.max(d.abs());
     }
-    let rel_l2 = if want.len() != got.len() { f64::INFINITY } else if den > 0.0 { (num / den).sqrt() } else { num.sqrt() };
+    let rel_l2 = if want.len() != got.len() {
+        f64::INFINITY
+    } else if den > 0.0 {
+        (num / den).sqrt()
+    } else {
+        num.sqrt()
+    };
     (rel_l2, max_abs)
 }
 
 fn report(op: impl Into<String>, want: &[f32], got: &[f32]) -> OpReport {
     let (rel_l2, max_abs) = distance(want, got);
-    OpReport { op: op.into(), rel_l2, max_abs, outputs: got.to_vec() }
+    OpReport {
+        op: op.into(),
+        rel_l2,
+        max_abs,
+        outputs: got.to_vec(),
+    }
 }
 
 /// Uniform values in [-1, 1) from a 64-bit LCG: reproducible inputs for comparisons
@@ -81,7 +99,10 @@ pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
     pub(crate) fn next(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
     pub(crate) fn vec(&mut self, n: usize) -> Vec<f32> {
@@ -119,18 +140,36 @@ fn attention_config_with(head_dim: usize, n_head_kv: usize) -> Config {
 }
 
 /// Random `rows × cols` matrices `{prefix}.{type}`, one of each type, seeds from `seed`.
-fn add_random(w: &mut GgufWriter, prefix: &str, types: &[GgmlType], rows: usize, cols: usize, seed: u64) -> Result<(), EngineError> {
+fn add_random(
+    w: &mut GgufWriter,
+    prefix: &str,
+    types: &[GgmlType],
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> Result<(), EngineError> {
     let invalid = |e: &dyn std::fmt::Display| EngineError::Invalid(e.to_string());
     for (i, ty) in types.iter().enumerate() {
-        let bytes = astra_quant::parity::random_weights(*ty, rows, cols, seed + i as u64).map_err(|e| invalid(&e))?;
-        w.add_tensor(format!("{prefix}.{}", ty.name()), &[cols as u64, rows as u64], *ty, TensorSource::Owned(bytes)).map_err(|e| invalid(&e))?;
+        let bytes = astra_quant::parity::random_weights(*ty, rows, cols, seed + i as u64)
+            .map_err(|e| invalid(&e))?;
+        w.add_tensor(
+            format!("{prefix}.{}", ty.name()),
+            &[cols as u64, rows as u64],
+            *ty,
+            TensorSource::Owned(bytes),
+        )
+        .map_err(|e| invalid(&e))?;
     }
     Ok(())
 }
 
 /// Runs every op on both backends; `dir` receives the random-weight GGUF the matrices
 /// come from.
-pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<OpReport>, EngineError> {
+pub fn compare<A: Backend, B: Backend>(
+    a: &A,
+    b: &B,
+    dir: &Path,
+) -> Result<Vec<OpReport>, EngineError> {
     let io = |e: std::io::Error| EngineError::Load(format!("writing the parity weights: {e}"));
     let mut w = GgufWriter::new();
     add_random(&mut w, "w", &TYPES, ROWS, COLS, 100)?;
@@ -143,7 +182,14 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
     add_random(&mut w, "wuk", &FFN_K_TYPES, FFN_K_ROWS, COLS, 600)?;
     add_random(&mut w, "wdk", &FFN_K_TYPES, COLS, FFN_K_ROWS, 700)?;
     for (i, (ty, blocks)) in WIDE.into_iter().enumerate() {
-        add_random(&mut w, &format!("wide{blocks}"), &[ty], WIDE_ROWS, ty.block_elems() as usize * blocks, 800 + i as u64)?;
+        add_random(
+            &mut w,
+            &format!("wide{blocks}"),
+            &[ty],
+            WIDE_ROWS,
+            ty.block_elems() as usize * blocks,
+            800 + i as u64,
+        )?;
     }
     std::fs::create_dir_all(dir).map_err(io)?;
     let path = dir.join("backend-parity.gguf");
@@ -155,7 +201,16 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
         out.extend(compare_products(a, b, &file, tokens, &mut rng)?);
     }
     let tokens = BATCHES[0];
-    let Inputs { x, y, xa, xb, wa, wb, ya, yb } = Inputs::new(a, b, tokens, &mut rng)?;
+    let Inputs {
+        x,
+        y,
+        xa,
+        xb,
+        wa,
+        wb,
+        ya,
+        yb,
+    } = Inputs::new(a, b, tokens, &mut rng)?;
     let (mut na, mut nb) = (a.tensor(tokens, COLS), b.tensor(tokens, COLS));
     a.rms_norm(&xa, &wa, 1e-6, &mut na);
     b.rms_norm(&xb, &wb, 1e-6, &mut nb);
@@ -168,10 +223,18 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
     out.push(report("rms_norm per head", &a.read(&ga), &b.read(&gb)));
     for neox in [false, true] {
         let (mut ra, mut rb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
-        let rope = Rope { dims: 64, base: 10000.0, neox };
+        let rope = Rope {
+            dims: 64,
+            base: 10000.0,
+            neox,
+        };
         a.rope(&mut ra, 64, &a.ids(&[0, 7, 1000]), rope);
         b.rope(&mut rb, 64, &b.ids(&[0, 7, 1000]), rope);
-        out.push(report(if neox { "rope neox" } else { "rope" }, &a.read(&ra), &b.read(&rb)));
+        out.push(report(
+            if neox { "rope neox" } else { "rope" },
+            &a.read(&ra),
+            &b.read(&rb),
+        ));
     }
     for act in [Activation::Silu, Activation::GeluTanh] {
         let (mut pa, mut pb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
@@ -179,7 +242,13 @@ pub fn compare<A: Backend, B: Backend>(a: &A, b: &B, dir: &Path) -> Result<Vec<O
         b.glu(&mut pb, &yb, act);
         out.push(report(format!("glu {act:?}"), &a.read(&pa), &b.read(&pb)));
     }
-    out.extend(compare_prepare_attention(a, b, (&ha, &hb), &file, &mut rng)?);
+    out.extend(compare_prepare_attention(
+        a,
+        b,
+        (&ha, &hb),
+        &file,
+        &mut rng,
+    )?);
     let (mut oa, mut ob) = (a.tensor_from(&y, COLS), b.tensor_from(&y, COLS));
     let (mut sa, mut sb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
     a.norm_add(&mut oa, &wa, 1e-6, &mut sa);
@@ -225,18 +294,46 @@ impl<A: Backend, B: Backend> Inputs<A, B> {
         let (wa, wb) = (a.vector(&wv)?, b.vector(&wv)?);
         let y = rng.vec(tokens * COLS);
         let (ya, yb) = (a.tensor_from(&y, COLS), b.tensor_from(&y, COLS));
-        Ok(Inputs { x, y, xa, xb, wa, wb, ya, yb })
+        Ok(Inputs {
+            x,
+            y,
+            xa,
+            xb,
+            wa,
+            wb,
+            ya,
+            yb,
+        })
     }
 }
 
 /// Each weight type's product with `tokens` random rows, plain and in its fused forms
 /// (normed rows; gated rows added to a residual). Ops of batches past the first are
 /// named with their token count.
-fn compare_products<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFile>, tokens: usize, rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
+fn compare_products<A: Backend, B: Backend>(
+    a: &A,
+    b: &B,
+    file: &Arc<GgufFile>,
+    tokens: usize,
+    rng: &mut Rng,
+) -> Result<Vec<OpReport>, EngineError> {
     let mut out = Vec::new();
     let first = tokens == BATCHES[0];
-    let batch = if first { String::new() } else { format!(", {tokens} tokens") };
-    let Inputs { x, xa, xb, wa, wb, ya, yb, .. } = Inputs::new(a, b, tokens, rng)?;
+    let batch = if first {
+        String::new()
+    } else {
+        format!(", {tokens} tokens")
+    };
+    let Inputs {
+        x,
+        xa,
+        xb,
+        wa,
+        wb,
+        ya,
+        yb,
+        ..
+    } = Inputs::new(a, b, tokens, rng)?;
     let residual = rng.vec(tokens * ROWS);
     for ty in TYPES {
         let m = MatRef::locate(file, &format!("w.{}", ty.name()))?;
@@ -244,23 +341,76 @@ fn compare_products<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFile>, 
         let (mut oa, mut ob) = (a.tensor(tokens, ROWS), b.tensor(tokens, ROWS));
         a.matmul(&xa, &mut [(&ma, &mut oa)]);
         b.matmul(&xb, &mut [(&mb, &mut ob)]);
-        out.push(report(format!("matmul {}{batch}", ty.name()), &a.read(&oa), &b.read(&ob)));
+        out.push(report(
+            format!("matmul {}{batch}", ty.name()),
+            &a.read(&oa),
+            &b.read(&ob),
+        ));
         let (mut sa, mut sb) = (a.tensor(tokens, COLS), b.tensor(tokens, COLS));
-        a.product(Input::Normed { x: &xa, w: &wa, eps: 1e-6, normed: &mut sa }, &mut [(&ma, &mut oa)], None);
-        b.product(Input::Normed { x: &xb, w: &wb, eps: 1e-6, normed: &mut sb }, &mut [(&mb, &mut ob)], None);
-        out.push(report(format!("rms_norm, matmul {}{batch}", ty.name()), &a.read(&oa), &b.read(&ob)));
+        a.product(
+            Input::Normed {
+                x: &xa,
+                w: &wa,
+                eps: 1e-6,
+                normed: &mut sa,
+            },
+            &mut [(&ma, &mut oa)],
+            None,
+        );
+        b.product(
+            Input::Normed {
+                x: &xb,
+                w: &wb,
+                eps: 1e-6,
+                normed: &mut sb,
+            },
+            &mut [(&mb, &mut ob)],
+            None,
+        );
+        out.push(report(
+            format!("rms_norm, matmul {}{batch}", ty.name()),
+            &a.read(&oa),
+            &b.read(&ob),
+        ));
         let (mut ga, mut gb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
-        let (mut ra, mut rb) = (a.tensor_from(&residual, ROWS), b.tensor_from(&residual, ROWS));
-        a.product(Input::Glu { gate: &mut ga, up: &ya, act: Activation::GeluTanh }, &mut [(&ma, &mut oa)], Some(&mut ra));
-        b.product(Input::Glu { gate: &mut gb, up: &yb, act: Activation::GeluTanh }, &mut [(&mb, &mut ob)], Some(&mut rb));
-        out.push(report(format!("glu, matmul {}, add{batch}", ty.name()), &a.read(&ra), &b.read(&rb)));
+        let (mut ra, mut rb) = (
+            a.tensor_from(&residual, ROWS),
+            b.tensor_from(&residual, ROWS),
+        );
+        a.product(
+            Input::Glu {
+                gate: &mut ga,
+                up: &ya,
+                act: Activation::GeluTanh,
+            },
+            &mut [(&ma, &mut oa)],
+            Some(&mut ra),
+        );
+        b.product(
+            Input::Glu {
+                gate: &mut gb,
+                up: &yb,
+                act: Activation::GeluTanh,
+            },
+            &mut [(&mb, &mut ob)],
+            Some(&mut rb),
+        );
+        out.push(report(
+            format!("glu, matmul {}, add{batch}", ty.name()),
+            &a.read(&ra),
+            &b.read(&rb),
+        ));
         // The embedding lookup of the same matrix, once.
         if first {
             let ids = [0u32, 5, ROWS as u32 - 1];
             let (mut ea, mut eb) = (a.tensor(3, COLS), b.tensor(3, COLS));
             a.embed(&ma, &a.ids(&ids), Some(1.5), &mut ea);
             b.embed(&mb, &b.ids(&ids), Some(1.5), &mut eb);
-            out.push(report(format!("embed {}", ty.name()), &a.read(&ea), &b.read(&eb)));
+            out.push(report(
+                format!("embed {}", ty.name()),
+                &a.read(&ea),
+                &b.read(&eb),
+            ));
         }
     }
     Ok(out)
@@ -268,7 +418,12 @@ fn compare_products<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFile>, 
 
 /// Products with rows of many blocks (WIDE), of one token and of a few, and the
 /// embedding lookup of their rows.
-fn compare_wide_products<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFile>, rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
+fn compare_wide_products<A: Backend, B: Backend>(
+    a: &A,
+    b: &B,
+    file: &Arc<GgufFile>,
+    rng: &mut Rng,
+) -> Result<Vec<OpReport>, EngineError> {
     let mut out = Vec::new();
     for (ty, blocks) in WIDE {
         let cols = ty.block_elems() as usize * blocks;
@@ -280,13 +435,24 @@ fn compare_wide_products<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFi
             let (mut oa, mut ob) = (a.tensor(tokens, WIDE_ROWS), b.tensor(tokens, WIDE_ROWS));
             a.matmul(&xa, &mut [(&ma, &mut oa)]);
             b.matmul(&xb, &mut [(&mb, &mut ob)]);
-            out.push(report(format!("matmul {}, {blocks} blocks a row, {tokens} tokens", ty.name()), &a.read(&oa), &b.read(&ob)));
+            out.push(report(
+                format!(
+                    "matmul {}, {blocks} blocks a row, {tokens} tokens",
+                    ty.name()
+                ),
+                &a.read(&oa),
+                &b.read(&ob),
+            ));
         }
         let ids = [1u32, WIDE_ROWS as u32 - 1];
         let (mut ea, mut eb) = (a.tensor(ids.len(), cols), b.tensor(ids.len(), cols));
         a.embed(&ma, &a.ids(&ids), None, &mut ea);
         b.embed(&mb, &b.ids(&ids), None, &mut eb);
-        out.push(report(format!("embed {}, {blocks} blocks a row", ty.name()), &a.read(&ea), &b.read(&eb)));
+        out.push(report(
+            format!("embed {}, {blocks} blocks a row", ty.name()),
+            &a.read(&ea),
+            &b.read(&eb),
+        ));
     }
     Ok(out)
 }
@@ -295,30 +461,71 @@ fn compare_wide_products<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFi
 /// each gate and up type with each 32-block down type, and for the K-quants with each
 /// Q8_K down type (256 gate rows): SwiGLU added to the row, and GeGLU post-normed
 /// before the add.
-fn compare_feed_forward<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFile>, rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
+fn compare_feed_forward<A: Backend, B: Backend>(
+    a: &A,
+    b: &B,
+    file: &Arc<GgufFile>,
+    rng: &mut Rng,
+) -> Result<Vec<OpReport>, EngineError> {
     let mut out = Vec::new();
     let x = rng.vec(COLS);
     // Norm weights a quarter of the inputs' size: the products of random gate and up rows
     // stay well inside the f16 range of a Q8_1 block's sum (ggml's format, which
     // overflows to infinity as the CPU kernels do).
-    let (nv, pv) = (rng.vec(COLS).iter().map(|v| v * 0.25).collect::<Vec<_>>(), rng.vec(COLS));
+    let (nv, pv) = (
+        rng.vec(COLS).iter().map(|v| v * 0.25).collect::<Vec<_>>(),
+        rng.vec(COLS),
+    );
     let (na, nb) = (a.vector(&nv)?, b.vector(&nv)?);
     let (pa, pb) = (a.vector(&pv)?, b.vector(&pv)?);
     let down_32 = FFN_DOWN_TYPES.map(|t| (t, "wd"));
     let down_k = FFN_K_TYPES.map(|t| (t, "wdk"));
-    let cases = TYPES.iter().map(|&t| (t, "w", "wu", ROWS, &down_32[..])).chain(FFN_K_TYPES.iter().map(|&t| (t, "wgk", "wuk", FFN_K_ROWS, &down_k[..])));
+    let cases = TYPES
+        .iter()
+        .map(|&t| (t, "w", "wu", ROWS, &down_32[..]))
+        .chain(
+            FFN_K_TYPES
+                .iter()
+                .map(|&t| (t, "wgk", "wuk", FFN_K_ROWS, &down_k[..])),
+        );
     for (ty, gate, up, rows, downs) in cases {
-        let (g, u) = (MatRef::locate(file, &format!("{gate}.{}", ty.name()))?, MatRef::locate(file, &format!("{up}.{}", ty.name()))?);
-        let (ga, gb, ua, ub) = (a.matrix(file, &g)?, b.matrix(file, &g)?, a.matrix(file, &u)?, b.matrix(file, &u)?);
+        let (g, u) = (
+            MatRef::locate(file, &format!("{gate}.{}", ty.name()))?,
+            MatRef::locate(file, &format!("{up}.{}", ty.name()))?,
+        );
+        let (ga, gb, ua, ub) = (
+            a.matrix(file, &g)?,
+            b.matrix(file, &g)?,
+            a.matrix(file, &u)?,
+            b.matrix(file, &u)?,
+        );
         for &(down, name) in downs {
             let d = MatRef::locate(file, &format!("{name}.{}", down.name()))?;
             let (da, db) = (a.matrix(file, &d)?, b.matrix(file, &d)?);
             for post in [false, true] {
-                let act = if post { Activation::GeluTanh } else { Activation::Silu };
-                let want = feed_forward_row(a, &x, &na, [&ga, &ua, &da], rows, act, post.then_some(&pa));
-                let got = feed_forward_row(b, &x, &nb, [&gb, &ub, &db], rows, act, post.then_some(&pb));
-                let post = if post { ", GeGLU, post-norm" } else { ", SwiGLU" };
-                out.push(report(format!("feed-forward {} gate/up, {} down{post}", ty.name(), down.name()), &want, &got));
+                let act = if post {
+                    Activation::GeluTanh
+                } else {
+                    Activation::Silu
+                };
+                let want =
+                    feed_forward_row(a, &x, &na, [&ga, &ua, &da], rows, act, post.then_some(&pa));
+                let got =
+                    feed_forward_row(b, &x, &nb, [&gb, &ub, &db], rows, act, post.then_some(&pb));
+                let post = if post {
+                    ", GeGLU, post-norm"
+                } else {
+                    ", SwiGLU"
+                };
+                out.push(report(
+                    format!(
+                        "feed-forward {} gate/up, {} down{post}",
+                        ty.name(),
+                        down.name()
+                    ),
+                    &want,
+                    &got,
+                ));
             }
         }
     }
@@ -327,10 +534,37 @@ fn compare_feed_forward<A: Backend, B: Backend>(a: &A, b: &B, file: &Arc<GgufFil
 
 /// Row `x` through `be`'s feed-forward block with matrices gate, up and down (gate and
 /// up of `rows` rows).
-fn feed_forward_row<B: Backend>(be: &B, x: &[f32], norm: &B::Vector, [gate, up, down]: [&B::Matrix; 3], rows: usize, act: Activation, post_norm: Option<&B::Vector>) -> Vec<f32> {
-    let (mut xt, mut normed, mut gate_rows, mut up_rows, mut out) = (be.tensor_from(x, COLS), be.tensor(1, COLS), be.tensor(1, rows), be.tensor(1, rows), be.tensor(1, COLS));
+fn feed_forward_row<B: Backend>(
+    be: &B,
+    x: &[f32],
+    norm: &B::Vector,
+    [gate, up, down]: [&B::Matrix; 3],
+    rows: usize,
+    act: Activation,
+    post_norm: Option<&B::Vector>,
+) -> Vec<f32> {
+    let (mut xt, mut normed, mut gate_rows, mut up_rows, mut out) = (
+        be.tensor_from(x, COLS),
+        be.tensor(1, COLS),
+        be.tensor(1, rows),
+        be.tensor(1, rows),
+        be.tensor(1, COLS),
+    );
     let (gate_rows, up_rows) = (&mut gate_rows, &mut up_rows);
-    be.feed_forward(FeedForward { x: &mut xt, norm, eps: 1e-6, gate, up, down, act, post_norm, normed: &mut normed, gate_rows, up_rows, out: &mut out });
+    be.feed_forward(FeedForward {
+        x: &mut xt,
+        norm,
+        eps: 1e-6,
+        gate,
+        up,
+        down,
+        act,
+        post_norm,
+        normed: &mut normed,
+        gate_rows,
+        up_rows,
+        out: &mut out,
+    });
     be.read(&xt)
 }
 
@@ -352,16 +586,91 @@ fn compare_prepare_attention<A: Backend, B: Backend>(
     let (mut ka, mut kb) = (a.tensor_from(&k, kd), b.tensor_from(&k, kd));
     let (va, vb) = (a.tensor_from(&v, kd), b.tensor_from(&v, kd));
     let (pa, pb) = (a.ids(&[0, 1, 2]), b.ids(&[0, 1, 2]));
-    let rope = Rope { dims: 64, base: 10000.0, neox: true };
-    let heads_a = Heads { head_dim: 64, q_norm: Some(norm.0), k_norm: Some(norm.0), eps: 1e-6, rope, q_scale: Some(0.125) };
-    let heads_b = Heads { head_dim: 64, q_norm: Some(norm.1), k_norm: Some(norm.1), eps: 1e-6, rope, q_scale: Some(0.125) };
-    a.prepare_attention(1, &mut [SeqRows { kv: &mut ca, rows: 0..n, pos: 0 }], &pa, &mut qa, &mut ka, &va, &heads_a);
-    b.prepare_attention(1, &mut [SeqRows { kv: &mut cb, rows: 0..n, pos: 0 }], &pb, &mut qb, &mut kb, &vb, &heads_b);
-    let mut out = vec![report("prepare attention, queries", &a.read(&qa), &b.read(&qb)), report("prepare attention, keys", &a.read(&ka), &b.read(&kb))];
+    let rope = Rope {
+        dims: 64,
+        base: 10000.0,
+        neox: true,
+    };
+    let heads_a = Heads {
+        head_dim: 64,
+        q_norm: Some(norm.0),
+        k_norm: Some(norm.0),
+        eps: 1e-6,
+        rope,
+        q_scale: Some(0.125),
+    };
+    let heads_b = Heads {
+        head_dim: 64,
+        q_norm: Some(norm.1),
+        k_norm: Some(norm.1),
+        eps: 1e-6,
+        rope,
+        q_scale: Some(0.125),
+    };
+    a.prepare_attention(
+        1,
+        &mut [SeqRows {
+            kv: &mut ca,
+            rows: 0..n,
+            pos: 0,
+        }],
+        &pa,
+        &mut qa,
+        &mut ka,
+        &va,
+        &heads_a,
+    );
+    b.prepare_attention(
+        1,
+        &mut [SeqRows {
+            kv: &mut cb,
+            rows: 0..n,
+            pos: 0,
+        }],
+        &pb,
+        &mut qb,
+        &mut kb,
+        &vb,
+        &heads_b,
+    );
+    let mut out = vec![
+        report("prepare attention, queries", &a.read(&qa), &b.read(&qb)),
+        report("prepare attention, keys", &a.read(&ka), &b.read(&kb)),
+    ];
     let (mut oa, mut ob) = (a.tensor(n, qd), b.tensor(n, qd));
-    a.attention(Attend { layer: 1, seqs: &mut [SeqRows { kv: &mut ca, rows: 0..n, pos: 0 }], positions: &pa, q: &qa, scale: 1.0 }, &mut oa);
-    b.attention(Attend { layer: 1, seqs: &mut [SeqRows { kv: &mut cb, rows: 0..n, pos: 0 }], positions: &pb, q: &qb, scale: 1.0 }, &mut ob);
-    out.push(report("prepare attention, stored keys and values", &a.read(&oa), &b.read(&ob)));
+    a.attention(
+        Attend {
+            layer: 1,
+            seqs: &mut [SeqRows {
+                kv: &mut ca,
+                rows: 0..n,
+                pos: 0,
+            }],
+            positions: &pa,
+            q: &qa,
+            scale: 1.0,
+        },
+        &mut oa,
+    );
+    b.attention(
+        Attend {
+            layer: 1,
+            seqs: &mut [SeqRows {
+                kv: &mut cb,
+                rows: 0..n,
+                pos: 0,
+            }],
+            positions: &pb,
+            q: &qb,
+            scale: 1.0,
+        },
+        &mut ob,
+    );
+    out.push(report(
+        "prepare attention, stored keys and values",
+        &a.read(&oa),
+        &b.read(&ob),
+    ));
     // One more position decoded, its attention straight into an output projection
     // (added to a residual).
     let (q, k, v) = (rng.vec(qd), rng.vec(kd), rng.vec(kd));
@@ -369,20 +678,83 @@ fn compare_prepare_attention<A: Backend, B: Backend>(
     let (mut ka, mut kb) = (a.tensor_from(&k, kd), b.tensor_from(&k, kd));
     let (va, vb) = (a.tensor_from(&v, kd), b.tensor_from(&v, kd));
     let (pa, pb) = (a.ids(&[3]), b.ids(&[3]));
-    a.prepare_attention(1, &mut [SeqRows { kv: &mut ca, rows: 0..1, pos: 3 }], &pa, &mut qa, &mut ka, &va, &heads_a);
-    b.prepare_attention(1, &mut [SeqRows { kv: &mut cb, rows: 0..1, pos: 3 }], &pb, &mut qb, &mut kb, &vb, &heads_b);
+    a.prepare_attention(
+        1,
+        &mut [SeqRows {
+            kv: &mut ca,
+            rows: 0..1,
+            pos: 3,
+        }],
+        &pa,
+        &mut qa,
+        &mut ka,
+        &va,
+        &heads_a,
+    );
+    b.prepare_attention(
+        1,
+        &mut [SeqRows {
+            kv: &mut cb,
+            rows: 0..1,
+            pos: 3,
+        }],
+        &pb,
+        &mut qb,
+        &mut kb,
+        &vb,
+        &heads_b,
+    );
     let residual = rng.vec(ROWS);
     for ty in ATTENTION_OUT_TYPES {
         let m = MatRef::locate(file, &format!("wo.{}", ty.name()))?;
         let (ma, mb) = (a.matrix(file, &m)?, b.matrix(file, &m)?);
         let (mut ta, mut tb) = (a.tensor(1, qd), b.tensor(1, qd));
         let (mut oa, mut ob) = (a.tensor(1, ROWS), b.tensor(1, ROWS));
-        let (mut ra, mut rb) = (a.tensor_from(&residual, ROWS), b.tensor_from(&residual, ROWS));
-        let seq_a = &mut [SeqRows { kv: &mut ca, rows: 0..1, pos: 3 }];
-        let seq_b = &mut [SeqRows { kv: &mut cb, rows: 0..1, pos: 3 }];
-        a.attention_product(Attend { layer: 1, seqs: seq_a, positions: &pa, q: &qa, scale: 1.0 }, &mut ta, &ma, &mut oa, Some(&mut ra));
-        b.attention_product(Attend { layer: 1, seqs: seq_b, positions: &pb, q: &qb, scale: 1.0 }, &mut tb, &mb, &mut ob, Some(&mut rb));
-        out.push(report(format!("attention, matmul {}, add", ty.name()), &a.read(&ra), &b.read(&rb)));
+        let (mut ra, mut rb) = (
+            a.tensor_from(&residual, ROWS),
+            b.tensor_from(&residual, ROWS),
+        );
+        let seq_a = &mut [SeqRows {
+            kv: &mut ca,
+            rows: 0..1,
+            pos: 3,
+        }];
+        let seq_b = &mut [SeqRows {
+            kv: &mut cb,
+            rows: 0..1,
+            pos: 3,
+        }];
+        a.attention_product(
+            Attend {
+                layer: 1,
+                seqs: seq_a,
+                positions: &pa,
+                q: &qa,
+                scale: 1.0,
+            },
+            &mut ta,
+            &ma,
+            &mut oa,
+            Some(&mut ra),
+        );
+        b.attention_product(
+            Attend {
+                layer: 1,
+                seqs: seq_b,
+                positions: &pb,
+                q: &qb,
+                scale: 1.0,
+            },
+            &mut tb,
+            &mb,
+            &mut ob,
+            Some(&mut rb),
+        );
+        out.push(report(
+            format!("attention, matmul {}, add", ty.name()),
+            &a.read(&ra),
+            &b.read(&rb),
+        ));
     }
     Ok(out)
 }
@@ -390,7 +762,13 @@ fn compare_prepare_attention<A: Backend, B: Backend>(
 /// Attention with heads of `head_dim` (`n_head_kv` KV heads) over a sliding-window layer (window 40, its ring
 /// wrapped) and a global layer, fed in batches of 70, 1, 29, 64, 64 and 100 positions,
 /// then single rows deep enough for a backend to spread a row's chunks.
-fn compare_attention<A: Backend, B: Backend>(a: &A, b: &B, head_dim: usize, n_head_kv: usize, rng: &mut Rng) -> Result<Vec<OpReport>, EngineError> {
+fn compare_attention<A: Backend, B: Backend>(
+    a: &A,
+    b: &B,
+    head_dim: usize,
+    n_head_kv: usize,
+    rng: &mut Rng,
+) -> Result<Vec<OpReport>, EngineError> {
     let cfg = attention_config_with(head_dim, n_head_kv);
     let (qd, kd) = (cfg.q_dim(), cfg.kv_dim());
     let layout = KvLayout::new(&cfg, 512, 100);
@@ -400,18 +778,76 @@ fn compare_attention<A: Backend, B: Backend>(a: &A, b: &B, head_dim: usize, n_he
     for n in [70usize, 1, 29, 64, 64, 100, 1, 1] {
         let (q, k, v) = (rng.vec(n * qd), rng.vec(n * kd), rng.vec(n * kd));
         for layer in 0..2 {
-            let (qa, kta, va) = (a.tensor_from(&q, qd), a.tensor_from(&k, kd), a.tensor_from(&v, kd));
-            let (qb, ktb, vb) = (b.tensor_from(&q, qd), b.tensor_from(&k, kd), b.tensor_from(&v, kd));
+            let (qa, kta, va) = (
+                a.tensor_from(&q, qd),
+                a.tensor_from(&k, kd),
+                a.tensor_from(&v, kd),
+            );
+            let (qb, ktb, vb) = (
+                b.tensor_from(&q, qd),
+                b.tensor_from(&k, kd),
+                b.tensor_from(&v, kd),
+            );
             let (mut oa, mut ob) = (a.tensor(n, qd), b.tensor(n, qd));
             let positions: Vec<u32> = (pos as u32..(pos + n) as u32).collect();
             let (pa, pb) = (a.ids(&positions), b.ids(&positions));
-            a.kv_store(layer, &mut [SeqRows { kv: &mut ka, rows: 0..n, pos }], &pa, &kta, &va);
-            b.kv_store(layer, &mut [SeqRows { kv: &mut kb, rows: 0..n, pos }], &pb, &ktb, &vb);
-            a.attention(Attend { layer, seqs: &mut [SeqRows { kv: &mut ka, rows: 0..n, pos }], positions: &pa, q: &qa, scale: 0.125 }, &mut oa);
-            b.attention(Attend { layer, seqs: &mut [SeqRows { kv: &mut kb, rows: 0..n, pos }], positions: &pb, q: &qb, scale: 0.125 }, &mut ob);
+            a.kv_store(
+                layer,
+                &mut [SeqRows {
+                    kv: &mut ka,
+                    rows: 0..n,
+                    pos,
+                }],
+                &pa,
+                &kta,
+                &va,
+            );
+            b.kv_store(
+                layer,
+                &mut [SeqRows {
+                    kv: &mut kb,
+                    rows: 0..n,
+                    pos,
+                }],
+                &pb,
+                &ktb,
+                &vb,
+            );
+            a.attention(
+                Attend {
+                    layer,
+                    seqs: &mut [SeqRows {
+                        kv: &mut ka,
+                        rows: 0..n,
+                        pos,
+                    }],
+                    positions: &pa,
+                    q: &qa,
+                    scale: 0.125,
+                },
+                &mut oa,
+            );
+            b.attention(
+                Attend {
+                    layer,
+                    seqs: &mut [SeqRows {
+                        kv: &mut kb,
+                        rows: 0..n,
+                        pos,
+                    }],
+                    positions: &pb,
+                    q: &qb,
+                    scale: 0.125,
+                },
+                &mut ob,
+            );
             let kind = if layer == 0 { "window 40" } else { "global" };
             let shape = format!("head {head_dim}, {} per KV head", cfg.n_head / n_head_kv);
-            out.push(report(format!("attention {kind}, {shape}, {n} at {pos}"), &a.read(&oa), &b.read(&ob)));
+            out.push(report(
+                format!("attention {kind}, {shape}, {n} at {pos}"),
+                &a.read(&oa),
+                &b.read(&ob),
+            ));
         }
         pos += n;
     }
@@ -429,7 +865,11 @@ mod tests {
         assert!((rel - 0.1).abs() < 1e-12, "{rel}");
         assert_eq!(max, 0.5);
         assert_eq!(distance(&[1.0, -2.0], &[1.0, -2.0]), (0.0, 0.0));
-        assert_eq!(distance(&[0.0, 0.0], &[0.0, 0.5]), (0.5, 0.5), "absolute against zeros");
+        assert_eq!(
+            distance(&[0.0, 0.0], &[0.0, 0.5]),
+            (0.5, 0.5),
+            "absolute against zeros"
+        );
         assert_eq!(distance(&[1.0], &[1.0, 2.0]).0, f64::INFINITY);
     }
 

@@ -50,25 +50,40 @@ impl Config {
         let arch = match arch_name {
             "llama" => Arch::Llama,
             "gemma3" => Arch::Gemma3,
-            other => return Err(EngineError::Unsupported(format!("architecture {other:?} (supported: llama, gemma3)"))),
+            other => {
+                return Err(EngineError::Unsupported(format!(
+                    "architecture {other:?} (supported: llama, gemma3)"
+                )))
+            }
         };
         let key = |k: &str| format!("{arch_name}.{k}");
         let n_embd = md.u64(&key("embedding_length"))? as usize;
         let n_head = md.u64(&key("attention.head_count"))? as usize;
-        let n_head_kv = md.optional(&key("attention.head_count_kv"), Metadata::u64)?.map_or(n_head, |v| v as usize);
+        let n_head_kv = md
+            .optional(&key("attention.head_count_kv"), Metadata::u64)?
+            .map_or(n_head, |v| v as usize);
         let n_layer = md.u64(&key("block_count"))? as usize;
         let head_dim = match md.optional(&key("attention.key_length"), Metadata::u64)? {
             Some(d) => d as usize,
             None if n_head > 0 => n_embd / n_head,
             None => 0,
         };
-        if n_head == 0 || n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) || head_dim == 0 || head_dim % 2 != 0 {
+        if n_head == 0
+            || n_head_kv == 0
+            || !n_head.is_multiple_of(n_head_kv)
+            || head_dim == 0
+            || head_dim % 2 != 0
+        {
             return Err(EngineError::Invalid(format!(
                 "attention shape: {n_head} heads, {n_head_kv} KV heads, head dim {head_dim}"
             )));
         }
-        let rope_dim = md.optional(&key("rope.dimension_count"), Metadata::u64)?.map_or(head_dim, |v| v as usize);
-        let rope_base = md.optional(&key("rope.freq_base"), Metadata::f32)?.unwrap_or(10000.0);
+        let rope_dim = md
+            .optional(&key("rope.dimension_count"), Metadata::u64)?
+            .map_or(head_dim, |v| v as usize);
+        let rope_base = md
+            .optional(&key("rope.freq_base"), Metadata::f32)?
+            .unwrap_or(10000.0);
         let n_vocab = match md.optional(&key("vocab_size"), Metadata::u64)? {
             Some(v) => v as usize,
             None => md.array("tokenizer.ggml.tokens")?.len(),

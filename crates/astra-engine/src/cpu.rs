@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use astra_gguf::GgufFile;
-use astra_quant::{Isa, Kernels};
 use astra_quant::matmul::{matmul_many_on, MatmulJob, Parallel, QuantMatrix, QuantizedActivations};
+use astra_quant::{Isa, Kernels};
 
 use crate::attention::{KvCache, KvLayout, KvType};
 use crate::backend::{Activation, Attend, Backend, Rope, SeqRows};
@@ -46,7 +46,9 @@ impl Arithmetic {
     }
 
     pub fn from_name(name: &str) -> Option<Arithmetic> {
-        [Arithmetic::Astra, Arithmetic::Ggml].into_iter().find(|a| a.name().eq_ignore_ascii_case(name))
+        [Arithmetic::Astra, Arithmetic::Ggml]
+            .into_iter()
+            .find(|a| a.name().eq_ignore_ascii_case(name))
     }
 }
 
@@ -59,13 +61,20 @@ impl CpuBackend {
 
     /// As [`CpuBackend::new`], its KV caches storing `kv`.
     pub fn with_kv_type(threads: usize, kv: KvType) -> CpuBackend {
-        CpuBackend { pool: Pool::new(threads.max(1)), kv, isa: Isa::selected(), arithmetic: Arithmetic::Astra }
+        CpuBackend {
+            pool: Pool::new(threads.max(1)),
+            kv,
+            isa: Isa::selected(),
+            arithmetic: Arithmetic::Astra,
+        }
     }
 
     /// The same backend rounding as `arithmetic` says; llama.cpp's needs an f16 cache.
     pub fn with_arithmetic(self, arithmetic: Arithmetic) -> Result<CpuBackend, EngineError> {
         if arithmetic == Arithmetic::Ggml && self.kv != KvType::F16 {
-            return Err(EngineError::Invalid("llama.cpp's arithmetic keeps the KV cache in f16".into()));
+            return Err(EngineError::Invalid(
+                "llama.cpp's arithmetic keeps the KV cache in f16".into(),
+            ));
         }
         Ok(CpuBackend { arithmetic, ..self })
     }
@@ -112,7 +121,8 @@ impl CpuMatrix {
     /// The matrix as the kernels read it.
     fn kernel_view(&self) -> QuantMatrix<'_> {
         match &self.packed {
-            Some(bytes) => QuantMatrix::packed(self.m.ty, self.m.rows, self.m.cols, bytes).expect("packed from this shape"),
+            Some(bytes) => QuantMatrix::packed(self.m.ty, self.m.rows, self.m.cols, bytes)
+                .expect("packed from this shape"),
             None => self.m.view(&self.file),
         }
     }
@@ -121,11 +131,16 @@ impl CpuMatrix {
 /// `w` packed for `kernels` in memory of its own, where they pack its rows: an
 /// anonymous map, huge pages advised (on the two small models, loading and decode
 /// measured the same with and without the advice).
-fn packed_copy(par: &dyn Parallel, w: &QuantMatrix, kernels: &astra_quant::Kernels) -> Result<Option<memmap2::MmapMut>, EngineError> {
+fn packed_copy(
+    par: &dyn Parallel,
+    w: &QuantMatrix,
+    kernels: &astra_quant::Kernels,
+) -> Result<Option<memmap2::MmapMut>, EngineError> {
     if kernels.packing.is_none() || w.bytes().is_empty() {
         return Ok(None);
     }
-    let mut map = memmap2::MmapMut::map_anon(w.bytes().len()).map_err(|e| EngineError::Load(format!("memory for packed weights: {e}")))?;
+    let mut map = memmap2::MmapMut::map_anon(w.bytes().len())
+        .map_err(|e| EngineError::Load(format!("memory for packed weights: {e}")))?;
     #[cfg(target_os = "linux")]
     // Advice only: without huge pages the copy is the same, made more slowly.
     let _ = map.advise(memmap2::Advice::HugePage);
@@ -146,8 +161,17 @@ impl Backend for CpuBackend {
 
     fn describe(&self) -> String {
         match self.arithmetic {
-            Arithmetic::Astra => format!("cpu ({} threads, {}, {} KV cache)", self.threads(), self.isa.name(), self.kv.name()),
-            Arithmetic::Ggml => format!("cpu ({} threads, llama.cpp's arithmetic, {} KV cache)", self.threads(), self.kv.name()),
+            Arithmetic::Astra => format!(
+                "cpu ({} threads, {}, {} KV cache)",
+                self.threads(),
+                self.isa.name(),
+                self.kv.name()
+            ),
+            Arithmetic::Ggml => format!(
+                "cpu ({} threads, llama.cpp's arithmetic, {} KV cache)",
+                self.threads(),
+                self.kv.name()
+            ),
         }
     }
 
@@ -166,7 +190,11 @@ impl Backend for CpuBackend {
             // The file's copy is read again only for embedding rows, a few at a time.
             file.release(m.byte_range());
         }
-        Ok(CpuMatrix { file: Arc::clone(file), m: m.clone(), packed })
+        Ok(CpuMatrix {
+            file: Arc::clone(file),
+            m: m.clone(),
+            packed,
+        })
     }
 
     fn vector(&self, v: &[f32]) -> Result<Vec<f32>, EngineError> {
@@ -174,11 +202,17 @@ impl Backend for CpuBackend {
     }
 
     fn tensor(&self, rows: usize, width: usize) -> CpuTensor {
-        CpuTensor { data: vec![0.0; rows * width], width }
+        CpuTensor {
+            data: vec![0.0; rows * width],
+            width,
+        }
     }
 
     fn tensor_from(&self, data: &[f32], width: usize) -> CpuTensor {
-        CpuTensor { data: data.to_vec(), width }
+        CpuTensor {
+            data: data.to_vec(),
+            width,
+        }
     }
 
     fn kv_cache(&self, layout: &KvLayout) -> Result<KvCache, EngineError> {
@@ -209,7 +243,14 @@ impl Backend for CpuBackend {
 
     fn gather(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
         let w = x.width;
-        CpuTensor { data: rows.iter().flat_map(|&r| &x.data[r * w..(r + 1) * w]).copied().collect(), width: w }
+        CpuTensor {
+            data: rows
+                .iter()
+                .flat_map(|&r| &x.data[r * w..(r + 1) * w])
+                .copied()
+                .collect(),
+            width: w,
+        }
     }
 
     fn rms_norm(&self, x: &CpuTensor, w: &Vec<f32>, eps: f32, out: &mut CpuTensor) {
@@ -239,7 +280,10 @@ impl Backend for CpuBackend {
         for (w, _) in outs.iter() {
             let act = w.m.kernels.act;
             if !acts.iter().any(|a| a.act == act) {
-                acts.push(QuantizedActivations::new_on(&self.pool, act, &x.data, x.width).expect("activation shape"));
+                acts.push(
+                    QuantizedActivations::new_on(&self.pool, act, &x.data, x.width)
+                        .expect("activation shape"),
+                );
             }
         }
         let views: Vec<_> = outs.iter().map(|(w, _)| w.kernel_view()).collect();
@@ -248,7 +292,10 @@ impl Backend for CpuBackend {
             .zip(&views)
             .map(|((w, out), view)| MatmulJob {
                 w: *view,
-                acts: acts.iter().find(|a| a.act == w.m.kernels.act).expect("quantized above"),
+                acts: acts
+                    .iter()
+                    .find(|a| a.act == w.m.kernels.act)
+                    .expect("quantized above"),
                 out: &mut out.data,
                 kernels: &w.m.kernels,
             })
@@ -286,10 +333,16 @@ impl Backend for CpuBackend {
 
     fn glu(&self, gate: &mut CpuTensor, up: &CpuTensor, act: Activation) {
         match self.arithmetic {
-            Arithmetic::Astra => crate::ops::glu(&mut gate.data, &up.data, act == Activation::GeluTanh),
+            Arithmetic::Astra => {
+                crate::ops::glu(&mut gate.data, &up.data, act == Activation::GeluTanh)
+            }
             // ggml gates a row at a time: its vector loops restart at each row.
             Arithmetic::Ggml => {
-                for (g, u) in gate.data.chunks_exact_mut(gate.width).zip(up.data.chunks_exact(up.width)) {
+                for (g, u) in gate
+                    .data
+                    .chunks_exact_mut(gate.width)
+                    .zip(up.data.chunks_exact(up.width))
+                {
                     match act {
                         Activation::Silu => ggml_ops::swiglu(g, u),
                         Activation::GeluTanh => ggml_ops::geglu(g, u),
@@ -299,11 +352,23 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn kv_store(&self, layer: usize, seqs: &mut [SeqRows<'_, KvCache>], _positions: &Vec<u32>, k: &CpuTensor, v: &CpuTensor) {
+    fn kv_store(
+        &self,
+        layer: usize,
+        seqs: &mut [SeqRows<'_, KvCache>],
+        _positions: &Vec<u32>,
+        k: &CpuTensor,
+        v: &CpuTensor,
+    ) {
         let kw = k.width;
         for s in seqs.iter_mut() {
             for (i, r) in s.rows.clone().enumerate() {
-                s.kv.store(layer, s.pos + i, &k.data[r * kw..(r + 1) * kw], &v.data[r * kw..(r + 1) * kw]);
+                s.kv.store(
+                    layer,
+                    s.pos + i,
+                    &k.data[r * kw..(r + 1) * kw],
+                    &v.data[r * kw..(r + 1) * kw],
+                );
             }
         }
     }
@@ -312,11 +377,16 @@ impl Backend for CpuBackend {
         let qw = a.q.width;
         for s in a.seqs.iter_mut() {
             let rows = s.rows.clone();
-            let (q, o) = (&a.q.data[rows.start * qw..rows.end * qw], &mut out.data[rows.start * qw..rows.end * qw]);
+            let (q, o) = (
+                &a.q.data[rows.start * qw..rows.end * qw],
+                &mut out.data[rows.start * qw..rows.end * qw],
+            );
             let layer = s.kv.layer(a.layer, a.scale);
             match self.arithmetic {
                 Arithmetic::Astra => layer.attend(&self.pool, q, s.pos, o),
-                Arithmetic::Ggml => layer.attend_ggml(&self.pool, q, s.pos, o, self.threads(), self.isa),
+                Arithmetic::Ggml => {
+                    layer.attend_ggml(&self.pool, q, s.pos, o, self.threads(), self.isa)
+                }
             }
         }
     }

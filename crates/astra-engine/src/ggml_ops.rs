@@ -14,9 +14,9 @@
 
 use std::ops::Range;
 
-use half::f16;
 use astra_quant::dot::ggml_x86::hsum8;
 use astra_quant::Isa;
+use half::f16;
 
 /// `ggml_compute_forward_rms_norm_f32`'s scale 1/√(mean square + eps): the squares
 /// rounded to f32, summed in f64 in order.
@@ -28,7 +28,10 @@ fn rms_scale(x: &[f32], eps: f32) -> f32 {
 /// RMSNorm as ggml's, with the weight multiply (fused or not): x · scale, then · w.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let scale = rms_scale(x, eps);
-    out.iter_mut().zip(x).zip(w).for_each(|((o, &v), &w)| *o = v * scale * w);
+    out.iter_mut()
+        .zip(x)
+        .zip(w)
+        .for_each(|((o, &v), &w)| *o = v * scale * w);
 }
 
 /// [`rms_norm`] in place.
@@ -46,7 +49,11 @@ pub fn rope(head: &mut [f32], pos: usize, dims: usize, base: f32, neox: bool) {
     let mut theta = pos as f32;
     for i in 0..dims / 2 {
         let (sin, cos) = (theta.sin(), theta.cos());
-        let (a, b) = if neox { (i, i + dims / 2) } else { (2 * i, 2 * i + 1) };
+        let (a, b) = if neox {
+            (i, i + dims / 2)
+        } else {
+            (2 * i, 2 * i + 1)
+        };
         let (x0, x1) = (head[a], head[b]);
         head[a] = x0.mul_add(cos, -(x1 * sin));
         head[b] = x0.mul_add(sin, x1 * cos);
@@ -66,7 +73,10 @@ pub fn exp(x: f32) -> f32 {
     let e = z.to_bits() << 23;
     let k = f32::from_bits(e.wrapping_add(1.0f32.to_bits()));
     let u = b * b;
-    let j = c(0x3c07_2010).mul_add(b, c(0x3d2b_9f17)).mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb))).mul_add(u, c(0x3f7f_fff6) * b);
+    let j = c(0x3c07_2010)
+        .mul_add(b, c(0x3d2b_9f17))
+        .mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb)))
+        .mul_add(u, c(0x3f7f_fff6) * b);
     if n.abs() <= 126.0 {
         return k.mul_add(j, k);
     }
@@ -85,7 +95,11 @@ pub fn exp(x: f32) -> f32 {
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     let whole = gate.len() / 8 * 8;
     for (i, (g, &u)) in gate.iter_mut().zip(up).enumerate() {
-        let e = if i < whole { exp(0.0 - *g) } else { (-*g).exp() };
+        let e = if i < whole {
+            exp(0.0 - *g)
+        } else {
+            (-*g).exp()
+        };
         *g = *g / (1.0 + e) * u;
     }
 }
@@ -186,7 +200,13 @@ impl Partial {
 /// attending to the positions in `valid`: the query rounded to f16, scores by
 /// [`dot_f16`], an online softmax with libm's `expf`, values accumulated in f16.
 #[inline(always)]
-pub fn one_chunk(q: &[f32], kv: &KvHead, cells: Range<usize>, valid: &Range<usize>, scale: f32) -> Partial {
+pub fn one_chunk(
+    q: &[f32],
+    kv: &KvHead,
+    cells: Range<usize>,
+    valid: &Range<usize>,
+    scale: f32,
+) -> Partial {
     let q16: Vec<f16> = q.iter().map(|&x| f16::from_f32(x)).collect();
     let mut acc = vec![f16::ZERO; kv.dim];
     let (mut sum, mut max) = (0.0f32, f32::NEG_INFINITY);
@@ -196,7 +216,8 @@ pub fn one_chunk(q: &[f32], kv: &KvHead, cells: Range<usize>, valid: &Range<usiz
         if s > max {
             ms = (max - s).exp();
             max = s;
-            acc.iter_mut().for_each(|a| *a = f16::from_f32(a.to_f32() * ms));
+            acc.iter_mut()
+                .for_each(|a| *a = f16::from_f32(a.to_f32() * ms));
         } else {
             vs = (s - max).exp();
         }
@@ -205,14 +226,26 @@ pub fn one_chunk(q: &[f32], kv: &KvHead, cells: Range<usize>, valid: &Range<usiz
         }
         sum = sum.mul_add(ms, vs);
     }
-    Partial { max, sum, acc: acc.iter().map(|a| a.to_f32()).collect() }
+    Partial {
+        max,
+        sum,
+        acc: acc.iter().map(|a| a.to_f32()).collect(),
+    }
 }
 
 /// ggml's split-KV decode (`flash_attn_ext_f16` with `use_split_kv_path`, then
 /// `ggml_flash_attn_ext_reduce_partials`): `n_kv` cells in `threads` equal chunks, each
 /// a [`one_chunk`], merged in chunk order.
 #[inline(always)]
-pub fn split_kv(q: &[f32], kv: &KvHead, n_kv: usize, valid: &Range<usize>, scale: f32, threads: usize, out: &mut [f32]) {
+pub fn split_kv(
+    q: &[f32],
+    kv: &KvHead,
+    n_kv: usize,
+    valid: &Range<usize>,
+    scale: f32,
+    threads: usize,
+    out: &mut [f32],
+) {
     let chunk = n_kv.div_ceil(threads);
     let (mut max, mut sum) = (f32::NEG_INFINITY, 0.0f32);
     let mut acc = vec![0.0f32; kv.dim];
@@ -249,7 +282,14 @@ pub const TILE: usize = 64;
 /// [`exp`] (its sum in f64 from eight-lane sums), values in a fused chain per tile. A
 /// tile where the row attends to nothing leaves it unchanged, as in ggml.
 #[inline(always)]
-pub fn tiled(q: &[f32], kv: &KvHead, n_kv: usize, valid: &Range<usize>, scale: f32, out: &mut [f32]) {
+pub fn tiled(
+    q: &[f32],
+    kv: &KvHead,
+    n_kv: usize,
+    valid: &Range<usize>,
+    scale: f32,
+    out: &mut [f32],
+) {
     let (mut sum, mut max) = (0.0f32, f32::NEG_INFINITY);
     let mut acc = vec![0.0f32; kv.dim];
     let mut kq = [0.0f32; TILE];
@@ -261,13 +301,19 @@ pub fn tiled(q: &[f32], kv: &KvHead, n_kv: usize, valid: &Range<usize>, scale: f
         for (t, s) in kq.iter_mut().enumerate() {
             let c = start + t;
             *s = if cells.contains(&c) && valid.contains(&c) {
-                let dot = kv.k(c).iter().zip(q).fold(0.0f32, |a, (k, &q)| k.to_f32().mul_add(q, a));
+                let dot = kv
+                    .k(c)
+                    .iter()
+                    .zip(q)
+                    .fold(0.0f32, |a, (k, &q)| k.to_f32().mul_add(q, a));
                 dot * scale + 0.0
             } else {
                 f32::NEG_INFINITY
             };
         }
-        let tile_max = kq.iter().fold(f32::NEG_INFINITY, |m, &s| if m > s { m } else { s });
+        let tile_max = kq
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &s| if m > s { m } else { s });
         let new = max.max(tile_max);
         if new > max {
             let ms = (max - new).exp();
@@ -307,14 +353,33 @@ pub struct FlashShape {
 /// [`one_chunk`]. On `isa` AVX2 or above (which must be available) the code runs
 /// compiled for AVX2 and FMA, each `mul_add` one instruction rather than a call: the
 /// same operations in the same order, the same bits.
-pub fn attend_row(q: &[f32], kv: &KvHead, valid: &Range<usize>, scale: f32, shape: FlashShape, isa: Isa, out: &mut [f32]) {
+pub fn attend_row(
+    q: &[f32],
+    kv: &KvHead,
+    valid: &Range<usize>,
+    scale: f32,
+    shape: FlashShape,
+    isa: Isa,
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Scalar {
         #[target_feature(enable = "avx2,fma")]
-        fn compiled_for_avx2(q: &[f32], kv: &KvHead, valid: &Range<usize>, scale: f32, shape: FlashShape, out: &mut [f32]) {
+        fn compiled_for_avx2(
+            q: &[f32],
+            kv: &KvHead,
+            valid: &Range<usize>,
+            scale: f32,
+            shape: FlashShape,
+            out: &mut [f32],
+        ) {
             attend_row_portable(q, kv, valid, scale, shape, out)
         }
-        assert!(isa.available(), "{} requested on a machine without it", isa.name());
+        assert!(
+            isa.available(),
+            "{} requested on a machine without it",
+            isa.name()
+        );
         // SAFETY: the CPU has the features the copy is compiled for (just checked).
         return unsafe { compiled_for_avx2(q, kv, valid, scale, shape, out) };
     }
@@ -322,8 +387,19 @@ pub fn attend_row(q: &[f32], kv: &KvHead, valid: &Range<usize>, scale: f32, shap
 }
 
 #[inline(always)]
-fn attend_row_portable(q: &[f32], kv: &KvHead, valid: &Range<usize>, scale: f32, shape: FlashShape, out: &mut [f32]) {
-    let FlashShape { tokens, n_kv, threads } = shape;
+fn attend_row_portable(
+    q: &[f32],
+    kv: &KvHead,
+    valid: &Range<usize>,
+    scale: f32,
+    shape: FlashShape,
+    out: &mut [f32],
+) {
+    let FlashShape {
+        tokens,
+        n_kv,
+        threads,
+    } = shape;
     if tokens >= TILE {
         tiled(q, kv, n_kv, valid, scale, out);
     } else if tokens == 1 && n_kv >= 512 {
@@ -354,8 +430,12 @@ mod tests {
     #[test]
     fn dot_f16_is_the_dot_product() {
         for n in [64, 80, 256] {
-            let x: Vec<f16> = (0..n).map(|i| f16::from_f32(((i * 37 % 19) as f32 - 9.0) / 7.0)).collect();
-            let y: Vec<f16> = (0..n).map(|i| f16::from_f32(((i * 11 % 23) as f32 - 11.0) / 5.0)).collect();
+            let x: Vec<f16> = (0..n)
+                .map(|i| f16::from_f32(((i * 37 % 19) as f32 - 9.0) / 7.0))
+                .collect();
+            let y: Vec<f16> = (0..n)
+                .map(|i| f16::from_f32(((i * 11 % 23) as f32 - 11.0) / 5.0))
+                .collect();
             let want: f64 = x.iter().zip(&y).map(|(a, b)| a.to_f64() * b.to_f64()).sum();
             assert!((dot_f16(&x, &y) as f64 - want).abs() < 1e-4, "{n}");
         }
@@ -366,26 +446,56 @@ mod tests {
     #[test]
     fn attention_paths_are_attention() {
         let (dim, n) = (64, 700);
-        let val = |i: usize, d: usize, m: usize| f16::from_f32((((i * 31 + d * 17 + m) % 41) as f32 - 20.0) / 13.0);
+        let val = |i: usize, d: usize, m: usize| {
+            f16::from_f32((((i * 31 + d * 17 + m) % 41) as f32 - 20.0) / 13.0)
+        };
         let k: Vec<f16> = (0..n * dim).map(|e| val(e / dim, e % dim, 3)).collect();
         let v: Vec<f16> = (0..n * dim).map(|e| val(e / dim, e % dim, 7)).collect();
-        let q: Vec<f32> = (0..dim).map(|d| ((d * 13 % 29) as f32 - 14.0) / 9.0).collect();
-        let kv = KvHead { k: &k, v: &v, slots: n, dim };
+        let q: Vec<f32> = (0..dim)
+            .map(|d| ((d * 13 % 29) as f32 - 14.0) / 9.0)
+            .collect();
+        let kv = KvHead {
+            k: &k,
+            v: &v,
+            slots: n,
+            dim,
+        };
         let scale = 0.125;
         let valid = 100..650;
         let want: Vec<f64> = {
-            let s: Vec<f64> = valid.clone().map(|c| (0..dim).map(|d| k[c * dim + d].to_f64() * q[d] as f64).sum::<f64>() * scale as f64).collect();
+            let s: Vec<f64> = valid
+                .clone()
+                .map(|c| {
+                    (0..dim)
+                        .map(|d| k[c * dim + d].to_f64() * q[d] as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
             let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
             let z: f64 = w.iter().sum();
-            (0..dim).map(|d| valid.clone().zip(&w).map(|(c, w)| w * v[c * dim + d].to_f64()).sum::<f64>() / z).collect()
+            (0..dim)
+                .map(|d| {
+                    valid
+                        .clone()
+                        .zip(&w)
+                        .map(|(c, w)| w * v[c * dim + d].to_f64())
+                        .sum::<f64>()
+                        / z
+                })
+                .collect()
         };
         let mut outs = vec![vec![0.0f32; dim]; 3];
         one_chunk(&q, &kv, 0..n, &valid, scale).finish(&mut outs[0]);
         split_kv(&q, &kv, n, &valid, scale, 3, &mut outs[1]);
         tiled(&q, &kv, n, &valid, scale, &mut outs[2]);
         for (path, out) in ["one_chunk", "split_kv", "tiled"].iter().zip(&outs) {
-            let err = out.iter().zip(&want).map(|(&a, b)| (a as f64 - b).abs()).fold(0.0, f64::max);
+            let err = out
+                .iter()
+                .zip(&want)
+                .map(|(&a, b)| (a as f64 - b).abs())
+                .fold(0.0, f64::max);
             assert!(err < 5e-3, "{path}: {err}");
         }
         // attend_row picks the same paths, with the same bits on every instruction set
@@ -393,9 +503,26 @@ mod tests {
         for isa in Isa::available_sets() {
             for (tokens, path) in [(2, 0), (1, 1), (64, 2)] {
                 let mut o = vec![0.0f32; dim];
-                attend_row(&q, &kv, &valid, scale, FlashShape { tokens, n_kv: n, threads: 3 }, isa, &mut o);
+                attend_row(
+                    &q,
+                    &kv,
+                    &valid,
+                    scale,
+                    FlashShape {
+                        tokens,
+                        n_kv: n,
+                        threads: 3,
+                    },
+                    isa,
+                    &mut o,
+                );
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&o), bits(&outs[path]), "{} tokens {tokens}", isa.name());
+                assert_eq!(
+                    bits(&o),
+                    bits(&outs[path]),
+                    "{} tokens {tokens}",
+                    isa.name()
+                );
             }
         }
     }

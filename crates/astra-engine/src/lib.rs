@@ -21,9 +21,9 @@ pub mod sampler;
 pub mod stop;
 pub mod weights;
 
-pub use config::{Arch, Config};
 pub use attention::KvType;
 pub use backend::Backend;
+pub use config::{Arch, Config};
 pub use cpu::{Arithmetic, CpuBackend};
 pub use model::{Model, Session, Stage, Step, Trace, MAX_BATCH};
 pub use sampler::{Sampler, SamplerConfig};

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use astra_gguf::GgufFile;
 
 use crate::attention::KvLayout;
-use crate::backend::{add_to_residual, Activation, Attend, Backend, FeedForward, Heads, Input, Rope, SeqRows};
+use crate::backend::{
+    add_to_residual, Activation, Attend, Backend, FeedForward, Heads, Input, Rope, SeqRows,
+};
 use crate::config::{Arch, Config};
 use crate::cpu::CpuBackend;
 use crate::weights::Weights;
@@ -56,7 +58,11 @@ impl<B: Backend> Session<B> {
     /// entries that continuing from `n` would need.
     pub fn rewind(&mut self, n: usize) -> usize {
         let n = n.min(self.n_past);
-        self.n_past = if self.high - n <= self.rewind_limit { n } else { 0 };
+        self.n_past = if self.high - n <= self.rewind_limit {
+            n
+        } else {
+            0
+        };
         if self.n_past == 0 {
             self.high = 0;
         }
@@ -192,7 +198,13 @@ impl<B: Backend> Model<B> {
         let cfg = Config::from_metadata(file.metadata())?;
         let located = Weights::load(&file, &cfg)?;
         let weights = located.upload(&backend, &file)?;
-        Ok(Arc::new(Model { weight_bytes_per_token: located.bytes_per_token(), file, cfg, backend, weights }))
+        Ok(Arc::new(Model {
+            weight_bytes_per_token: located.bytes_per_token(),
+            file,
+            cfg,
+            backend,
+            weights,
+        }))
     }
 
     /// Bytes of weights read to decode one token: every matrix once, plus one embedding
@@ -223,8 +235,17 @@ impl<B: Backend> Model<B> {
 
     /// Runs `tokens` at the session's next positions and returns the logits of the
     /// tokens from index `logits_from` on (token-major, `n_vocab` each).
-    pub fn forward(&self, s: &mut Session<B>, tokens: &[u32], logits_from: usize) -> Result<Vec<f32>, EngineError> {
-        let mut out = self.forward_many(&mut [Step { session: s, tokens, logits_from }])?;
+    pub fn forward(
+        &self,
+        s: &mut Session<B>,
+        tokens: &[u32],
+        logits_from: usize,
+    ) -> Result<Vec<f32>, EngineError> {
+        let mut out = self.forward_many(&mut [Step {
+            session: s,
+            tokens,
+            logits_from,
+        }])?;
         Ok(out.pop().expect("one step"))
     }
 
@@ -237,9 +258,14 @@ impl<B: Backend> Model<B> {
         }
         // A few sequences' decode rows, each its session's recorded step in turn (the
         // same bits as in one batch).
-        let decoding = steps.iter().all(|st| st.tokens.len() == 1 && st.logits_from == 0);
+        let decoding = steps
+            .iter()
+            .all(|st| st.tokens.len() == 1 && st.logits_from == 0);
         if decoding && steps.len() <= self.backend.separate_decode_steps() {
-            return Ok(steps.iter_mut().map(|st| self.decode_step(st.session, st.tokens[0])).collect());
+            return Ok(steps
+                .iter_mut()
+                .map(|st| self.decode_step(st.session, st.tokens[0]))
+                .collect());
         }
         let mut logits: Vec<Vec<f32>> = steps.iter().map(|_| Vec::new()).collect();
         let mut done = vec![0usize; steps.len()];
@@ -250,7 +276,10 @@ impl<B: Backend> Model<B> {
             for (i, st) in steps.iter().enumerate() {
                 let take = (st.tokens.len() - done[i]).min(room);
                 if take > 0 {
-                    parts.push(Part { step: i, range: done[i]..done[i] + take });
+                    parts.push(Part {
+                        step: i,
+                        range: done[i]..done[i] + take,
+                    });
                     room -= take;
                 }
             }
@@ -279,7 +308,10 @@ impl<B: Backend> Model<B> {
             return Err(EngineError::ContextFull { ctx: s.ctx, needed });
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.n_vocab) {
-            return Err(EngineError::Invalid(format!("token id {bad} is outside the vocabulary of {}", self.cfg.n_vocab)));
+            return Err(EngineError::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.cfg.n_vocab
+            )));
         }
         Ok(())
     }
@@ -290,22 +322,40 @@ impl<B: Backend> Model<B> {
     /// part, and by how much, stage by stage.
     pub fn trace(&self, s: &mut Session<B>, tokens: &[u32]) -> Result<Trace, EngineError> {
         if tokens.is_empty() || tokens.len() > MAX_BATCH {
-            return Err(EngineError::Invalid(format!("a trace takes 1..={MAX_BATCH} tokens, not {}", tokens.len())));
+            return Err(EngineError::Invalid(format!(
+                "a trace takes 1..={MAX_BATCH} tokens, not {}",
+                tokens.len()
+            )));
         }
         self.check_room(s, tokens)?;
         let (cfg, be) = (&self.cfg, &self.backend);
-        let positions: Vec<u32> = (s.n_past..s.n_past + tokens.len()).map(|p| p as u32).collect();
+        let positions: Vec<u32> = (s.n_past..s.n_past + tokens.len())
+            .map(|p| p as u32)
+            .collect();
         let mut acts = Activations::new(be, cfg, tokens.len());
         let mut stages = Vec::new();
         let mut probe = |stage: Stage, x: &B::Tensor| stages.push((stage, be.read(x)));
         let pos = s.n_past;
-        let mut seqs = [SeqRows { kv: &mut s.kv, rows: 0..tokens.len(), pos }];
-        self.layers(&mut acts, &be.ids(tokens), &be.ids(&positions), &mut seqs, Some(&mut probe));
+        let mut seqs = [SeqRows {
+            kv: &mut s.kv,
+            rows: 0..tokens.len(),
+            pos,
+        }];
+        self.layers(
+            &mut acts,
+            &be.ids(tokens),
+            &be.ids(&positions),
+            &mut seqs,
+            Some(&mut probe),
+        );
         s.advance(tokens.len());
         let mut normed = be.tensor(tokens.len(), cfg.n_embd);
         let mut logits = be.tensor(tokens.len(), cfg.n_vocab);
         self.head(&acts.x, &mut normed, &mut logits);
-        Ok(Trace { stages, logits: be.into_host(logits) })
+        Ok(Trace {
+            stages,
+            logits: be.into_host(logits),
+        })
     }
 
     /// One batch through the model; returns each part's logits for its tokens at or
@@ -338,16 +388,29 @@ impl<B: Backend> Model<B> {
         let t = tokens.len();
         let mut acts = Activations::new(be, cfg, t);
         {
-            let mut sessions: Vec<Option<&mut Session<B>>> = steps.iter_mut().map(|s| Some(&mut *s.session)).collect();
+            let mut sessions: Vec<Option<&mut Session<B>>> =
+                steps.iter_mut().map(|s| Some(&mut *s.session)).collect();
             let mut seqs: Vec<SeqRows<'_, B::KvCache>> = parts
                 .iter()
                 .zip(&spans)
                 .map(|(p, (rows, pos))| {
-                    let s = sessions[p.step].take().expect("one part per sequence in a batch");
-                    SeqRows { kv: &mut s.kv, rows: rows.clone(), pos: *pos }
+                    let s = sessions[p.step]
+                        .take()
+                        .expect("one part per sequence in a batch");
+                    SeqRows {
+                        kv: &mut s.kv,
+                        rows: rows.clone(),
+                        pos: *pos,
+                    }
                 })
                 .collect();
-            self.layers(&mut acts, &be.ids(&tokens), &be.ids(&positions), &mut seqs, None);
+            self.layers(
+                &mut acts,
+                &be.ids(&tokens),
+                &be.ids(&positions),
+                &mut seqs,
+                None,
+            );
         }
         for p in parts {
             let s = &mut *steps[p.step].session;
@@ -385,14 +448,33 @@ impl<B: Backend> Model<B> {
     fn decode_step(&self, s: &mut Session<B>, token: u32) -> Vec<f32> {
         let be = &self.backend;
         let pos = s.n_past;
-        let d = s.decode.get_or_insert_with(|| DecodeStep::new(be, &self.cfg));
+        let d = s
+            .decode
+            .get_or_insert_with(|| DecodeStep::new(be, &self.cfg));
         be.write_ids(&mut d.token, &[token]);
         be.write_ids(&mut d.position, &[pos as u32]);
         if !d.graph.as_ref().is_some_and(|g| be.replay(g)) {
             let kv = &mut s.kv;
-            let DecodeStep { acts, normed, logits, token, position, graph } = d;
+            let DecodeStep {
+                acts,
+                normed,
+                logits,
+                token,
+                position,
+                graph,
+            } = d;
             *graph = be.record(&mut || {
-                self.layers(acts, token, position, &mut [SeqRows { kv: &mut *kv, rows: 0..1, pos }], None);
+                self.layers(
+                    acts,
+                    token,
+                    position,
+                    &mut [SeqRows {
+                        kv: &mut *kv,
+                        rows: 0..1,
+                        pos,
+                    }],
+                    None,
+                );
                 self.head(&acts.x, normed, logits);
             });
         }
@@ -404,7 +486,16 @@ impl<B: Backend> Model<B> {
     /// The output norm and matrix: `logits` of the rows of `x`.
     fn head(&self, x: &B::Tensor, normed: &mut B::Tensor, logits: &mut B::Tensor) {
         let (be, w) = (&self.backend, &self.weights);
-        be.product(Input::Normed { x, w: &w.output_norm, eps: self.cfg.rms_eps, normed }, &mut [(w.output(), logits)], None);
+        be.product(
+            Input::Normed {
+                x,
+                w: &w.output_norm,
+                eps: self.cfg.rms_eps,
+                normed,
+            },
+            &mut [(w.output(), logits)],
+            None,
+        );
     }
 
     /// The embeddings of `tokens` through every layer, into `a.x`; `seqs` say which
@@ -419,7 +510,17 @@ impl<B: Backend> Model<B> {
         mut probe: Option<&mut Probe<'_, B>>,
     ) {
         let (cfg, be, w) = (&self.cfg, &self.backend, &self.weights);
-        let Activations { x, xb, o, q, k, v, att, gate, up } = a;
+        let Activations {
+            x,
+            xb,
+            o,
+            q,
+            k,
+            v,
+            att,
+            gate,
+            up,
+        } = a;
         be.embed(&w.token_embd, tokens, cfg.embed_scale, x);
         let mut show = |stage: Stage, x: &B::Tensor| {
             if let Some(p) = probe.as_mut() {
@@ -428,19 +529,59 @@ impl<B: Backend> Model<B> {
         };
         show(Stage::Embedding, x);
         let gemma = cfg.arch == Arch::Gemma3;
-        let act = if gemma { Activation::GeluTanh } else { Activation::Silu };
+        let act = if gemma {
+            Activation::GeluTanh
+        } else {
+            Activation::Silu
+        };
         let eps = cfg.rms_eps;
         for (l, layer) in w.layers.iter().enumerate() {
             // Attention.
-            be.product(Input::Normed { x, w: &layer.attn_norm, eps, normed: xb }, &mut [(&layer.wq, q), (&layer.wk, k), (&layer.wv, v)], None);
-            let base = if cfg.layer_local[l] { cfg.rope_base_local } else { cfg.rope_base };
-            let rope = Rope { dims: cfg.rope_dim, base, neox: cfg.rope_neox };
+            be.product(
+                Input::Normed {
+                    x,
+                    w: &layer.attn_norm,
+                    eps,
+                    normed: xb,
+                },
+                &mut [(&layer.wq, q), (&layer.wk, k), (&layer.wv, v)],
+                None,
+            );
+            let base = if cfg.layer_local[l] {
+                cfg.rope_base_local
+            } else {
+                cfg.rope_base
+            };
+            let rope = Rope {
+                dims: cfg.rope_dim,
+                base,
+                neox: cfg.rope_neox,
+            };
             // Gemma scales the queries; Llama the scores.
-            let (q_scale, score_scale) = if gemma { (Some(cfg.attn_scale), 1.0) } else { (None, cfg.attn_scale) };
-            let heads = Heads { head_dim: cfg.head_dim, q_norm: layer.q_norm.as_ref(), k_norm: layer.k_norm.as_ref(), eps, rope, q_scale };
+            let (q_scale, score_scale) = if gemma {
+                (Some(cfg.attn_scale), 1.0)
+            } else {
+                (None, cfg.attn_scale)
+            };
+            let heads = Heads {
+                head_dim: cfg.head_dim,
+                q_norm: layer.q_norm.as_ref(),
+                k_norm: layer.k_norm.as_ref(),
+                eps,
+                rope,
+                q_scale,
+            };
             be.prepare_attention(l, seqs, positions, q, k, v, &heads);
-            let attend = Attend { layer: l, seqs: &mut *seqs, positions, q, scale: score_scale };
-            add_to_residual(be, layer.post_attn_norm.as_ref(), eps, o, x, |o, add_to| be.attention_product(attend, att, &layer.wo, o, add_to));
+            let attend = Attend {
+                layer: l,
+                seqs: &mut *seqs,
+                positions,
+                q,
+                scale: score_scale,
+            };
+            add_to_residual(be, layer.post_attn_norm.as_ref(), eps, o, x, |o, add_to| {
+                be.attention_product(attend, att, &layer.wo, o, add_to)
+            });
             show(Stage::Attention(l), x);
             be.feed_forward(FeedForward {
                 x: &mut *x,

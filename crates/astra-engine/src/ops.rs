@@ -33,7 +33,11 @@ pub fn rope(head: &mut [f32], pos: usize, dims: usize, base: f32, neox: bool) {
     let mut theta = pos as f32;
     for i in 0..dims / 2 {
         let (sin, cos) = theta.sin_cos();
-        let (a, b) = if neox { (i, i + dims / 2) } else { (2 * i, 2 * i + 1) };
+        let (a, b) = if neox {
+            (i, i + dims / 2)
+        } else {
+            (2 * i, 2 * i + 1)
+        };
         let (x0, x1) = (head[a], head[b]);
         head[a] = x0 * cos - x1 * sin;
         head[b] = x0 * sin + x1 * cos;
@@ -65,7 +69,14 @@ const EXP_HI: f32 = 88.376_26;
 const EXP_LO: f32 = -87.336_54;
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
-const EXP_POLY: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5];
+const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_65,
+    0.5,
+];
 
 /// SiLU: x·σ(x) = x / (1 + e⁻ˣ).
 pub fn silu(x: f32) -> f32 {
@@ -95,7 +106,14 @@ const GELU_COEF_A: f32 = 0.044715;
 /// are the cache's elements (f16 or f32), each converted exactly to f32 where it is
 /// used, so the arithmetic is [`dot`] and [`axpy`]'s on the converted rows, in one AVX2
 /// + F16C function where the CPU has them.
-pub fn attend_rows<T: KvElem>(q: &[f32], k: &[T], v: &[T], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
+pub fn attend_rows<T: KvElem>(
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    scale: f32,
+    weights: &mut [f32],
+    acc: &mut [f32],
+) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
         // SAFETY: AVX2 and F16C are present.
@@ -105,7 +123,14 @@ pub fn attend_rows<T: KvElem>(q: &[f32], k: &[T], v: &[T], scale: f32, weights: 
 }
 
 /// [`attend_rows`] without SIMD: the composed scalar ops on each converted row.
-fn attend_rows_scalar<T: KvElem>(q: &[f32], k: &[T], v: &[T], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
+fn attend_rows_scalar<T: KvElem>(
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    scale: f32,
+    weights: &mut [f32],
+    acc: &mut [f32],
+) -> (f32, f32) {
     let hd = q.len();
     let mut scratch = vec![0.0f32; if T::IS_F32 { 0 } else { hd }];
     let mut max = f32::NEG_INFINITY;
@@ -178,7 +203,6 @@ impl KvElem for f32 {
     }
 }
 
-
 /// `gate[i] = act(gate[i]) · up[i]` (`gelu` selects GELU, else SiLU): eight lanes at a
 /// time with AVX2 where the CPU has it, giving the scalar functions' bits.
 pub fn glu(gate: &mut [f32], up: &[f32], gelu_act: bool) {
@@ -215,7 +239,8 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn reduce_lanes(lanes: [f32; 8]) -> f32 {
-    ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
+    ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
+        + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
 }
 
 /// The reference for [`dot`].
@@ -261,8 +286,14 @@ mod simd {
     #[inline(always)]
     unsafe fn exp_approx(x: __m256) -> __m256 {
         let big = _mm256_cmp_ps(x, _mm256_set1_ps(super::EXP_HI), _CMP_GT_OQ);
-        let x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(super::EXP_HI)), _mm256_set1_ps(super::EXP_LO));
-        let n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        let x = _mm256_max_ps(
+            _mm256_min_ps(x, _mm256_set1_ps(super::EXP_HI)),
+            _mm256_set1_ps(super::EXP_LO),
+        );
+        let n = _mm256_round_ps(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+        );
         let r = _mm256_sub_ps(
             _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(super::LN2_HI))),
             _mm256_mul_ps(n, _mm256_set1_ps(super::LN2_LO)),
@@ -271,9 +302,19 @@ mod simd {
         for &c in &super::EXP_POLY[1..] {
             p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
         }
-        let e = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0));
-        let scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-        _mm256_blendv_ps(_mm256_mul_ps(e, _mm256_castsi256_ps(scale)), _mm256_set1_ps(f32::INFINITY), big)
+        let e = _mm256_add_ps(
+            _mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r),
+            _mm256_set1_ps(1.0),
+        );
+        let scale = _mm256_slli_epi32(
+            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+            23,
+        );
+        _mm256_blendv_ps(
+            _mm256_mul_ps(e, _mm256_castsi256_ps(scale)),
+            _mm256_set1_ps(f32::INFINITY),
+            big,
+        )
     }
 
     /// [`super::attend_rows`] with AVX2 and F16C, in its arithmetic: the scores four keys
@@ -282,9 +323,19 @@ mod simd {
     /// elements at a time with their sums held in registers across every key (each
     /// element still takes the keys in order, a multiply then an add).
     #[target_feature(enable = "avx2,f16c")]
-    pub unsafe fn attend_rows<T: KvElem>(q: &[f32], k: &[T], v: &[T], scale: f32, weights: &mut [f32], acc: &mut [f32]) -> (f32, f32) {
+    pub unsafe fn attend_rows<T: KvElem>(
+        q: &[f32],
+        k: &[T],
+        v: &[T],
+        scale: f32,
+        weights: &mut [f32],
+        acc: &mut [f32],
+    ) -> (f32, f32) {
         let (hd, n) = (q.len(), weights.len());
-        assert!(k.len() >= n * hd && v.len() >= n * hd && acc.len() == hd, "keys, values or output do not fit");
+        assert!(
+            k.len() >= n * hd && v.len() >= n * hd && acc.len() == hd,
+            "keys, values or output do not fit"
+        );
         // Rows past the last repeat it (their scores are not kept).
         let row = |r: usize| -> *const T { k[r.min(n - 1) * hd..].as_ptr() };
         for r in (0..n).step_by(4) {
@@ -299,7 +350,10 @@ mod simd {
         }
         let mut max8 = [0.0f32; 8];
         _mm256_storeu_ps(max8.as_mut_ptr(), lanes);
-        let max = max8.iter().chain(&weights[n / 8 * 8..]).fold(f32::NEG_INFINITY, |m, &w| m.max(w));
+        let max = max8
+            .iter()
+            .chain(&weights[n / 8 * 8..])
+            .fold(f32::NEG_INFINITY, |m, &w| m.max(w));
         let mut sum = 0.0f32;
         for w in weights.iter_mut() {
             *w = (*w - max).exp();
@@ -365,13 +419,19 @@ mod simd {
             let arg = if gelu {
                 // -2 · (√(2/π)·x·(1 + a·x·x)), in the scalar order.
                 let ax = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(super::GELU_COEF_A), g), g);
-                let inner = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(super::GELU_SQRT_2_OVER_PI), g), _mm256_add_ps(one, ax));
+                let inner = _mm256_mul_ps(
+                    _mm256_mul_ps(_mm256_set1_ps(super::GELU_SQRT_2_OVER_PI), g),
+                    _mm256_add_ps(one, ax),
+                );
                 _mm256_mul_ps(_mm256_set1_ps(-2.0), inner)
             } else {
                 _mm256_sub_ps(_mm256_setzero_ps(), g)
             };
             let a = _mm256_div_ps(g, _mm256_add_ps(one, exp_approx(arg)));
-            _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_mul_ps(a, _mm256_loadu_ps(up.as_ptr().add(i))));
+            _mm256_storeu_ps(
+                gate.as_mut_ptr().add(i),
+                _mm256_mul_ps(a, _mm256_loadu_ps(up.as_ptr().add(i))),
+            );
         }
         n
     }
@@ -405,7 +465,10 @@ mod simd {
         while i + 8 <= n {
             let a = _mm256_loadu_ps(acc.as_ptr().add(i));
             let x = _mm256_loadu_ps(v.as_ptr().add(i));
-            _mm256_storeu_ps(acc.as_mut_ptr().add(i), _mm256_add_ps(a, _mm256_mul_ps(wv, x)));
+            _mm256_storeu_ps(
+                acc.as_mut_ptr().add(i),
+                _mm256_add_ps(a, _mm256_mul_ps(wv, x)),
+            );
             i += 8;
         }
         for j in i..n {
@@ -450,14 +513,25 @@ mod tests {
     /// The AVX forms of dot and axpy give the scalar reference's bits.
     #[test]
     fn simd_dot_and_axpy_equal_the_scalar_reference() {
-        let a: Vec<f32> = (0..259).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
-        let b: Vec<f32> = (0..259).map(|i| ((i * 53 % 97) as f32 - 48.0) / 7.0).collect();
+        let a: Vec<f32> = (0..259)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
+            .collect();
+        let b: Vec<f32> = (0..259)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 7.0)
+            .collect();
         for n in [0, 5, 8, 64, 256, 259] {
-            assert_eq!(dot(&a[..n], &b[..n]).to_bits(), dot_scalar(&a[..n], &b[..n]).to_bits(), "n = {n}");
+            assert_eq!(
+                dot(&a[..n], &b[..n]).to_bits(),
+                dot_scalar(&a[..n], &b[..n]).to_bits(),
+                "n = {n}"
+            );
             let (mut x, mut y) = (a[..n].to_vec(), a[..n].to_vec());
             axpy(&mut x, 0.37, &b[..n]);
             axpy_scalar(&mut y, 0.37, &b[..n]);
-            assert_eq!(x.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), y.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            assert_eq!(
+                x.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
         }
     }
 
@@ -466,15 +540,34 @@ mod tests {
         let mut x = -20.0f32;
         while x < 20.0 {
             let xd = x as f64;
-            let g = 0.5 * xd * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (xd + 0.044715 * xd.powi(3))).tanh());
+            let g = 0.5
+                * xd
+                * (1.0
+                    + ((2.0 / std::f64::consts::PI).sqrt() * (xd + 0.044715 * xd.powi(3))).tanh());
             let s = xd / (1.0 + (-xd).exp());
-            assert!((gelu(x) as f64 - g).abs() <= 4e-7 * g.abs().max(1.0), "gelu({x}) = {} want {g}", gelu(x));
-            assert!((silu(x) as f64 - s).abs() <= 4e-7 * s.abs().max(1.0), "silu({x}) = {} want {s}", silu(x));
+            assert!(
+                (gelu(x) as f64 - g).abs() <= 4e-7 * g.abs().max(1.0),
+                "gelu({x}) = {} want {g}",
+                gelu(x)
+            );
+            assert!(
+                (silu(x) as f64 - s).abs() <= 4e-7 * s.abs().max(1.0),
+                "silu({x}) = {} want {s}",
+                silu(x)
+            );
             x += 0.0137;
         }
         // Far tails: the clamped exponential leaves a vanishing remainder, never a NaN.
-        for (v, want) in [(gelu(-1e30), 0.0), (gelu(1e30), 1e30), (silu(-1e30), 0.0), (gelu(f32::MIN), 0.0)] {
-            assert!((v - want).abs() <= 1e-8f32.max(want.abs() * 1e-7), "{v} vs {want}");
+        for (v, want) in [
+            (gelu(-1e30), 0.0),
+            (gelu(1e30), 1e30),
+            (silu(-1e30), 0.0),
+            (gelu(f32::MIN), 0.0),
+        ] {
+            assert!(
+                (v - want).abs() <= 1e-8f32.max(want.abs() * 1e-7),
+                "{v} vs {want}"
+            );
         }
     }
 
@@ -506,15 +599,27 @@ mod tests {
     }
 
     fn composed_reference_case<T: KvElem>(hd: usize, n: usize, elem: fn(f32) -> T) {
-        let q: Vec<f32> = (0..hd).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7).collect();
-        let kc: Vec<T> = (0..n * hd).map(|i| elem(((i * 53 % 17) as f32 - 8.0) * 0.31)).collect();
-        let vc: Vec<T> = (0..n * hd).map(|i| elem(((i * 29 % 13) as f32 - 6.0) * 0.53)).collect();
-        let (k, v): (Vec<f32>, Vec<f32>) = (kc.iter().map(|x| x.to_f32()).collect(), vc.iter().map(|x| x.to_f32()).collect());
+        let q: Vec<f32> = (0..hd)
+            .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7)
+            .collect();
+        let kc: Vec<T> = (0..n * hd)
+            .map(|i| elem(((i * 53 % 17) as f32 - 8.0) * 0.31))
+            .collect();
+        let vc: Vec<T> = (0..n * hd)
+            .map(|i| elem(((i * 29 % 13) as f32 - 6.0) * 0.53))
+            .collect();
+        let (k, v): (Vec<f32>, Vec<f32>) = (
+            kc.iter().map(|x| x.to_f32()).collect(),
+            vc.iter().map(|x| x.to_f32()).collect(),
+        );
         let (mut weights, mut acc) = (vec![0.0; n], vec![0.0; hd]);
         let (max, sum) = attend_rows(&q, &kc, &vc, 0.125, &mut weights, &mut acc);
         let (mut weights_scalar, mut acc_scalar) = (vec![0.0; n], vec![0.0; hd]);
-        let fallback = attend_rows_scalar(&q, &kc, &vc, 0.125, &mut weights_scalar, &mut acc_scalar);
-        let scores: Vec<f32> = (0..n).map(|r| dot_scalar(&q, &k[r * hd..(r + 1) * hd]) * 0.125).collect();
+        let fallback =
+            attend_rows_scalar(&q, &kc, &vc, 0.125, &mut weights_scalar, &mut acc_scalar);
+        let scores: Vec<f32> = (0..n)
+            .map(|r| dot_scalar(&q, &k[r * hd..(r + 1) * hd]) * 0.125)
+            .collect();
         let want_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let (mut want_sum, mut want_acc) = (0.0f32, vec![0.0f32; hd]);
         for r in 0..n {
@@ -523,8 +628,13 @@ mod tests {
             axpy_scalar(&mut want_acc, w, &v[r * hd..(r + 1) * hd]);
         }
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for (got_max, got_sum, got_acc) in [(max, sum, &acc), (fallback.0, fallback.1, &acc_scalar)] {
-            assert_eq!((got_max.to_bits(), got_sum.to_bits()), (want_max.to_bits(), want_sum.to_bits()), "hd {hd} n {n}");
+        for (got_max, got_sum, got_acc) in [(max, sum, &acc), (fallback.0, fallback.1, &acc_scalar)]
+        {
+            assert_eq!(
+                (got_max.to_bits(), got_sum.to_bits()),
+                (want_max.to_bits(), want_sum.to_bits()),
+                "hd {hd} n {n}"
+            );
             assert_eq!(bits(got_acc), bits(&want_acc), "hd {hd} n {n}");
         }
     }
@@ -534,20 +644,30 @@ mod tests {
     fn glu_equals_the_scalar_functions() {
         for gelu_act in [false, true] {
             for n in [0, 7, 8, 100, 1029] {
-                let mut gate: Vec<f32> = (0..n).map(|i| ((i * 7919 % 2003) as f32 - 1001.0) / 97.0).collect();
+                let mut gate: Vec<f32> = (0..n)
+                    .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) / 97.0)
+                    .collect();
                 // The far tails and a NaN take the same path in both forms.
-                for (i, v) in [f32::MIN, 1e30, -1e30, f32::NAN, 90.0, -90.0].into_iter().enumerate() {
+                for (i, v) in [f32::MIN, 1e30, -1e30, f32::NAN, 90.0, -90.0]
+                    .into_iter()
+                    .enumerate()
+                {
                     if i < n {
                         gate[i * 13 % n] = v;
                     }
                 }
-                let up: Vec<f32> = (0..n).map(|i| ((i * 104_729 % 1009) as f32 - 504.0) / 211.0).collect();
+                let up: Vec<f32> = (0..n)
+                    .map(|i| ((i * 104_729 % 1009) as f32 - 504.0) / 211.0)
+                    .collect();
                 let mut got = gate.clone();
                 glu(&mut got, &up, gelu_act);
                 let f = if gelu_act { gelu } else { silu };
                 for i in 0..n {
                     let want = f(gate[i]) * up[i];
-                    assert!(got[i].to_bits() == want.to_bits() || (got[i].is_nan() && want.is_nan()), "gelu {gelu_act} n {n} i {i}");
+                    assert!(
+                        got[i].to_bits() == want.to_bits() || (got[i].is_nan() && want.is_nan()),
+                        "gelu {gelu_act} n {n} i {i}"
+                    );
                 }
             }
         }

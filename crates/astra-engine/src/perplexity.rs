@@ -30,11 +30,16 @@ pub fn perplexity<B: Backend>(
     mut progress: impl FnMut(usize, usize, f64),
 ) -> Result<Perplexity, EngineError> {
     if ctx < 4 {
-        return Err(EngineError::Invalid(format!("perplexity needs a context of at least 4, got {ctx}")));
+        return Err(EngineError::Invalid(format!(
+            "perplexity needs a context of at least 4, got {ctx}"
+        )));
     }
     let chunks = tokens.len() / ctx;
     if chunks == 0 {
-        return Err(EngineError::Invalid(format!("{} tokens is less than one chunk of {ctx}", tokens.len())));
+        return Err(EngineError::Invalid(format!(
+            "{} tokens is less than one chunk of {ctx}",
+            tokens.len()
+        )));
     }
     let first = ctx / 2;
     let (mut nll, mut nll2, mut count) = (0.0f64, 0.0f64, 0usize);
@@ -46,7 +51,11 @@ pub fn perplexity<B: Backend>(
         }
         let mut session = model.session(ctx)?;
         let logits = model.forward(&mut session, &chunk, first)?;
-        for (j, row) in logits.chunks_exact(n_vocab).take(ctx - 1 - first).enumerate() {
+        for (j, row) in logits
+            .chunks_exact(n_vocab)
+            .take(ctx - 1 - first)
+            .enumerate()
+        {
             let v = -log_prob(row, chunk[first + j + 1] as usize);
             nll += v;
             nll2 += v * v;
@@ -57,6 +66,15 @@ pub fn perplexity<B: Backend>(
     let mean = nll / count as f64;
     let ppl = mean.exp();
     let var = nll2 / count as f64 - mean * mean;
-    let error = if var > 0.0 { (var / (count - 1) as f64).sqrt() * ppl } else { 0.0 };
-    Ok(Perplexity { ppl, error, chunks, scored: count })
+    let error = if var > 0.0 {
+        (var / (count - 1) as f64).sqrt() * ppl
+    } else {
+        0.0
+    };
+    Ok(Perplexity {
+        ppl,
+        error,
+        chunks,
+        scored: count,
+    })
 }

@@ -76,7 +76,11 @@ impl Pool {
                     .expect("spawn worker thread")
             })
             .collect();
-        Pool { shared, helpers, submit: Mutex::new(()) }
+        Pool {
+            shared,
+            helpers,
+            submit: Mutex::new(()),
+        }
     }
 }
 
@@ -122,7 +126,9 @@ fn helper(s: &Shared) {
             let guard = s.job.lock().expect("pool lock");
             s.parked.fetch_add(1, Ordering::SeqCst);
             // Re-check under the lock: a submitter bumps the generation under it.
-            let guard = if s.generation.load(Ordering::SeqCst) == seen && s.shutdown.load(Ordering::SeqCst) == 0 {
+            let guard = if s.generation.load(Ordering::SeqCst) == seen
+                && s.shutdown.load(Ordering::SeqCst) == 0
+            {
                 s.wake.wait(guard).expect("pool lock")
             } else {
                 guard
@@ -155,8 +161,13 @@ impl Parallel for Pool {
             let mut job = s.job.lock().expect("pool lock");
             // SAFETY (lifetime erasure): the job is removed below, after every task has
             // been counted done, before `f` goes out of scope.
-            let f: *const Task = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static Task>(f) };
-            *job = Some(Job { f, next: 0, count: tasks });
+            let f: *const Task =
+                unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static Task>(f) };
+            *job = Some(Job {
+                f,
+                next: 0,
+                count: tasks,
+            });
             s.generation.fetch_add(1, Ordering::SeqCst);
             if s.parked.load(Ordering::SeqCst) > 0 {
                 s.wake.notify_all();
@@ -203,7 +214,10 @@ mod tests {
                 pool.run(n, &|i| {
                     hits[i].fetch_add(1, Ordering::Relaxed);
                 });
-                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "{threads} threads, {n} tasks");
+                assert!(
+                    hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                    "{threads} threads, {n} tasks"
+                );
             }
         }
     }

@@ -46,7 +46,10 @@ impl Default for SamplerConfig {
 
 impl SamplerConfig {
     pub fn greedy() -> Self {
-        SamplerConfig { temperature: 0.0, ..Self::default() }
+        SamplerConfig {
+            temperature: 0.0,
+            ..Self::default()
+        }
     }
 }
 
@@ -95,7 +98,11 @@ pub struct Sampler {
 impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Sampler {
         let rng = Rng::new(cfg.seed);
-        Sampler { cfg, rng, history: Vec::new() }
+        Sampler {
+            cfg,
+            rng,
+            history: Vec::new(),
+        }
     }
 
     /// Records tokens the penalties should see (the prompt, accepted tokens).
@@ -106,7 +113,11 @@ impl Sampler {
     /// Picks the next token from `logits` (which it may modify) and records it.
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
         self.apply_bias_and_penalties(logits);
-        let id = if self.cfg.temperature <= 0.0 { argmax(logits) } else { self.draw(logits) };
+        let id = if self.cfg.temperature <= 0.0 {
+            argmax(logits)
+        } else {
+            self.draw(logits)
+        };
         self.history.push(id);
         id
     }
@@ -130,8 +141,14 @@ impl Sampler {
         let mut counts: Vec<(u32, u32)> = counts.into_iter().collect();
         counts.sort_unstable();
         for (id, n) in counts {
-            let Some(l) = logits.get_mut(id as usize) else { continue };
-            *l = if *l > 0.0 { *l / c.repeat_penalty } else { *l * c.repeat_penalty };
+            let Some(l) = logits.get_mut(id as usize) else {
+                continue;
+            };
+            *l = if *l > 0.0 {
+                *l / c.repeat_penalty
+            } else {
+                *l * c.repeat_penalty
+            };
             *l -= n as f32 * c.frequency_penalty + c.presence_penalty;
         }
     }
@@ -187,10 +204,16 @@ pub fn argmax(logits: &[f32]) -> u32 {
             *m = if l > *m { l } else { *m };
         }
     }
-    let max = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+    let max = lanes
+        .iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
     let holds = |block: &[f32]| block.iter().fold(false, |any, &l| any | (l == max));
     let first = logits.chunks(LANES).position(holds).unwrap_or(0) * LANES;
-    logits[first..].iter().position(|&l| l == max).map_or(0, |i| first + i) as u32
+    logits[first..]
+        .iter()
+        .position(|&l| l == max)
+        .map_or(0, |i| first + i) as u32
 }
 
 /// `l`'s place in [`f32::total_cmp`]'s order as an integer: two keys compare as
@@ -208,7 +231,11 @@ pub fn top_k(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
     let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     if k == 0 || k > logits.len() / 8 {
         // Many of them: select, then sort.
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
         if k < cand.len() {
             cand.select_nth_unstable_by(k.max(1) - 1, by_logit);
             cand.truncate(k);
@@ -227,7 +254,12 @@ pub fn top_k(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
     for (b, block) in logits.chunks(BLOCK).enumerate() {
         if let Some(worst) = heap.peek().filter(|_| heap.len() == k) {
             let Worse(std::cmp::Reverse(floor), _) = *worst;
-            if block.iter().map(|&l| total_key(l)).max().is_some_and(|best| best <= floor) {
+            if block
+                .iter()
+                .map(|&l| total_key(l))
+                .max()
+                .is_some_and(|best| best <= floor)
+            {
                 continue;
             }
         }
@@ -242,7 +274,10 @@ pub fn top_k(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
         }
     }
     // Ascending in `Worse` order: the best first.
-    heap.into_sorted_vec().into_iter().map(|Worse(_, id)| (id, logits[id as usize])).collect()
+    heap.into_sorted_vec()
+        .into_iter()
+        .map(|Worse(_, id)| (id, logits[id as usize]))
+        .collect()
 }
 
 /// Softmax in f64 (probabilities sum to 1 within rounding).
@@ -301,25 +336,45 @@ mod tests {
     fn greedy_takes_the_largest_and_bias_can_ban_it() {
         let mut s = Sampler::new(SamplerConfig::greedy());
         assert_eq!(s.sample(&mut [0.1, 3.0, 2.0]), 1);
-        let mut s = Sampler::new(SamplerConfig { logit_bias: vec![(1, f32::NEG_INFINITY)], ..SamplerConfig::greedy() });
+        let mut s = Sampler::new(SamplerConfig {
+            logit_bias: vec![(1, f32::NEG_INFINITY)],
+            ..SamplerConfig::greedy()
+        });
         assert_eq!(s.sample(&mut [0.1, 3.0, 2.0]), 2);
     }
 
     #[test]
     fn same_seed_same_tokens_and_the_distribution_is_respected() {
         let logits: Vec<f32> = vec![1.0, 2.0, 0.5, 1.5];
-        let cfg = SamplerConfig { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 42, ..Default::default() };
+        let cfg = SamplerConfig {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 42,
+            ..Default::default()
+        };
         let run = |cfg: &SamplerConfig| -> Vec<u32> {
             let mut s = Sampler::new(cfg.clone());
             (0..2000).map(|_| s.sample(&mut logits.clone())).collect()
         };
         let a = run(&cfg);
         assert_eq!(a, run(&cfg));
-        assert_ne!(a, run(&SamplerConfig { seed: 43, ..cfg.clone() }));
+        assert_ne!(
+            a,
+            run(&SamplerConfig {
+                seed: 43,
+                ..cfg.clone()
+            })
+        );
         let p = softmax(&logits);
         for id in 0..4 {
             let freq = a.iter().filter(|&&t| t == id).count() as f64 / a.len() as f64;
-            assert!((freq - p[id as usize]).abs() < 0.04, "token {id}: {freq} vs {}", p[id as usize]);
+            assert!(
+                (freq - p[id as usize]).abs() < 0.04,
+                "token {id}: {freq} vs {}",
+                p[id as usize]
+            );
         }
     }
 
@@ -327,11 +382,38 @@ mod tests {
     fn top_k_top_p_min_p_restrict_the_candidates() {
         let logits = vec![5.0f32, 4.0, 1.0, 0.0, -1.0];
         for (cfg, allowed) in [
-            (SamplerConfig { top_k: 2, top_p: 1.0, min_p: 0.0, ..Default::default() }, vec![0, 1]),
-            (SamplerConfig { top_k: 0, top_p: 0.5, min_p: 0.0, ..Default::default() }, vec![0]),
-            (SamplerConfig { top_k: 0, top_p: 1.0, min_p: 0.3, ..Default::default() }, vec![0, 1]),
+            (
+                SamplerConfig {
+                    top_k: 2,
+                    top_p: 1.0,
+                    min_p: 0.0,
+                    ..Default::default()
+                },
+                vec![0, 1],
+            ),
+            (
+                SamplerConfig {
+                    top_k: 0,
+                    top_p: 0.5,
+                    min_p: 0.0,
+                    ..Default::default()
+                },
+                vec![0],
+            ),
+            (
+                SamplerConfig {
+                    top_k: 0,
+                    top_p: 1.0,
+                    min_p: 0.3,
+                    ..Default::default()
+                },
+                vec![0, 1],
+            ),
         ] {
-            let mut s = Sampler::new(SamplerConfig { temperature: 1.5, ..cfg });
+            let mut s = Sampler::new(SamplerConfig {
+                temperature: 1.5,
+                ..cfg
+            });
             for _ in 0..300 {
                 assert!(allowed.contains(&s.sample(&mut logits.clone())));
             }
@@ -340,7 +422,11 @@ mod tests {
 
     #[test]
     fn penalties_lower_recent_tokens() {
-        let mut s = Sampler::new(SamplerConfig { repeat_penalty: 2.0, presence_penalty: 0.5, ..SamplerConfig::greedy() });
+        let mut s = Sampler::new(SamplerConfig {
+            repeat_penalty: 2.0,
+            presence_penalty: 0.5,
+            ..SamplerConfig::greedy()
+        });
         s.accept(&[0]);
         let mut l = vec![3.0f32, 2.0];
         assert_eq!(s.sample(&mut l), 1, "3.0 / 2 - 0.5 = 1.0 < 2.0");

@@ -20,7 +20,10 @@ pub enum StopOutcome {
 
 impl StopMatcher {
     pub fn new(stops: Vec<String>) -> Self {
-        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new() }
+        StopMatcher {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            held: String::new(),
+        }
     }
 
     pub fn push(&mut self, text: &str) -> StopOutcome {
@@ -32,7 +35,15 @@ impl StopMatcher {
     pub fn push_split(&mut self, text: &str) -> (StopOutcome, String) {
         self.held.push_str(text);
         // The earliest match; at equal starts, the longest stop string.
-        let found = self.stops.iter().filter_map(|s| self.held.find(s.as_str()).map(|at| (at, usize::MAX - s.len()))).min();
+        let found = self
+            .stops
+            .iter()
+            .filter_map(|s| {
+                self.held
+                    .find(s.as_str())
+                    .map(|at| (at, usize::MAX - s.len()))
+            })
+            .min();
         if let Some((at, inv_len)) = found {
             let before = self.held[..at].to_owned();
             let after = self.held[at + (usize::MAX - inv_len)..].to_owned();
@@ -43,7 +54,11 @@ impl StopMatcher {
         let keep = self
             .stops
             .iter()
-            .flat_map(|s| (1..s.len()).filter(|&n| s.is_char_boundary(n)).map(move |n| &s[..n]))
+            .flat_map(|s| {
+                (1..s.len())
+                    .filter(|&n| s.is_char_boundary(n))
+                    .map(move |n| &s[..n])
+            })
             .filter(|p| self.held.ends_with(p))
             .map(str::len)
             .max()
@@ -67,7 +82,10 @@ mod tests {
     #[test]
     fn a_stop_string_split_across_pieces_is_caught_and_hidden() {
         let mut m = StopMatcher::new(vec!["</answer>".into(), "\n\n".into()]);
-        assert_eq!(m.push("The answer is 4"), StopOutcome::Continue("The answer is 4".into()));
+        assert_eq!(
+            m.push("The answer is 4"),
+            StopOutcome::Continue("The answer is 4".into())
+        );
         assert_eq!(m.push("2</ans"), StopOutcome::Continue("2".into()));
         assert_eq!(m.push("wer> trailing"), StopOutcome::Stopped(String::new()));
     }
@@ -84,7 +102,13 @@ mod tests {
     #[test]
     fn the_text_after_a_split_marker_is_kept() {
         let mut m = StopMatcher::new(vec!["</think>".into()]);
-        assert_eq!(m.push_split("plan: a, b</thi"), (StopOutcome::Continue("plan: a, b".into()), String::new()));
-        assert_eq!(m.push_split("nk>\n\nThe answer"), (StopOutcome::Stopped(String::new()), "\n\nThe answer".into()));
+        assert_eq!(
+            m.push_split("plan: a, b</thi"),
+            (StopOutcome::Continue("plan: a, b".into()), String::new())
+        );
+        assert_eq!(
+            m.push_split("nk>\n\nThe answer"),
+            (StopOutcome::Stopped(String::new()), "\n\nThe answer".into())
+        );
     }
 }

@@ -25,9 +25,14 @@ pub struct MatRef {
 impl MatRef {
     /// The 2-D tensor `name` of `file` as a matrix (rows = its second dimension).
     pub fn locate(file: &GgufFile, name: &str) -> Result<MatRef, EngineError> {
-        let t = file.tensor(name).ok_or_else(|| EngineError::MissingTensor(name.to_owned()))?;
+        let t = file
+            .tensor(name)
+            .ok_or_else(|| EngineError::MissingTensor(name.to_owned()))?;
         let [cols, rows] = t.dims[..] else {
-            return Err(EngineError::Invalid(format!("tensor {name}: dims {:?}, expected two", t.dims)));
+            return Err(EngineError::Invalid(format!(
+                "tensor {name}: dims {:?}, expected two",
+                t.dims
+            )));
         };
         Loader { file }.matrix(name, rows as usize, cols as usize)
     }
@@ -51,23 +56,23 @@ impl MatRef {
 /// One block's weights: matrices of type `M`, norm vectors of type `V` (in the file,
 /// [`MatRef`] and host vectors; on a backend, its own types).
 pub struct Layer<M = MatRef, V = Vec<f32>> {
-    pub attn_norm: V,                 // (n_embd)
-    pub wq: M,                        // (n_head·head_dim, n_embd)
-    pub wk: M,                        // (n_head_kv·head_dim, n_embd)
-    pub wv: M,                        // (n_head_kv·head_dim, n_embd)
-    pub wo: M,                        // (n_embd, n_head·head_dim)
-    pub q_norm: Option<V>,            // (head_dim), Gemma 3
-    pub k_norm: Option<V>,            // (head_dim), Gemma 3
-    pub post_attn_norm: Option<V>,    // (n_embd), Gemma 3
-    pub ffn_norm: V,                  // (n_embd)
-    pub w_gate: M,                    // (n_ff, n_embd)
-    pub w_up: M,                      // (n_ff, n_embd)
-    pub w_down: M,                    // (n_embd, n_ff)
-    pub post_ffn_norm: Option<V>,     // (n_embd), Gemma 3
+    pub attn_norm: V,              // (n_embd)
+    pub wq: M,                     // (n_head·head_dim, n_embd)
+    pub wk: M,                     // (n_head_kv·head_dim, n_embd)
+    pub wv: M,                     // (n_head_kv·head_dim, n_embd)
+    pub wo: M,                     // (n_embd, n_head·head_dim)
+    pub q_norm: Option<V>,         // (head_dim), Gemma 3
+    pub k_norm: Option<V>,         // (head_dim), Gemma 3
+    pub post_attn_norm: Option<V>, // (n_embd), Gemma 3
+    pub ffn_norm: V,               // (n_embd)
+    pub w_gate: M,                 // (n_ff, n_embd)
+    pub w_up: M,                   // (n_ff, n_embd)
+    pub w_down: M,                 // (n_embd, n_ff)
+    pub post_ffn_norm: Option<V>,  // (n_embd), Gemma 3
 }
 
 pub struct Weights<M = MatRef, V = Vec<f32>> {
-    pub token_embd: M, // (n_vocab, n_embd)
+    pub token_embd: M,  // (n_vocab, n_embd)
     pub output_norm: V, // (n_embd)
     /// (n_vocab, n_embd); `None` when tied to the embedding matrix.
     pub output: Option<M>,
@@ -87,15 +92,21 @@ struct Loader<'a> {
 
 impl Loader<'_> {
     fn info(&self, name: &str) -> Result<&TensorInfo, EngineError> {
-        self.file.tensor(name).ok_or_else(|| EngineError::MissingTensor(name.to_owned()))
+        self.file
+            .tensor(name)
+            .ok_or_else(|| EngineError::MissingTensor(name.to_owned()))
     }
 
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<MatRef, EngineError> {
         let t = self.info(name)?;
         if t.dims != [cols as u64, rows as u64] {
-            return Err(EngineError::Invalid(format!("tensor {name}: dims {:?}, expected [{cols}, {rows}]", t.dims)));
+            return Err(EngineError::Invalid(format!(
+                "tensor {name}: dims {:?}, expected [{cols}, {rows}]",
+                t.dims
+            )));
         }
-        let kernels = Kernels::best(t.ty).map_err(|e| EngineError::Invalid(format!("tensor {name}: {e}")))?;
+        let kernels =
+            Kernels::best(t.ty).map_err(|e| EngineError::Invalid(format!("tensor {name}: {e}")))?;
         Ok(MatRef {
             ty: t.ty,
             rows,
@@ -109,7 +120,10 @@ impl Loader<'_> {
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, EngineError> {
         let t = self.info(name)?;
         if t.dims != [len as u64] {
-            return Err(EngineError::Invalid(format!("tensor {name}: dims {:?}, expected [{len}]", t.dims)));
+            return Err(EngineError::Invalid(format!(
+                "tensor {name}: dims {:?}, expected [{len}]",
+                t.dims
+            )));
         }
         let mut out = vec![0.0f32; len];
         astra_quant::dequantize(t.ty, self.file.tensor_data(t), &mut out)
@@ -139,7 +153,13 @@ impl Weights {
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
-            let required = |s: &str, len| if gemma { l.vector(&n(s), len).map(Some) } else { l.optional_vector(&n(s), len) };
+            let required = |s: &str, len| {
+                if gemma {
+                    l.vector(&n(s), len).map(Some)
+                } else {
+                    l.optional_vector(&n(s), len)
+                }
+            };
             layers.push(Layer {
                 attn_norm: l.vector(&n("attn_norm"), e)?,
                 wq: l.matrix(&n("attn_q"), cfg.q_dim(), e)?,
@@ -156,7 +176,12 @@ impl Weights {
                 post_ffn_norm: required("post_ffw_norm", e)?,
             });
         }
-        Ok(Weights { token_embd, output_norm: l.vector("output_norm.weight", e)?, output, layers })
+        Ok(Weights {
+            token_embd,
+            output_norm: l.vector("output_norm.weight", e)?,
+            output,
+            layers,
+        })
     }
 
     /// Bytes of weights read to decode one token: every matrix once, plus one
@@ -165,13 +190,22 @@ impl Weights {
         let per_layer: usize = self
             .layers
             .iter()
-            .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|m| m.bytes()).sum::<usize>())
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                    .iter()
+                    .map(|m| m.bytes())
+                    .sum::<usize>()
+            })
             .sum();
         per_layer + self.output().bytes() + self.token_embd.bytes() / self.token_embd.rows
     }
 
     /// The same weights on `backend`.
-    pub fn upload<B: Backend>(&self, backend: &B, file: &Arc<GgufFile>) -> Result<Weights<B::Matrix, B::Vector>, EngineError> {
+    pub fn upload<B: Backend>(
+        &self,
+        backend: &B,
+        file: &Arc<GgufFile>,
+    ) -> Result<Weights<B::Matrix, B::Vector>, EngineError> {
         let m = |m: &MatRef| backend.matrix(file, m);
         let v = |v: &Vec<f32>| backend.vector(v);
         let ov = |o: &Option<Vec<f32>>| o.as_ref().map(|x| backend.vector(x)).transpose();

@@ -20,7 +20,11 @@ fn load(model: &str, threads: usize) -> Option<Arc<Model>> {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 /// Agreement with llama.cpp's greedy runs. Q8 activation quantization makes logits
@@ -45,7 +49,12 @@ fn greedy_agreement(name: &str) {
         let want = ids(&case["generated_ids"]);
         let mut s = model.session(1024).unwrap();
         let mut logits = model.forward(&mut s, &prompt, prompt.len() - 1).unwrap();
-        assert_eq!(argmax(&logits), want[0], "{name} {}: first token", case["name"]);
+        assert_eq!(
+            argmax(&logits),
+            want[0],
+            "{name} {}: first token",
+            case["name"]
+        );
         let mut agree = None;
         for (step, &w) in want.iter().enumerate() {
             let probs = softmax(&logits);
@@ -53,19 +62,36 @@ fn greedy_agreement(name: &str) {
                 .as_array()
                 .unwrap()
                 .iter()
-                .map(|t| (t[0].as_u64().unwrap() as usize, t[1].as_f64().unwrap().exp()))
+                .map(|t| {
+                    (
+                        t[0].as_u64().unwrap() as usize,
+                        t[1].as_f64().unwrap().exp(),
+                    )
+                })
                 .collect();
-            deviations.push(top.iter().map(|&(id, p)| (probs[id] as f64 - p).abs()).fold(0.0, f64::max));
+            deviations.push(
+                top.iter()
+                    .map(|&(id, p)| (probs[id] as f64 - p).abs())
+                    .fold(0.0, f64::max),
+            );
             if agree.is_none() && argmax(&logits) != w {
                 agree = Some(step);
                 eprintln!("{name} {}: parts from llama.cpp at step {step}, where llama.cpp's top two are {:.4} and {:.4}", case["name"], top[0].1, top[1].1);
             }
             logits = model.forward(&mut s, &[w], 0).unwrap();
         }
-        eprintln!("{name} {}: {}/{} greedy tokens as llama.cpp", case["name"], agree.unwrap_or(want.len()), want.len());
+        eprintln!(
+            "{name} {}: {}/{} greedy tokens as llama.cpp",
+            case["name"],
+            agree.unwrap_or(want.len()),
+            want.len()
+        );
     }
     deviations.sort_by(f64::total_cmp);
-    let (median, p90) = (deviations[deviations.len() / 2], deviations[deviations.len() * 9 / 10]);
+    let (median, p90) = (
+        deviations[deviations.len() / 2],
+        deviations[deviations.len() * 9 / 10],
+    );
     let mean = deviations.iter().sum::<f64>() / deviations.len() as f64;
     eprintln!(
         "{name}: top-5 probability differences over {} steps: mean {mean:.4}, median {median:.4}, 90th percentile {p90:.4}, max {:.4}",
@@ -113,7 +139,10 @@ fn server_probabilities(logits: &[f32], n_top: usize) -> Vec<f32> {
     let mut is_top = vec![false; logits.len()];
     top.iter().for_each(|&i| is_top[i] = true);
     let max = logits[top[0]];
-    let sum_order = top.iter().copied().chain((0..logits.len()).filter(|&i| !is_top[i]));
+    let sum_order = top
+        .iter()
+        .copied()
+        .chain((0..logits.len()).filter(|&i| !is_top[i]));
     let e: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
     let sum = sum_order.fold(0.0f32, |s, i| s + e[i]);
     e.into_iter().map(|p| p / sum).collect()
@@ -125,7 +154,11 @@ fn server_probabilities(logits: &[f32], n_top: usize) -> Vec<f32> {
 /// user delimiter, the data's `last_user_turn_start`), ending a batch at each. (With
 /// llama.cpp's arithmetic the batches matter: its Q4_K kernels and attention paths
 /// depend on them.)
-fn server_batches(n: usize, sliding_window: bool, last_user_turn_start: Option<usize>) -> Vec<std::ops::Range<usize>> {
+fn server_batches(
+    n: usize,
+    sliding_window: bool,
+    last_user_turn_start: Option<usize>,
+) -> Vec<std::ops::Range<usize>> {
     let mut cuts = vec![0];
     if sliding_window {
         cuts.extend(last_user_turn_start);
@@ -146,8 +179,12 @@ fn server_batches(n: usize, sliding_window: bool, last_user_turn_start: Option<u
 /// is the order of its f32 sum and its `expf` (about 1e-5), so the logits themselves
 /// are llama.cpp's.
 fn ggml_arithmetic_matches_llama_cpp(name: &str) {
-    let Some(path) = astra_models::model_for_test(name) else { return };
-    let backend = CpuBackend::new(2).with_arithmetic(Arithmetic::Ggml).unwrap();
+    let Some(path) = astra_models::model_for_test(name) else {
+        return;
+    };
+    let backend = CpuBackend::new(2)
+        .with_arithmetic(Arithmetic::Ggml)
+        .unwrap();
     let model = Model::load_on(backend, &path).unwrap();
     let (mut worst_exact, mut worst_server) = (0.0f64, 0.0f64);
     for case in data("greedy_llama_cpp.json")[name].as_array().unwrap() {
@@ -157,14 +194,19 @@ fn ggml_arithmetic_matches_llama_cpp(name: &str) {
         let mut logits = Vec::new();
         let user_turn = case["last_user_turn_start"].as_u64().map(|p| p as usize);
         for part in server_batches(prompt.len(), model.cfg.sliding_window.is_some(), user_turn) {
-            logits = model.forward(&mut s, &prompt[part.clone()], part.len() - 1).unwrap();
+            logits = model
+                .forward(&mut s, &prompt[part.clone()], part.len() - 1)
+                .unwrap();
         }
         let (mut case_exact, mut case_server) = (0.0f64, 0.0f64);
         for (step, &w) in want.iter().enumerate() {
             let exact = softmax_f64(&logits);
             let server = server_probabilities(&logits, 5);
             for t in case["top5"][step].as_array().unwrap() {
-                let (id, p) = (t[0].as_u64().unwrap() as usize, t[1].as_f64().unwrap().exp());
+                let (id, p) = (
+                    t[0].as_u64().unwrap() as usize,
+                    t[1].as_f64().unwrap().exp(),
+                );
                 case_exact = case_exact.max((exact[id] - p).abs());
                 case_server = case_server.max((server[id] as f64 - p).abs());
             }
@@ -180,7 +222,10 @@ fn ggml_arithmetic_matches_llama_cpp(name: &str) {
         worst_server = worst_server.max(case_server);
     }
     eprintln!("{name}: top-5 probabilities within {worst_server:.2e} computed as llama-server does, {worst_exact:.2e} exactly");
-    assert!(worst_exact <= 2e-3, "{name}: top-5 probabilities {worst_exact} from llama.cpp's");
+    assert!(
+        worst_exact <= 2e-3,
+        "{name}: top-5 probabilities {worst_exact} from llama.cpp's"
+    );
     assert!(worst_server <= 1e-4, "{name}: top-5 probabilities, computed as llama-server does, {worst_server} from llama.cpp's");
 }
 
@@ -198,17 +243,36 @@ fn gemma3_with_ggml_arithmetic_is_llama_cpp() {
 /// (SmolLM2 18.3459, Gemma 3 13.8792).
 #[test]
 fn perplexity_equals_llama_cpp() {
-    let text = std::fs::read_to_string(format!("{}/tests/data/GPL-3.txt", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let text = std::fs::read_to_string(format!(
+        "{}/tests/data/GPL-3.txt",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap();
     for (name, want) in [("smollm2-135m", 18.3459), ("gemma3-270m", 13.8792)] {
-        let Some(path) = astra_models::model_for_test(name) else { continue };
+        let Some(path) = astra_models::model_for_test(name) else {
+            continue;
+        };
         let tok = Tokenizer::from_metadata(GgufFile::open(&path).unwrap().metadata()).unwrap();
-        let tokens = tok.encode(&text, EncodeOptions { add_special: true, parse_special: false });
+        let tokens = tok.encode(
+            &text,
+            EncodeOptions {
+                add_special: true,
+                parse_special: false,
+            },
+        );
         let model = Model::load(&path, 2).unwrap();
         let bos = if tok.vocab().add_bos { tok.bos() } else { None };
         let r = perplexity(&model, &tokens, 512, bos, |_, _, _| {}).unwrap();
-        eprintln!("{name}: PPL {:.4} ± {:.4} (llama.cpp {want})", r.ppl, r.error);
+        eprintln!(
+            "{name}: PPL {:.4} ± {:.4} (llama.cpp {want})",
+            r.ppl, r.error
+        );
         assert_eq!(r.chunks, 14);
-        assert!((r.ppl / want - 1.0).abs() < 0.005, "{name}: PPL {} vs llama.cpp {want}", r.ppl);
+        assert!(
+            (r.ppl / want - 1.0).abs() < 0.005,
+            "{name}: PPL {} vs llama.cpp {want}",
+            r.ppl
+        );
     }
 }
 
@@ -216,12 +280,29 @@ fn perplexity_equals_llama_cpp() {
 /// every digit it prints, estimate and error both.
 #[test]
 fn perplexity_with_ggml_arithmetic_is_llama_cpps() {
-    let text = std::fs::read_to_string(format!("{}/tests/data/GPL-3.txt", env!("CARGO_MANIFEST_DIR"))).unwrap();
-    for (name, want) in [("smollm2-135m", "18.3459 ± 0.86234"), ("gemma3-270m", "13.8792 ± 0.64618")] {
-        let Some(path) = astra_models::model_for_test(name) else { continue };
+    let text = std::fs::read_to_string(format!(
+        "{}/tests/data/GPL-3.txt",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap();
+    for (name, want) in [
+        ("smollm2-135m", "18.3459 ± 0.86234"),
+        ("gemma3-270m", "13.8792 ± 0.64618"),
+    ] {
+        let Some(path) = astra_models::model_for_test(name) else {
+            continue;
+        };
         let tok = Tokenizer::from_metadata(GgufFile::open(&path).unwrap().metadata()).unwrap();
-        let tokens = tok.encode(&text, EncodeOptions { add_special: true, parse_special: false });
-        let backend = CpuBackend::new(2).with_arithmetic(Arithmetic::Ggml).unwrap();
+        let tokens = tok.encode(
+            &text,
+            EncodeOptions {
+                add_special: true,
+                parse_special: false,
+            },
+        );
+        let backend = CpuBackend::new(2)
+            .with_arithmetic(Arithmetic::Ggml)
+            .unwrap();
         let model = Model::load_on(backend, &path).unwrap();
         let bos = if tok.vocab().add_bos { tok.bos() } else { None };
         let r = perplexity(&model, &tokens, 512, bos, |_, _, _| {}).unwrap();
@@ -243,7 +324,10 @@ fn determinism(name: &str, kv: KvType) -> Option<(Vec<f32>, usize)> {
                 hides the one below it, and each new generation of engineers learns to trust the \
                 layer it stands on, until something breaks and the old knowledge is needed again.";
     let prompt = tok.encode(text, EncodeOptions::default());
-    assert!(prompt.len() > 64, "the prompt must cross an attention chunk boundary");
+    assert!(
+        prompt.len() > 64,
+        "the prompt must cross an attention chunk boundary"
+    );
     let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<u32>>();
     let mut reference: Option<Vec<u32>> = None;
     let mut n_vocab = 0;
@@ -256,7 +340,12 @@ fn determinism(name: &str, kv: KvType) -> Option<(Vec<f32>, usize)> {
         };
         let one_by_one = {
             let mut s = model.session(256).unwrap();
-            bits(prompt.iter().flat_map(|&t| model.forward(&mut s, &[t], 0).unwrap()).collect())
+            bits(
+                prompt
+                    .iter()
+                    .flat_map(|&t| model.forward(&mut s, &[t], 0).unwrap())
+                    .collect(),
+            )
         };
         let chunked = {
             let mut s = model.session(256).unwrap();
@@ -266,11 +355,20 @@ fn determinism(name: &str, kv: KvType) -> Option<(Vec<f32>, usize)> {
             }
             bits(out)
         };
-        assert!(whole == one_by_one, "{name}: batch vs token by token, {threads} threads");
-        assert!(whole == chunked, "{name}: batch vs chunks with cached prefix, {threads} threads");
+        assert!(
+            whole == one_by_one,
+            "{name}: batch vs token by token, {threads} threads"
+        );
+        assert!(
+            whole == chunked,
+            "{name}: batch vs chunks with cached prefix, {threads} threads"
+        );
         match &reference {
             None => reference = Some(whole),
-            Some(r) => assert!(*r == whole, "{name}: {threads} threads differ from 1 thread"),
+            Some(r) => assert!(
+                *r == whole,
+                "{name}: {threads} threads differ from 1 thread"
+            ),
         }
     }
     reference.map(|r| (r.into_iter().map(f32::from_bits).collect(), n_vocab))
@@ -292,24 +390,42 @@ fn gemma3_logits_are_deterministic() {
 /// token at nearly every position; a cache read wrongly gives unrelated logits).
 #[test]
 fn an_f32_kv_cache_is_deterministic_and_differs_from_f16_by_rounding() {
-    let Some((f32_logits, vocab)) = determinism("smollm2-135m", KvType::F32) else { return };
+    let Some((f32_logits, vocab)) = determinism("smollm2-135m", KvType::F32) else {
+        return;
+    };
     let (f16_logits, _) = determinism("smollm2-135m", KvType::F16).expect("the model loaded once");
-    let (num, den) = f32_logits.iter().zip(&f16_logits).fold((0.0f64, 0.0f64), |(n, d), (&a, &b)| {
-        (n + (a as f64 - b as f64).powi(2), d + (b as f64).powi(2))
-    });
+    let (num, den) = f32_logits
+        .iter()
+        .zip(&f16_logits)
+        .fold((0.0f64, 0.0f64), |(n, d), (&a, &b)| {
+            (n + (a as f64 - b as f64).powi(2), d + (b as f64).powi(2))
+        });
     let rel = (num / den).sqrt();
     let positions = f32_logits.len() / vocab;
-    let same = (0..positions).filter(|&p| argmax(&f32_logits[p * vocab..][..vocab]) == argmax(&f16_logits[p * vocab..][..vocab])).count();
+    let same = (0..positions)
+        .filter(|&p| {
+            argmax(&f32_logits[p * vocab..][..vocab]) == argmax(&f16_logits[p * vocab..][..vocab])
+        })
+        .count();
     eprintln!("f32 against f16 KV cache: relative L2 of the logits {rel:.3e}; the same top token at {same} of {positions} positions");
     assert!(rel > 0.0 && rel < 0.1, "relative L2 {rel}");
-    assert!(same * 10 >= positions * 9, "the same top token at only {same} of {positions} positions");
+    assert!(
+        same * 10 >= positions * 9,
+        "the same top token at only {same} of {positions} positions"
+    );
 }
 
 /// Several sequences sharing batches (prefills of different lengths beside single-token
 /// decodes, more tokens in all than one batch holds) get the same bits as each alone.
 fn batched_sequences(name: &str) {
     let Some(model) = load(name, 2) else { return };
-    let prompts: Vec<Vec<u32>> = (0..4u32).map(|s| (0..[300, 1, 45, 290][s as usize]).map(|i| (i * 31 + s * 977) % 4000 + 100).collect()).collect();
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|s| {
+            (0..[300, 1, 45, 290][s as usize])
+                .map(|i| (i * 31 + s * 977) % 4000 + 100)
+                .collect()
+        })
+        .collect();
     let alone: Vec<Vec<f32>> = prompts
         .iter()
         .map(|p| {
@@ -318,7 +434,10 @@ fn batched_sequences(name: &str) {
             model.forward(&mut s, &p[p.len() / 2..], 0).unwrap()
         })
         .collect();
-    let mut sessions: Vec<_> = prompts.iter().map(|_| model.session(512).unwrap()).collect();
+    let mut sessions: Vec<_> = prompts
+        .iter()
+        .map(|_| model.session(512).unwrap())
+        .collect();
     // The first halves one at a time, then the second halves all together.
     for (s, p) in sessions.iter_mut().zip(&prompts) {
         model.forward(s, &p[..p.len() / 2], 0).unwrap();
@@ -326,12 +445,19 @@ fn batched_sequences(name: &str) {
     let mut steps: Vec<Step> = sessions
         .iter_mut()
         .zip(&prompts)
-        .map(|(session, p)| Step { session, tokens: &p[p.len() / 2..], logits_from: 0 })
+        .map(|(session, p)| Step {
+            session,
+            tokens: &p[p.len() / 2..],
+            logits_from: 0,
+        })
         .collect();
     let together = model.forward_many(&mut steps).unwrap();
     for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
         assert_eq!(a.len(), b.len());
-        assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{name}: sequence {i} batched with others differs");
+        assert!(
+            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{name}: sequence {i} batched with others differs"
+        );
     }
 }
 
@@ -351,7 +477,9 @@ fn gemma3_batched_sequences_are_independent() {
 /// where the ring still holds what continuing needs.
 #[test]
 fn gemma3_past_the_sliding_window() {
-    let Some(model) = load("gemma3-270m", 2) else { return };
+    let Some(model) = load("gemma3-270m", 2) else {
+        return;
+    };
     assert_eq!(model.cfg.sliding_window, Some(512));
     let prompt: Vec<u32> = (0..1100u32).map(|i| (i * 7919) % 20000 + 10).collect();
     let mut s = model.session(2048).unwrap();
@@ -360,10 +488,24 @@ fn gemma3_past_the_sliding_window() {
     let mut chunked = Vec::new();
     let mut at = 0;
     for n in [700, 1, 299, 100] {
-        chunked.extend(model.forward(&mut s, &prompt[at..at + n], 1000usize.saturating_sub(at).min(n)).unwrap());
+        chunked.extend(
+            model
+                .forward(
+                    &mut s,
+                    &prompt[at..at + n],
+                    1000usize.saturating_sub(at).min(n),
+                )
+                .unwrap(),
+        );
         at += n;
     }
-    assert!(whole.iter().zip(&chunked).all(|(a, b)| a.to_bits() == b.to_bits()) && whole.len() == chunked.len());
+    assert!(
+        whole
+            .iter()
+            .zip(&chunked)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+            && whole.len() == chunked.len()
+    );
     // Local layers keep a ring of window + batch slots (1024 here), global ones all 2048.
     let c = &model.cfg;
     let slot_bytes = 2 * c.kv_dim() * 2;
@@ -374,7 +516,13 @@ fn gemma3_past_the_sliding_window() {
     // further back, the overwritten window is reported by keeping nothing.
     assert_eq!(s.rewind(1000), 1000);
     let again = model.forward(&mut s, &prompt[1000..], 0).unwrap();
-    assert!(again.iter().zip(&whole).all(|(a, b)| a.to_bits() == b.to_bits()) && again.len() == whole.len());
+    assert!(
+        again
+            .iter()
+            .zip(&whole)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+            && again.len() == whole.len()
+    );
     assert_eq!(s.rewind(400), 0);
 }
 
@@ -383,29 +531,53 @@ fn gemma3_past_the_sliding_window() {
 /// stage the embedding rows as stored in the file (dequantized here on their own).
 #[test]
 fn a_trace_is_the_forward_pass() {
-    let Some(model) = load("smollm2-135m", 2) else { return };
+    let Some(model) = load("smollm2-135m", 2) else {
+        return;
+    };
     let prompt: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % 5000 + 50).collect();
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
     let (mut traced, mut forwarded) = (model.session(64).unwrap(), model.session(64).unwrap());
     let trace = model.trace(&mut traced, &prompt).unwrap();
     let logits = model.forward(&mut forwarded, &prompt, 0).unwrap();
-    assert!(bits(&trace.logits) == bits(&logits), "a trace's logits differ from forward's");
+    assert!(
+        bits(&trace.logits) == bits(&logits),
+        "a trace's logits differ from forward's"
+    );
     let next = |s: &mut astra_engine::Session| bits(&model.forward(s, &[7], 0).unwrap());
-    assert!(next(&mut traced) == next(&mut forwarded), "the session after a trace differs");
+    assert!(
+        next(&mut traced) == next(&mut forwarded),
+        "the session after a trace differs"
+    );
 
     let (e, n_layer) = (model.cfg.n_embd, model.cfg.n_layer);
     let stages: Vec<Stage> = trace.stages.iter().map(|(s, _)| *s).collect();
-    let want: Vec<Stage> = std::iter::once(Stage::Embedding).chain((0..n_layer).flat_map(|l| [Stage::Attention(l), Stage::Layer(l)])).collect();
+    let want: Vec<Stage> = std::iter::once(Stage::Embedding)
+        .chain((0..n_layer).flat_map(|l| [Stage::Attention(l), Stage::Layer(l)]))
+        .collect();
     assert_eq!(stages, want);
-    assert!(trace.stages.iter().all(|(_, v)| v.len() == prompt.len() * e && v.iter().all(|x| x.is_finite())));
+    assert!(trace
+        .stages
+        .iter()
+        .all(|(_, v)| v.len() == prompt.len() * e && v.iter().all(|x| x.is_finite())));
 
-    assert_eq!(model.cfg.embed_scale, None, "SmolLM2's embeddings are not scaled");
+    assert_eq!(
+        model.cfg.embed_scale, None,
+        "SmolLM2's embeddings are not scaled"
+    );
     let info = model.file.tensor("token_embd.weight").unwrap();
     let row_bytes = info.size as usize / info.dims[1] as usize;
     for (i, &t) in prompt.iter().enumerate() {
         let mut row = vec![0.0f32; e];
         let data = model.file.tensor_data(info);
-        astra_quant::dequantize(info.ty, &data[t as usize * row_bytes..][..row_bytes], &mut row).unwrap();
-        assert!(bits(&row) == bits(&trace.stages[0].1[i * e..][..e]), "embedding row of token {t}");
+        astra_quant::dequantize(
+            info.ty,
+            &data[t as usize * row_bytes..][..row_bytes],
+            &mut row,
+        )
+        .unwrap();
+        assert!(
+            bits(&row) == bits(&trace.stages[0].1[i * e..][..e]),
+            "embedding row of token {t}"
+        );
     }
 }

@@ -20,9 +20,18 @@ pub enum ParseErrorKind {
     #[error("unsupported GGUF version {0} (supported: 2, 3)")]
     UnsupportedVersion(u32),
     #[error("truncated while reading {what}: needs {needed} bytes, {available} remain")]
-    Truncated { what: String, needed: u64, available: u64 },
+    Truncated {
+        what: String,
+        needed: u64,
+        available: u64,
+    },
     #[error("{what} count {count} cannot fit in the {available} bytes that remain (each takes at least {min_each} bytes)")]
-    CountTooLarge { what: String, count: u64, min_each: u64, available: u64 },
+    CountTooLarge {
+        what: String,
+        count: u64,
+        min_each: u64,
+        available: u64,
+    },
     #[error("{what} is not valid UTF-8")]
     InvalidUtf8 { what: String },
     #[error("unknown metadata value type {type_id} for {what}")]
@@ -41,14 +50,34 @@ pub enum ParseErrorKind {
     UnknownTensorType { name: String, type_id: u32 },
     #[error("tensor {name:?}: dimensions {dims:?} overflow the element count")]
     DimsOverflow { name: String, dims: Vec<u64> },
-    #[error("tensor {name:?}: first dimension {ne0} is not a multiple of the {ty} block size {block}")]
-    NotWholeBlocks { name: String, ne0: u64, ty: String, block: u64 },
+    #[error(
+        "tensor {name:?}: first dimension {ne0} is not a multiple of the {ty} block size {block}"
+    )]
+    NotWholeBlocks {
+        name: String,
+        ne0: u64,
+        ty: String,
+        block: u64,
+    },
     #[error("duplicate tensor name {0:?}")]
     DuplicateTensor(String),
-    #[error("tensor {name:?}: data offset {offset} is not a multiple of the alignment {alignment}")]
-    MisalignedTensor { name: String, offset: u64, alignment: u64 },
-    #[error("tensor {name:?}: data [{start}, {end}) lies outside the {data_len}-byte data section")]
-    TensorOutOfBounds { name: String, start: u64, end: u64, data_len: u64 },
+    #[error(
+        "tensor {name:?}: data offset {offset} is not a multiple of the alignment {alignment}"
+    )]
+    MisalignedTensor {
+        name: String,
+        offset: u64,
+        alignment: u64,
+    },
+    #[error(
+        "tensor {name:?}: data [{start}, {end}) lies outside the {data_len}-byte data section"
+    )]
+    TensorOutOfBounds {
+        name: String,
+        start: u64,
+        end: u64,
+        data_len: u64,
+    },
     #[error("tensors {first:?} and {second:?} overlap in the data section")]
     TensorsOverlap { first: String, second: String },
 }
@@ -59,7 +88,11 @@ pub enum MetadataError {
     #[error("metadata key {key:?} is missing")]
     Missing { key: String },
     #[error("metadata key {key:?}: expected {expected}, found {found}")]
-    WrongType { key: String, expected: &'static str, found: &'static str },
+    WrongType {
+        key: String,
+        expected: &'static str,
+        found: &'static str,
+    },
 }
 
 /// An error opening or parsing a GGUF file: the path and what failed.
@@ -68,7 +101,10 @@ pub enum GgufError {
     // The inner errors are rendered here rather than exposed as `source`, so that an
     // error chain prints each fact once.
     #[error("{path}: {error}")]
-    Io { path: PathBuf, error: std::io::Error },
+    Io {
+        path: PathBuf,
+        error: std::io::Error,
+    },
     #[error("{path}: {error}")]
     Parse { path: PathBuf, error: ParseError },
 }

@@ -18,13 +18,18 @@ impl GgufFile {
     /// Maps and parses the file at `path`; errors name the path and the byte offset.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, GgufError> {
         let path = path.as_ref().to_path_buf();
-        let io = |error| GgufError::Io { path: path.clone(), error };
+        let io = |error| GgufError::Io {
+            path: path.clone(),
+            error,
+        };
         let file = std::fs::File::open(&path).map_err(io)?;
         // SAFETY: the map is read-only; the file must not be truncated by another
         // process while it is open, the same contract every mmap-based loader has.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let header = Gguf::parse(&map)
-            .map_err(|error| GgufError::Parse { path: path.clone(), error })?;
+        let header = Gguf::parse(&map).map_err(|error| GgufError::Parse {
+            path: path.clone(),
+            error,
+        })?;
         Ok(GgufFile { path, map, header })
     }
 
@@ -69,14 +74,20 @@ impl GgufFile {
     /// advice, nothing changes.
     pub fn release(&self, range: std::ops::Range<usize>) {
         let page = 4096;
-        let (start, end) = (range.start.next_multiple_of(page), range.end.min(self.map.len()) / page * page);
+        let (start, end) = (
+            range.start.next_multiple_of(page),
+            range.end.min(self.map.len()) / page * page,
+        );
         if start >= end {
             return;
         }
         #[cfg(unix)]
         // SAFETY: the map is read-only, so dropping its pages loses nothing: a later read
         // faults them in again from the file, unchanged.
-        let _ = unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+        let _ = unsafe {
+            self.map
+                .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+        };
     }
 
     /// The bytes of a tensor of this file (bounds were checked when parsing).

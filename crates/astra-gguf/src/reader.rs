@@ -65,11 +65,18 @@ impl Gguf {
     /// file at least as long as its header; the tensor data need not be present, but
     /// its bounds are checked against `file_len`.
     pub fn parse_header(head: &[u8], file_len: u64) -> Result<Gguf, ParseError> {
-        let bytes = &head[..head.len().min(usize::try_from(file_len).unwrap_or(usize::MAX))];
+        let bytes = &head[..head
+            .len()
+            .min(usize::try_from(file_len).unwrap_or(usize::MAX))];
         let mut r = Reader { bytes, pos: 0 };
         let magic = r.take(4, "magic")?;
         if magic != crate::MAGIC {
-            return Err(r.error_at(0, ParseErrorKind::BadMagic { found: magic.to_vec() }));
+            return Err(r.error_at(
+                0,
+                ParseErrorKind::BadMagic {
+                    found: magic.to_vec(),
+                },
+            ));
         }
         let version = r.u32("version")?;
         match version {
@@ -107,7 +114,13 @@ impl Gguf {
         let data_len = file_len.saturating_sub(data_offset);
         check_tensor_layout(&tensors, alignment, data_len)
             .map_err(|k| r.error_at(tensor_table_start, k))?;
-        Ok(Gguf { version, metadata, tensors, alignment, data_offset })
+        Ok(Gguf {
+            version,
+            metadata,
+            tensors,
+            alignment,
+            data_offset,
+        })
     }
 
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
@@ -223,7 +236,10 @@ impl<'a> Reader<'a> {
 
     /// Fails unless `count` items of at least `min_each` bytes fit in what remains.
     fn check_count(&self, count: u64, min_each: u64, what: &str) -> Result<(), ParseError> {
-        if count.checked_mul(min_each).is_none_or(|n| n > self.remaining()) {
+        if count
+            .checked_mul(min_each)
+            .is_none_or(|n| n > self.remaining())
+        {
             return Err(self.error_at(
                 self.pos as u64,
                 ParseErrorKind::CountTooLarge {
@@ -242,7 +258,12 @@ impl<'a> Reader<'a> {
         let len = self.u64(&format!("length of {what}"))?;
         let raw = self.take(len, what)?;
         String::from_utf8(raw.to_vec()).map_err(|_| {
-            self.error_at(start, ParseErrorKind::InvalidUtf8 { what: what.to_owned() })
+            self.error_at(
+                start,
+                ParseErrorKind::InvalidUtf8 {
+                    what: what.to_owned(),
+                },
+            )
         })
     }
 
@@ -250,7 +271,13 @@ impl<'a> Reader<'a> {
         let at = self.pos as u64;
         let type_id = self.u32(&format!("value type of {what}"))?;
         ValueType::from_id(type_id).ok_or_else(|| {
-            self.error_at(at, ParseErrorKind::UnknownValueType { what: what.to_owned(), type_id })
+            self.error_at(
+                at,
+                ParseErrorKind::UnknownValueType {
+                    what: what.to_owned(),
+                    type_id,
+                },
+            )
         })
     }
 
@@ -302,7 +329,10 @@ impl<'a> Reader<'a> {
         if depth >= MAX_ARRAY_DEPTH {
             return Err(self.error_at(
                 self.pos as u64,
-                ParseErrorKind::TooDeep { what: what.to_owned(), max: MAX_ARRAY_DEPTH },
+                ParseErrorKind::TooDeep {
+                    what: what.to_owned(),
+                    max: MAX_ARRAY_DEPTH,
+                },
             ));
         }
         let elem = self.value_type(&format!("elements of {what}"))?;
@@ -360,7 +390,11 @@ impl<'a> Reader<'a> {
         if n_dims as usize > MAX_DIMS {
             return Err(self.error_at(
                 at,
-                ParseErrorKind::TooManyDims { name, dims: n_dims, max: MAX_DIMS },
+                ParseErrorKind::TooManyDims {
+                    name,
+                    dims: n_dims,
+                    max: MAX_DIMS,
+                },
             ));
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
@@ -396,6 +430,12 @@ impl<'a> Reader<'a> {
                 ))
             }
         };
-        Ok(TensorInfo { name, dims, ty, offset, size })
+        Ok(TensorInfo {
+            name,
+            dims,
+            ty,
+            offset,
+            size,
+        })
     }
 }

@@ -48,11 +48,41 @@ pub enum GgmlType {
 impl GgmlType {
     /// Every type this crate knows, in id order.
     pub const ALL: [GgmlType; 35] = [
-        Self::F32, Self::F16, Self::Q4_0, Self::Q4_1, Self::Q5_0, Self::Q5_1, Self::Q8_0,
-        Self::Q8_1, Self::Q2_K, Self::Q3_K, Self::Q4_K, Self::Q5_K, Self::Q6_K, Self::Q8_K,
-        Self::IQ2_XXS, Self::IQ2_XS, Self::IQ3_XXS, Self::IQ1_S, Self::IQ4_NL, Self::IQ3_S,
-        Self::IQ2_S, Self::IQ4_XS, Self::I8, Self::I16, Self::I32, Self::I64, Self::F64,
-        Self::IQ1_M, Self::BF16, Self::TQ1_0, Self::TQ2_0, Self::MXFP4, Self::NVFP4, Self::Q1_0, Self::Q2_0,
+        Self::F32,
+        Self::F16,
+        Self::Q4_0,
+        Self::Q4_1,
+        Self::Q5_0,
+        Self::Q5_1,
+        Self::Q8_0,
+        Self::Q8_1,
+        Self::Q2_K,
+        Self::Q3_K,
+        Self::Q4_K,
+        Self::Q5_K,
+        Self::Q6_K,
+        Self::Q8_K,
+        Self::IQ2_XXS,
+        Self::IQ2_XS,
+        Self::IQ3_XXS,
+        Self::IQ1_S,
+        Self::IQ4_NL,
+        Self::IQ3_S,
+        Self::IQ2_S,
+        Self::IQ4_XS,
+        Self::I8,
+        Self::I16,
+        Self::I32,
+        Self::I64,
+        Self::F64,
+        Self::IQ1_M,
+        Self::BF16,
+        Self::TQ1_0,
+        Self::TQ2_0,
+        Self::MXFP4,
+        Self::NVFP4,
+        Self::Q1_0,
+        Self::Q2_0,
     ];
 
     /// The type with this ggml id, if it is one this crate knows.
@@ -128,20 +158,50 @@ impl GgmlType {
     pub fn name(self) -> &'static str {
         use GgmlType::*;
         match self {
-            F32 => "F32", F16 => "F16", Q4_0 => "Q4_0", Q4_1 => "Q4_1", Q5_0 => "Q5_0",
-            Q5_1 => "Q5_1", Q8_0 => "Q8_0", Q8_1 => "Q8_1", Q2_K => "Q2_K", Q3_K => "Q3_K",
-            Q4_K => "Q4_K", Q5_K => "Q5_K", Q6_K => "Q6_K", Q8_K => "Q8_K",
-            IQ2_XXS => "IQ2_XXS", IQ2_XS => "IQ2_XS", IQ3_XXS => "IQ3_XXS", IQ1_S => "IQ1_S",
-            IQ4_NL => "IQ4_NL", IQ3_S => "IQ3_S", IQ2_S => "IQ2_S", IQ4_XS => "IQ4_XS",
-            I8 => "I8", I16 => "I16", I32 => "I32", I64 => "I64", F64 => "F64",
-            IQ1_M => "IQ1_M", BF16 => "BF16", TQ1_0 => "TQ1_0", TQ2_0 => "TQ2_0",
-            MXFP4 => "MXFP4", NVFP4 => "NVFP4", Q1_0 => "Q1_0", Q2_0 => "Q2_0",
+            F32 => "F32",
+            F16 => "F16",
+            Q4_0 => "Q4_0",
+            Q4_1 => "Q4_1",
+            Q5_0 => "Q5_0",
+            Q5_1 => "Q5_1",
+            Q8_0 => "Q8_0",
+            Q8_1 => "Q8_1",
+            Q2_K => "Q2_K",
+            Q3_K => "Q3_K",
+            Q4_K => "Q4_K",
+            Q5_K => "Q5_K",
+            Q6_K => "Q6_K",
+            Q8_K => "Q8_K",
+            IQ2_XXS => "IQ2_XXS",
+            IQ2_XS => "IQ2_XS",
+            IQ3_XXS => "IQ3_XXS",
+            IQ1_S => "IQ1_S",
+            IQ4_NL => "IQ4_NL",
+            IQ3_S => "IQ3_S",
+            IQ2_S => "IQ2_S",
+            IQ4_XS => "IQ4_XS",
+            I8 => "I8",
+            I16 => "I16",
+            I32 => "I32",
+            I64 => "I64",
+            F64 => "F64",
+            IQ1_M => "IQ1_M",
+            BF16 => "BF16",
+            TQ1_0 => "TQ1_0",
+            TQ2_0 => "TQ2_0",
+            MXFP4 => "MXFP4",
+            NVFP4 => "NVFP4",
+            Q1_0 => "Q1_0",
+            Q2_0 => "Q2_0",
         }
     }
 
     /// The type with this name, ignoring ASCII case (`q4_k`, `Q4_K`).
     pub fn from_name(name: &str) -> Option<GgmlType> {
-        Self::ALL.iter().copied().find(|t| t.name().eq_ignore_ascii_case(name))
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|t| t.name().eq_ignore_ascii_case(name))
     }
 }
 
@@ -170,12 +230,23 @@ mod tests {
     fn sizes_of_the_spec_types_match_ggml() {
         // (type, elements per block, bytes per block) from ggml's type_traits.
         let expected = [
-            (GgmlType::F32, 1, 4), (GgmlType::F16, 1, 2), (GgmlType::BF16, 1, 2),
-            (GgmlType::Q4_0, 32, 18), (GgmlType::Q4_1, 32, 20), (GgmlType::Q5_0, 32, 22),
-            (GgmlType::Q5_1, 32, 24), (GgmlType::Q8_0, 32, 34), (GgmlType::Q2_K, 256, 84),
-            (GgmlType::Q3_K, 256, 110), (GgmlType::Q4_K, 256, 144), (GgmlType::Q5_K, 256, 176),
-            (GgmlType::Q6_K, 256, 210), (GgmlType::Q8_K, 256, 292), (GgmlType::IQ2_S, 256, 82),
-            (GgmlType::IQ4_NL, 32, 18), (GgmlType::Q2_0, 64, 18),
+            (GgmlType::F32, 1, 4),
+            (GgmlType::F16, 1, 2),
+            (GgmlType::BF16, 1, 2),
+            (GgmlType::Q4_0, 32, 18),
+            (GgmlType::Q4_1, 32, 20),
+            (GgmlType::Q5_0, 32, 22),
+            (GgmlType::Q5_1, 32, 24),
+            (GgmlType::Q8_0, 32, 34),
+            (GgmlType::Q2_K, 256, 84),
+            (GgmlType::Q3_K, 256, 110),
+            (GgmlType::Q4_K, 256, 144),
+            (GgmlType::Q5_K, 256, 176),
+            (GgmlType::Q6_K, 256, 210),
+            (GgmlType::Q8_K, 256, 292),
+            (GgmlType::IQ2_S, 256, 82),
+            (GgmlType::IQ4_NL, 32, 18),
+            (GgmlType::Q2_0, 64, 18),
         ];
         for (t, elems, bytes) in expected {
             assert_eq!((t.block_elems(), t.block_bytes()), (elems, bytes), "{t}");

@@ -26,8 +26,19 @@ impl ValueType {
     pub fn from_id(id: u32) -> Option<ValueType> {
         use ValueType::*;
         Some(match id {
-            0 => U8, 1 => I8, 2 => U16, 3 => I16, 4 => U32, 5 => I32, 6 => F32, 7 => Bool,
-            8 => String, 9 => Array, 10 => U64, 11 => I64, 12 => F64,
+            0 => U8,
+            1 => I8,
+            2 => U16,
+            3 => I16,
+            4 => U32,
+            5 => I32,
+            6 => F32,
+            7 => Bool,
+            8 => String,
+            9 => Array,
+            10 => U64,
+            11 => I64,
+            12 => F64,
             _ => return None,
         })
     }
@@ -41,17 +52,27 @@ impl ValueType {
             U16 | I16 => 2,
             U32 | I32 | F32 => 4,
             U64 | I64 | F64 => 8,
-            String => 8,       // u64 length
-            Array => 4 + 8,    // element type + u64 count
+            String => 8,    // u64 length
+            Array => 4 + 8, // element type + u64 count
         }
     }
 
     pub fn name(self) -> &'static str {
         use ValueType::*;
         match self {
-            U8 => "u8", I8 => "i8", U16 => "u16", I16 => "i16", U32 => "u32", I32 => "i32",
-            F32 => "f32", Bool => "bool", String => "string", Array => "array", U64 => "u64",
-            I64 => "i64", F64 => "f64",
+            U8 => "u8",
+            I8 => "i8",
+            U16 => "u16",
+            I16 => "i16",
+            U32 => "u32",
+            I32 => "i32",
+            F32 => "f32",
+            Bool => "bool",
+            String => "string",
+            Array => "array",
+            U64 => "u64",
+            I64 => "i64",
+            F64 => "f64",
         }
     }
 }
@@ -146,16 +167,21 @@ impl Value {
     pub fn summary(&self) -> String {
         match self {
             Value::String(s) if s.chars().count() > 60 => {
-                format!("{:?}… ({} bytes)", s.chars().take(60).collect::<String>(), s.len())
+                format!(
+                    "{:?}… ({} bytes)",
+                    s.chars().take(60).collect::<String>(),
+                    s.len()
+                )
             }
             Value::String(s) => format!("{s:?}"),
             Value::Array(a) => format!("[{} × {}]", a.len(), a.element_type().name()),
             Value::Bool(b) => b.to_string(),
             Value::F32(v) => v.to_string(),
             Value::F64(v) => v.to_string(),
-            other => other.as_u64().map(|v| v.to_string()).unwrap_or_else(|| {
-                other.as_f64().map(|v| v.to_string()).unwrap_or_default()
-            }),
+            other => other
+                .as_u64()
+                .map(|v| v.to_string())
+                .unwrap_or_else(|| other.as_f64().map(|v| v.to_string()).unwrap_or_default()),
         }
     }
 }
@@ -243,7 +269,9 @@ impl Metadata {
     }
 
     fn require(&self, key: &str) -> Result<&Value, MetadataError> {
-        self.get(key).ok_or_else(|| MetadataError::Missing { key: key.to_owned() })
+        self.get(key).ok_or_else(|| MetadataError::Missing {
+            key: key.to_owned(),
+        })
     }
 
     fn wrong(key: &str, expected: &'static str, found: &Value) -> MetadataError {
@@ -265,7 +293,8 @@ impl Metadata {
     /// A non-negative integer of any width.
     pub fn u64(&self, key: &str) -> Result<u64, MetadataError> {
         let v = self.require(key)?;
-        v.as_u64().ok_or_else(|| Self::wrong(key, "unsigned integer", v))
+        v.as_u64()
+            .ok_or_else(|| Self::wrong(key, "unsigned integer", v))
     }
 
     /// A non-negative integer that fits in u32.
@@ -279,7 +308,9 @@ impl Metadata {
     /// A float (f32 or f64; integers are accepted too).
     pub fn f32(&self, key: &str) -> Result<f32, MetadataError> {
         let v = self.require(key)?;
-        v.as_f64().map(|x| x as f32).ok_or_else(|| Self::wrong(key, "float", v))
+        v.as_f64()
+            .map(|x| x as f32)
+            .ok_or_else(|| Self::wrong(key, "float", v))
     }
 
     pub fn bool(&self, key: &str) -> Result<bool, MetadataError> {
@@ -336,7 +367,10 @@ mod tests {
         assert_eq!(m.u32("a.count").unwrap(), 7);
         assert_eq!(m.f32("a.count").unwrap(), 7.0);
         let err = m.u32("a.name").unwrap_err().to_string();
-        assert!(err.contains("a.name") && err.contains("unsigned") && err.contains("string"), "{err}");
+        assert!(
+            err.contains("a.name") && err.contains("unsigned") && err.contains("string"),
+            "{err}"
+        );
         let err = m.u64("a.neg").unwrap_err().to_string();
         assert!(err.contains("a.neg"), "{err}");
         let err = m.str("missing.key").unwrap_err().to_string();

@@ -63,7 +63,9 @@ impl<'a> GgufWriter<'a> {
         let name = name.into();
         let invalid = |msg: String| io::Error::new(io::ErrorKind::InvalidInput, msg);
         if dims.len() > MAX_DIMS {
-            return Err(invalid(format!("tensor {name:?}: more than {MAX_DIMS} dimensions")));
+            return Err(invalid(format!(
+                "tensor {name:?}: more than {MAX_DIMS} dimensions"
+            )));
         }
         let elems = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
         let expected = elems.and_then(|n| ty.bytes_for(n));
@@ -73,7 +75,12 @@ impl<'a> GgufWriter<'a> {
                 data.bytes().len()
             )));
         }
-        self.tensors.push(PendingTensor { name, dims: dims.to_vec(), ty, data });
+        self.tensors.push(PendingTensor {
+            name,
+            dims: dims.to_vec(),
+            ty,
+            data,
+        });
         Ok(self)
     }
 

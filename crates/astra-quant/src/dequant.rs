@@ -31,7 +31,10 @@ pub fn dequantize_q4_1(blocks: &[BlockQ4_1], out: &mut [f32]) {
 #[inline(always)]
 fn q5_high_bits(qh: [u8; 4], j: usize) -> (u8, u8) {
     let qh = u32::from_le_bytes(qh);
-    ((((qh >> j) << 4) & 0x10) as u8, ((qh >> (j + 12)) & 0x10) as u8)
+    (
+        (((qh >> j) << 4) & 0x10) as u8,
+        ((qh >> (j + 12)) & 0x10) as u8,
+    )
 }
 
 pub fn dequantize_q5_0(blocks: &[BlockQ5_0], out: &mut [f32]) {

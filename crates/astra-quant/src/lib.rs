@@ -32,24 +32,49 @@ pub enum QuantError {
     #[error("tensor type {0} is not supported by the CPU kernels")]
     Unsupported(GgmlType),
     #[error("{ty}: {elems} elements is not a whole number of {block}-element blocks")]
-    NotWholeBlocks { ty: GgmlType, elems: usize, block: usize },
+    NotWholeBlocks {
+        ty: GgmlType,
+        elems: usize,
+        block: usize,
+    },
     #[error("{ty}: expected {expected} bytes, got {actual}")]
-    WrongLength { ty: GgmlType, expected: usize, actual: usize },
+    WrongLength {
+        ty: GgmlType,
+        expected: usize,
+        actual: usize,
+    },
 }
 
 /// The weight types the CPU kernels handle (SPEC section 1).
 pub const SUPPORTED_TYPES: [GgmlType; 17] = [
-    GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_0, GgmlType::Q4_1,
-    GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K,
-    GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q8_K, GgmlType::IQ2_S,
-    GgmlType::IQ4_NL, GgmlType::Q2_0,
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::Q8_K,
+    GgmlType::IQ2_S,
+    GgmlType::IQ4_NL,
+    GgmlType::Q2_0,
 ];
 
 /// Bytes of `elems` elements of `ty`, checking the block size.
 pub fn row_bytes(ty: GgmlType, elems: usize) -> Result<usize, QuantError> {
     ty.bytes_for(elems as u64)
         .map(|b| b as usize)
-        .ok_or(QuantError::NotWholeBlocks { ty, elems, block: ty.block_elems() as usize })
+        .ok_or(QuantError::NotWholeBlocks {
+            ty,
+            elems,
+            block: ty.block_elems() as usize,
+        })
 }
 
 /// Dequantizes `bytes` of type `ty` into `out` (whose length is the element count).
@@ -58,7 +83,11 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Qua
     use dequant::*;
     let expected = row_bytes(ty, out.len())?;
     if bytes.len() != expected {
-        return Err(QuantError::WrongLength { ty, expected, actual: bytes.len() });
+        return Err(QuantError::WrongLength {
+            ty,
+            expected,
+            actual: bytes.len(),
+        });
     }
     match ty {
         GgmlType::F32 => dequantize_f32(bytes, out),
@@ -87,7 +116,10 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Qua
 /// Whether [`quantize`] can produce `ty`.
 pub fn can_quantize(ty: GgmlType) -> bool {
     use GgmlType::*;
-    matches!(ty, F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | Q8_K | Q2_0)
+    matches!(
+        ty,
+        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | Q8_K | Q2_0
+    )
 }
 
 /// Quantizes `x` into `ty` for the types with a quantizer here (the activation types

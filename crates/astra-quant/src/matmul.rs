@@ -36,15 +36,34 @@ impl<'a> QuantMatrix<'a> {
         let row_bytes = row_bytes(ty, cols)?;
         let expected = row_bytes * rows;
         if data.len() != expected {
-            return Err(QuantError::WrongLength { ty, expected, actual: data.len() });
+            return Err(QuantError::WrongLength {
+                ty,
+                expected,
+                actual: data.len(),
+            });
         }
-        Ok(QuantMatrix { ty, rows, cols, data, row_bytes, packed: false })
+        Ok(QuantMatrix {
+            ty,
+            rows,
+            cols,
+            data,
+            row_bytes,
+            packed: false,
+        })
     }
 
     /// A matrix whose bytes [`pack`] made: only the kernels that packed them (the same
     /// weight type and instruction set) read it.
-    pub fn packed(ty: GgmlType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, QuantError> {
-        Ok(QuantMatrix { packed: true, ..Self::new(ty, rows, cols, data)? })
+    pub fn packed(
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &'a [u8],
+    ) -> Result<Self, QuantError> {
+        Ok(QuantMatrix {
+            packed: true,
+            ..Self::new(ty, rows, cols, data)?
+        })
     }
 
     /// Row `r` as stored (not for a packed matrix, whose rows are interleaved).
@@ -70,13 +89,30 @@ pub fn pack(w: &QuantMatrix, kernels: &Kernels) -> Option<Vec<u8>> {
 
 /// As [`pack`], into `out` (as long as `w`'s bytes), spread over `par` in runs of whole
 /// groups; `false`, `out` untouched, where `kernels` have no packing for `w`.
-pub fn pack_into_on(par: &dyn Parallel, w: &QuantMatrix, kernels: &Kernels, out: &mut [u8]) -> bool {
-    let Some(p) = kernels.packing.filter(|_| kernels.weights == w.ty && !w.packed) else { return false };
+pub fn pack_into_on(
+    par: &dyn Parallel,
+    w: &QuantMatrix,
+    kernels: &Kernels,
+    out: &mut [u8],
+) -> bool {
+    let Some(p) = kernels
+        .packing
+        .filter(|_| kernels.weights == w.ty && !w.packed)
+    else {
+        return false;
+    };
     assert_eq!(out.len(), w.data.len(), "packing into as many bytes");
     // Four runs a thread, each whole groups (the last one takes the rows past them).
-    let run_rows = w.rows.div_ceil(4 * par.threads()).next_multiple_of(p.rows).max(p.rows);
+    let run_rows = w
+        .rows
+        .div_ceil(4 * par.threads())
+        .next_multiple_of(p.rows)
+        .max(p.rows);
     let run_bytes = (run_rows * w.row_bytes).max(1);
-    let outs: Vec<std::sync::Mutex<&mut [u8]>> = out.chunks_mut(run_bytes).map(std::sync::Mutex::new).collect();
+    let outs: Vec<std::sync::Mutex<&mut [u8]>> = out
+        .chunks_mut(run_bytes)
+        .map(std::sync::Mutex::new)
+        .collect();
     par.run(outs.len(), &|i| {
         let mut out = outs[i].lock().expect("one task per run");
         let start = i * run_bytes;
@@ -107,34 +143,61 @@ impl QuantizedActivations {
         let tokens = x.len().checked_div(cols).unwrap_or(0);
         let mut data = vec![0u8; row_bytes * tokens];
         let (mut scales, mut quants, mut neg_sums) = (Vec::new(), Vec::new(), Vec::new());
-        for (xr, out) in x.chunks_exact(cols.max(1)).zip(data.chunks_exact_mut(row_bytes.max(1))) {
+        for (xr, out) in x
+            .chunks_exact(cols.max(1))
+            .zip(data.chunks_exact_mut(row_bytes.max(1)))
+        {
             act.quantize(xr, out);
             act.row_scales(out, &mut scales);
             act.row_quants(out, &mut quants);
             act.row_neg_sums(out, &mut neg_sums);
         }
         let per_token = |n: usize| n.checked_div(tokens).unwrap_or(0);
-        let (row_scales, row_quants, row_sums) = (per_token(scales.len()), per_token(quants.len()), per_token(neg_sums.len()));
-        Ok(QuantizedActivations { act, tokens, row_bytes, data, row_scales, scales, row_quants, quants, row_sums, neg_sums })
+        let (row_scales, row_quants, row_sums) = (
+            per_token(scales.len()),
+            per_token(quants.len()),
+            per_token(neg_sums.len()),
+        );
+        Ok(QuantizedActivations {
+            act,
+            tokens,
+            row_bytes,
+            data,
+            row_scales,
+            scales,
+            row_quants,
+            quants,
+            row_sums,
+            neg_sums,
+        })
     }
 
     /// As [`Self::new`], the tokens of a batch quantized in parallel on `par` (each row
     /// by the same scalar quantizer, so the result is the same).
-    pub fn new_on(par: &dyn Parallel, act: ActType, x: &[f32], cols: usize) -> Result<Self, QuantError> {
+    pub fn new_on(
+        par: &dyn Parallel,
+        act: ActType,
+        x: &[f32],
+        cols: usize,
+    ) -> Result<Self, QuantError> {
         let tokens = x.len().checked_div(cols).unwrap_or(0);
         let per_task = tokens.div_ceil(2 * par.threads()).max(8);
         if tokens <= per_task {
             return Self::new(act, x, cols);
         }
         let tasks = tokens.div_ceil(per_task);
-        let parts: Vec<std::sync::Mutex<Option<Result<Self, QuantError>>>> = (0..tasks).map(|_| Default::default()).collect();
+        let parts: Vec<std::sync::Mutex<Option<Result<Self, QuantError>>>> =
+            (0..tasks).map(|_| Default::default()).collect();
         par.run(tasks, &|i| {
             let rows = &x[i * per_task * cols..((i + 1) * per_task).min(tokens) * cols];
             *parts[i].lock().expect("own slot") = Some(Self::new(act, rows, cols));
         });
         let mut whole: Option<Self> = None;
         for part in parts {
-            let part = part.into_inner().expect("own slot").expect("every task ran")?;
+            let part = part
+                .into_inner()
+                .expect("own slot")
+                .expect("every task ran")?;
             match whole.as_mut() {
                 None => whole = Some(part),
                 Some(w) => {
@@ -201,12 +264,22 @@ fn chunk_rows(rows: usize, threads: usize) -> usize {
 
 /// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `x` of `tokens × w.cols` and `out` of
 /// `tokens × w.rows`, on the current rayon pool.
-pub fn matmul(w: &QuantMatrix, x: &[f32], out: &mut [f32], kernels: &Kernels) -> Result<(), QuantError> {
+pub fn matmul(
+    w: &QuantMatrix,
+    x: &[f32],
+    out: &mut [f32],
+    kernels: &Kernels,
+) -> Result<(), QuantError> {
     if kernels.weights != w.ty {
         return Err(QuantError::Unsupported(w.ty));
     }
     let tokens = x.len().checked_div(w.cols).unwrap_or(0);
-    assert_eq!(x.len(), tokens * w.cols, "activations are not whole rows of {}", w.cols);
+    assert_eq!(
+        x.len(),
+        tokens * w.cols,
+        "activations are not whole rows of {}",
+        w.cols
+    );
     assert_eq!(out.len(), tokens * w.rows, "output is not tokens × rows");
     let acts = QuantizedActivations::new(kernels.act, x, w.cols)?;
     matmul_quantized(w, &acts, out, kernels);
@@ -215,13 +288,32 @@ pub fn matmul(w: &QuantMatrix, x: &[f32], out: &mut [f32], kernels: &Kernels) ->
 
 /// As [`matmul`], with activations already quantized (several matrices of the same
 /// input, such as Q, K and V, share one quantization), on the current rayon pool.
-pub fn matmul_quantized(w: &QuantMatrix, acts: &QuantizedActivations, out: &mut [f32], kernels: &Kernels) {
+pub fn matmul_quantized(
+    w: &QuantMatrix,
+    acts: &QuantizedActivations,
+    out: &mut [f32],
+    kernels: &Kernels,
+) {
     matmul_quantized_on(&Rayon, w, acts, out, kernels)
 }
 
 /// As [`matmul_quantized`], on the given executor.
-pub fn matmul_quantized_on(par: &dyn Parallel, w: &QuantMatrix, acts: &QuantizedActivations, out: &mut [f32], kernels: &Kernels) {
-    matmul_many_on(par, &mut [MatmulJob { w: *w, acts, out, kernels }]);
+pub fn matmul_quantized_on(
+    par: &dyn Parallel,
+    w: &QuantMatrix,
+    acts: &QuantizedActivations,
+    out: &mut [f32],
+    kernels: &Kernels,
+) {
+    matmul_many_on(
+        par,
+        &mut [MatmulJob {
+            w: *w,
+            acts,
+            out,
+            kernels,
+        }],
+    );
 }
 
 /// One matrix of a [`matmul_many_on`] call: `out = w · acts` as in [`matmul`].
@@ -250,7 +342,14 @@ pub fn matmul_many_on(par: &dyn Parallel, jobs: &mut [MatmulJob]) {
         assert_eq!(j.acts.act, j.kernels.act);
         assert_eq!(j.out.len(), j.acts.tokens * j.w.rows);
         let chunk = chunk_rows(j.w.rows, par.threads());
-        plans.push(Plan { w: j.w, acts: j.acts, out: SharedOut(j.out.as_mut_ptr()), kernels: j.kernels, chunk, first_task: tasks });
+        plans.push(Plan {
+            w: j.w,
+            acts: j.acts,
+            out: SharedOut(j.out.as_mut_ptr()),
+            kernels: j.kernels,
+            chunk,
+            first_task: tasks,
+        });
         tasks += j.w.rows.div_ceil(chunk);
     }
     par.run(tasks, &|task| {
@@ -262,11 +361,26 @@ pub fn matmul_many_on(par: &dyn Parallel, jobs: &mut [MatmulJob]) {
 }
 
 /// Rows `task_rows` of `out = w · acts`, for every token.
-fn run_rows(w: &QuantMatrix, acts: &QuantizedActivations, out: SharedOut, kernels: &Kernels, task_rows: std::ops::Range<usize>) {
-    let (rows, tokens, dot, mut dot1, mut dot4, mut tile) = (w.rows, acts.tokens, kernels.dot, kernels.dot1, kernels.dot4, kernels.tile);
+fn run_rows(
+    w: &QuantMatrix,
+    acts: &QuantizedActivations,
+    out: SharedOut,
+    kernels: &Kernels,
+    task_rows: std::ops::Range<usize>,
+) {
+    let (rows, tokens, dot, mut dot1, mut dot4, mut tile) = (
+        w.rows,
+        acts.tokens,
+        kernels.dot,
+        kernels.dot1,
+        kernels.dot4,
+        kernels.tile,
+    );
     if w.packed {
         // Packed rows are read only by the packing's own variants, from a group's start.
-        let p = kernels.packing.expect("packed rows meet the kernels that packed them");
+        let p = kernels
+            .packing
+            .expect("packed rows meet the kernels that packed them");
         assert_eq!(task_rows.start % p.rows, 0, "a task starts at a group");
         (dot1, dot4, tile) = (Some(p.dot1), None, Some(p.tile));
     }
@@ -279,11 +393,22 @@ fn run_rows(w: &QuantMatrix, acts: &QuantizedActivations, out: SharedOut, kernel
         let mut tile_out = vec![[0.0f32; TILE_ROWS]; tokens];
         for tile in task_rows.clone().step_by(TILE_ROWS) {
             let tile = tile..(tile + TILE_ROWS).min(task_rows.end);
-            tile_fn(&w.bytes()[tile.start * w.row_bytes..tile.end * w.row_bytes], w.row_bytes, &a, &mut tile_out);
+            tile_fn(
+                &w.bytes()[tile.start * w.row_bytes..tile.end * w.row_bytes],
+                w.row_bytes,
+                &a,
+                &mut tile_out,
+            );
             for (t, v) in tile_out.iter().enumerate() {
                 // SAFETY: as for `put`: token t's outputs for this tile's rows, in bounds
                 // and written by this task only.
-                unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out.0.add(t * rows + tile.start), tile.len()) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        v.as_ptr(),
+                        out.0.add(t * rows + tile.start),
+                        tile.len(),
+                    )
+                };
             }
         }
         return;
@@ -297,7 +422,12 @@ fn run_rows(w: &QuantMatrix, acts: &QuantizedActivations, out: SharedOut, kernel
             let tile_w = &w.bytes()[tile.start * w.row_bytes..tile.end * w.row_bytes];
             let mut out4 = [[0.0f32; 4]; ROW_TILE];
             for t in (0..tokens / 4 * 4).step_by(4) {
-                let a = [acts.act_row(t), acts.act_row(t + 1), acts.act_row(t + 2), acts.act_row(t + 3)];
+                let a = [
+                    acts.act_row(t),
+                    acts.act_row(t + 1),
+                    acts.act_row(t + 2),
+                    acts.act_row(t + 3),
+                ];
                 dot4(tile_w, w.row_bytes, a, &mut out4[..tile.len()]);
                 for (r, v) in tile.clone().zip(&out4) {
                     (0..4).for_each(|i| put(t + i, r, v[i]));
@@ -314,7 +444,12 @@ fn run_rows(w: &QuantMatrix, acts: &QuantizedActivations, out: SharedOut, kernel
                 let task_w = &w.bytes()[task_rows.start * w.row_bytes..task_rows.end * w.row_bytes];
                 // SAFETY: token t's outputs for this task's rows: in bounds, contiguous,
                 // and written by this task only.
-                let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(t * rows + task_rows.start), task_rows.len()) };
+                let o = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        out.0.add(t * rows + task_rows.start),
+                        task_rows.len(),
+                    )
+                };
                 dot1(task_w, w.row_bytes, acts.act_row(t), o);
             }
             None => {
@@ -322,7 +457,9 @@ fn run_rows(w: &QuantMatrix, acts: &QuantizedActivations, out: SharedOut, kernel
                     Some(in_fours) if t < tokens / 4 * 4 => in_fours,
                     _ => dot,
                 };
-                task_rows.clone().for_each(|r| put(t, r, dot(w.row(r), acts.row(t))))
+                task_rows
+                    .clone()
+                    .for_each(|r| put(t, r, dot(w.row(r), acts.row(t))))
             }
         }
     }
@@ -350,7 +487,9 @@ mod tests {
         let mut s = seed;
         (0..n)
             .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
             })
             .collect()
@@ -360,12 +499,29 @@ mod tests {
     #[test]
     fn many_matrices_in_one_step_equal_each_alone() {
         let cols = 256;
-        let shapes = [(GgmlType::Q4_K, 48), (GgmlType::Q5_0, 100), (GgmlType::Q8_0, 17)];
-        let weights: Vec<Vec<u8>> = shapes.iter().map(|&(ty, rows)| crate::parity::random_weights(ty, rows, cols, 3).unwrap()).collect();
+        let shapes = [
+            (GgmlType::Q4_K, 48),
+            (GgmlType::Q5_0, 100),
+            (GgmlType::Q8_0, 17),
+        ];
+        let weights: Vec<Vec<u8>> = shapes
+            .iter()
+            .map(|&(ty, rows)| crate::parity::random_weights(ty, rows, cols, 3).unwrap())
+            .collect();
         let x = pseudo_random(5 * cols, 4);
-        let kernels: Vec<Kernels> = shapes.iter().map(|&(ty, _)| Kernels::best(ty).unwrap()).collect();
-        let mats: Vec<QuantMatrix> = shapes.iter().zip(&weights).map(|(&(ty, rows), w)| QuantMatrix::new(ty, rows, cols, w).unwrap()).collect();
-        let acts: Vec<QuantizedActivations> = kernels.iter().map(|k| QuantizedActivations::new(k.act, &x, cols).unwrap()).collect();
+        let kernels: Vec<Kernels> = shapes
+            .iter()
+            .map(|&(ty, _)| Kernels::best(ty).unwrap())
+            .collect();
+        let mats: Vec<QuantMatrix> = shapes
+            .iter()
+            .zip(&weights)
+            .map(|(&(ty, rows), w)| QuantMatrix::new(ty, rows, cols, w).unwrap())
+            .collect();
+        let acts: Vec<QuantizedActivations> = kernels
+            .iter()
+            .map(|k| QuantizedActivations::new(k.act, &x, cols).unwrap())
+            .collect();
         let alone: Vec<Vec<f32>> = (0..3)
             .map(|i| {
                 let mut o = vec![0.0; 5 * mats[i].rows];
@@ -377,12 +533,23 @@ mod tests {
         let mut jobs: Vec<MatmulJob> = outs
             .iter_mut()
             .enumerate()
-            .map(|(i, out)| MatmulJob { w: mats[i], acts: &acts[i], out, kernels: &kernels[i] })
+            .map(|(i, out)| MatmulJob {
+                w: mats[i],
+                acts: &acts[i],
+                out,
+                kernels: &kernels[i],
+            })
             .collect();
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
         pool.install(|| matmul_many_on(&Rayon, &mut jobs));
         for (got, want) in outs.iter().zip(&alone) {
-            assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
         }
     }
 
@@ -398,23 +565,39 @@ mod tests {
                 let Some(p) = k.packing else { continue };
                 assert_eq!(16 % p.rows, 0, "tasks of 16 rows start at a group");
                 for rows in [5, 8, 21, 64, 100] {
-                    let weights = crate::parity::random_weights(ty, rows, cols, rows as u64).unwrap();
+                    let weights =
+                        crate::parity::random_weights(ty, rows, cols, rows as u64).unwrap();
                     let w = QuantMatrix::new(ty, rows, cols, &weights).unwrap();
                     let packed = pack(&w, &k).expect("a packing for the type");
                     let grouped = rows / p.rows * p.rows * w.row_bytes;
-                    assert_eq!(packed[grouped..], weights[grouped..], "rows past the groups as stored");
+                    assert_eq!(
+                        packed[grouped..],
+                        weights[grouped..],
+                        "rows past the groups as stored"
+                    );
                     if rows >= p.rows {
                         assert_ne!(packed, weights, "{ty} {rows} rows: nothing packed");
                     }
                     let pw = QuantMatrix::packed(ty, rows, cols, &packed).unwrap();
                     for threads in [1, 2, 3] {
-                        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                        let pool = rayon::ThreadPoolBuilder::new()
+                            .num_threads(threads)
+                            .build()
+                            .unwrap();
                         for batch in [1, 2, 17] {
-                            let (mut want, mut got) = (vec![0.0; batch * rows], vec![0.0; batch * rows]);
-                            pool.install(|| matmul(&w, &x[..batch * cols], &mut want, &k)).unwrap();
-                            pool.install(|| matmul(&pw, &x[..batch * cols], &mut got, &k)).unwrap();
-                            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                            assert_eq!(bits(&got), bits(&want), "{ty} {isa:?} rows {rows} threads {threads} batch {batch}");
+                            let (mut want, mut got) =
+                                (vec![0.0; batch * rows], vec![0.0; batch * rows]);
+                            pool.install(|| matmul(&w, &x[..batch * cols], &mut want, &k))
+                                .unwrap();
+                            pool.install(|| matmul(&pw, &x[..batch * cols], &mut got, &k))
+                                .unwrap();
+                            let bits =
+                                |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(
+                                bits(&got),
+                                bits(&want),
+                                "{ty} {isa:?} rows {rows} threads {threads} batch {batch}"
+                            );
                         }
                     }
                 }
@@ -427,14 +610,33 @@ mod tests {
     fn parallel_quantization_equals_serial() {
         let cols = 512;
         let x = pseudo_random(37 * cols, 9);
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
         for act in [ActType::Q8_0, ActType::Q8_1, ActType::Q8K, ActType::F32] {
             let serial = QuantizedActivations::new(act, &x, cols).unwrap();
-            let parallel = pool.install(|| QuantizedActivations::new_on(&Rayon, act, &x, cols)).unwrap();
+            let parallel = pool
+                .install(|| QuantizedActivations::new_on(&Rayon, act, &x, cols))
+                .unwrap();
             assert_eq!(parallel.tokens, 37);
             assert_eq!(parallel.data, serial.data, "{act:?}");
-            assert_eq!(parallel.scales.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), serial.scales.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
-            assert_eq!((&parallel.quants, &parallel.neg_sums), (&serial.quants, &serial.neg_sums));
+            assert_eq!(
+                parallel
+                    .scales
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<_>>(),
+                serial
+                    .scales
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<_>>()
+            );
+            assert_eq!(
+                (&parallel.quants, &parallel.neg_sums),
+                (&serial.quants, &serial.neg_sums)
+            );
             for t in [0, 17, 36] {
                 assert_eq!(parallel.act_row(t).quants, serial.act_row(t).quants);
             }
@@ -446,30 +648,53 @@ mod tests {
     #[test]
     fn outputs_do_not_depend_on_threads_or_batch() {
         let (rows, cols) = (100, 512);
-        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::F32, GgmlType::Q8_K] {
+        for ty in [
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+            GgmlType::Q5_0,
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+            GgmlType::F32,
+            GgmlType::Q8_K,
+        ] {
             let weights = crate::parity::random_weights(ty, rows, cols, 1).unwrap();
             let w = QuantMatrix::new(ty, rows, cols, &weights).unwrap();
             let x = pseudo_random(17 * cols, 2);
             for isa in Isa::available_sets() {
                 let k = Kernels::new(ty, isa).unwrap();
                 // Reference: each token alone, one thread.
-                let pool1 = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+                let pool1 = rayon::ThreadPoolBuilder::new()
+                    .num_threads(1)
+                    .build()
+                    .unwrap();
                 let alone: Vec<Vec<f32>> = (0..17)
                     .map(|t| {
                         let mut o = vec![0.0; rows];
-                        pool1.install(|| matmul(&w, &x[t * cols..(t + 1) * cols], &mut o, &k)).unwrap();
+                        pool1
+                            .install(|| matmul(&w, &x[t * cols..(t + 1) * cols], &mut o, &k))
+                            .unwrap();
                         o
                     })
                     .collect();
                 for threads in [1, 2, 3, 7] {
-                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
                     for batch in [1, 2, 5, 17] {
                         let mut o = vec![0.0; batch * rows];
-                        pool.install(|| matmul(&w, &x[..batch * cols], &mut o, &k)).unwrap();
+                        pool.install(|| matmul(&w, &x[..batch * cols], &mut o, &k))
+                            .unwrap();
                         for t in 0..batch {
-                            let got: Vec<u32> = o[t * rows..(t + 1) * rows].iter().map(|v| v.to_bits()).collect();
+                            let got: Vec<u32> = o[t * rows..(t + 1) * rows]
+                                .iter()
+                                .map(|v| v.to_bits())
+                                .collect();
                             let want: Vec<u32> = alone[t].iter().map(|v| v.to_bits()).collect();
-                            assert_eq!(got, want, "{ty} {isa:?} threads {threads} batch {batch} token {t}");
+                            assert_eq!(
+                                got, want,
+                                "{ty} {isa:?} threads {threads} batch {batch} token {t}"
+                            );
                         }
                     }
                 }

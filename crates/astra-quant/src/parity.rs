@@ -32,8 +32,19 @@ const UNIT_ROUNDOFF: f64 = 1.0 / (1u64 << 24) as f64;
 /// (cols, rows) of the cases: the real models' matrices (SmolLM2: 576 and 1536;
 /// Gemma 3: 640, 1024 and 2048), a long reduction, and ragged shapes.
 pub const SHAPES: [(usize, usize); 13] = [
-    (576, 576), (576, 1536), (1536, 576), (640, 1024), (1024, 640), (640, 2048),
-    (2048, 640), (4096, 16), (96, 5), (256, 7), (512, 33), (1056, 19), (2304, 3),
+    (576, 576),
+    (576, 1536),
+    (1536, 576),
+    (640, 1024),
+    (1024, 640),
+    (640, 2048),
+    (2048, 640),
+    (4096, 16),
+    (96, 5),
+    (256, 7),
+    (512, 33),
+    (1056, 19),
+    (2304, 3),
 ];
 
 /// One case: a weight type on an instruction set at one shape.
@@ -63,7 +74,14 @@ impl CaseReport {
 
     /// A stable file name for the outputs of this case.
     pub fn name(&self) -> String {
-        format!("{}_{}_{}x{}x{}", self.ty.name(), self.isa.name(), self.cols, self.rows, self.tokens)
+        format!(
+            "{}_{}_{}x{}x{}",
+            self.ty.name(),
+            self.isa.name(),
+            self.cols,
+            self.rows,
+            self.tokens
+        )
     }
 }
 
@@ -141,13 +159,20 @@ fn accumulation_steps(ty: GgmlType, cols: usize) -> usize {
 
 /// Seeded weights of type `ty`: quantized from random values where a quantizer exists,
 /// else random blocks with sane scales.
-pub fn random_weights(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Result<Vec<u8>, QuantError> {
+pub fn random_weights(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> Result<Vec<u8>, QuantError> {
     let mut rng = SplitMix::new(seed);
     if crate::can_quantize(ty) {
         let x: Vec<f32> = (0..rows * cols).map(|_| 0.05 * rng.activation()).collect();
         return crate::quantize(ty, &x);
     }
-    let mut bytes: Vec<u8> = (0..row_bytes(ty, cols)? * rows).map(|_| rng.next_u64() as u8).collect();
+    let mut bytes: Vec<u8> = (0..row_bytes(ty, cols)? * rows)
+        .map(|_| rng.next_u64() as u8)
+        .collect();
     for block in bytes.chunks_exact_mut(ty.block_bytes() as usize) {
         for &(offset, _) in scale_fields(ty) {
             let scale = half::f16::from_f32(1e-3 + 1e-2 * rng.uniform());
@@ -157,7 +182,12 @@ pub fn random_weights(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Resu
     Ok(bytes)
 }
 
-fn dequantize_rows(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result<Vec<f32>, QuantError> {
+fn dequantize_rows(
+    ty: GgmlType,
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<f32>, QuantError> {
     let mut out = vec![0.0f32; rows * cols];
     dequantize(ty, bytes, &mut out)?;
     Ok(out)
@@ -170,7 +200,10 @@ fn activations_f64(acts: &QuantizedActivations, tokens: usize, cols: usize) -> V
     for t in 0..tokens {
         let row = acts.row(t);
         match acts.act {
-            ActType::F32 => out.extend(row.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64)),
+            ActType::F32 => out.extend(
+                row.chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64),
+            ),
             ActType::Q8_1 => {
                 for b in crate::blocks::as_blocks::<crate::blocks::BlockQ8_1>(row) {
                     let d = b.d.get() as f64;
@@ -207,7 +240,11 @@ fn q8_1_sum_corrections(acts: &QuantizedActivations, token: usize) -> Vec<f64> {
 }
 
 fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
-    let num: f64 = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).powi(2)).sum();
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(&g, &w)| (g as f64 - w).powi(2))
+        .sum();
     let den: f64 = want.iter().map(|w| w * w).sum();
     if den == 0.0 {
         num.sqrt()
@@ -226,7 +263,13 @@ pub struct Reference {
 impl Reference {
     /// The reference outputs (token-major) of `weights` (`rows × cols` of `ty`) applied
     /// to the quantized activations `acts`.
-    pub fn compute(ty: GgmlType, weights: &[u8], rows: usize, cols: usize, acts: &QuantizedActivations) -> Result<Self, QuantError> {
+    pub fn compute(
+        ty: GgmlType,
+        weights: &[u8],
+        rows: usize,
+        cols: usize,
+        acts: &QuantizedActivations,
+    ) -> Result<Self, QuantError> {
         let wd = dequantize_rows(ty, weights, rows, cols)?;
         let offsets = match code_bytes(ty) {
             Some(range) => {
@@ -261,7 +304,11 @@ impl Reference {
         }
         let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
         let (ref_norm, bound_norm) = (norm(&values), norm(&bounds));
-        let bound = if ref_norm > 0.0 { bound_norm / ref_norm } else { bound_norm };
+        let bound = if ref_norm > 0.0 {
+            bound_norm / ref_norm
+        } else {
+            bound_norm
+        };
         Ok(Reference { values, bound })
     }
 
@@ -271,7 +318,14 @@ impl Reference {
 }
 
 /// Runs one case: `tokens` activation rows through a `rows × cols` matrix of `ty`.
-pub fn run_case(ty: GgmlType, isa: Isa, cols: usize, rows: usize, tokens: usize, seed: u64) -> Result<CaseReport, QuantError> {
+pub fn run_case(
+    ty: GgmlType,
+    isa: Isa,
+    cols: usize,
+    rows: usize,
+    tokens: usize,
+    seed: u64,
+) -> Result<CaseReport, QuantError> {
     let weights = random_weights(ty, rows, cols, seed)?;
     let kernels = Kernels::new(ty, isa)?;
     // The rows as the engine gives them to these kernels: packed where they pack.
@@ -337,11 +391,22 @@ mod tests {
                 let r = run_case(ty, isa, cols, rows, 2, case_seed(ty, cols, rows)).unwrap();
                 count += 1;
                 if !r.passed() {
-                    failures.push(format!("{} rel_l2 {:.3e} bound {:.3e} vs_scalar {:.3e}", r.name(), r.rel_l2, r.bound, r.vs_scalar));
+                    failures.push(format!(
+                        "{} rel_l2 {:.3e} bound {:.3e} vs_scalar {:.3e}",
+                        r.name(),
+                        r.rel_l2,
+                        r.bound,
+                        r.vs_scalar
+                    ));
                 }
             }
         }
-        assert!(failures.is_empty(), "{} of {count} cases failed:\n{}", failures.len(), failures.join("\n"));
+        assert!(
+            failures.is_empty(),
+            "{} of {count} cases failed:\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
     }
 
     /// Float weights: the SIMD kernels associate the sums exactly as the scalar
@@ -362,7 +427,12 @@ mod tests {
     /// weights with one code changed in one block give outputs the reference rejects.
     #[test]
     fn the_bound_rejects_a_single_wrong_weight() {
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::F16] {
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+            GgmlType::F16,
+        ] {
             let (rows, cols) = (64, 2048);
             let weights = random_weights(ty, rows, cols, 7).unwrap();
             let kernels = Kernels::new(ty, Isa::Scalar).unwrap();
@@ -375,13 +445,18 @@ mod tests {
             // code byte, or for F16 the top mantissa bit (the weight changes by half).
             let row_bytes = wrong.len() / rows;
             for r in 0..rows {
-                wrong[r * row_bytes + row_bytes / 2 + 1] ^= if ty == GgmlType::F16 { 0x02 } else { 0x01 };
+                wrong[r * row_bytes + row_bytes / 2 + 1] ^=
+                    if ty == GgmlType::F16 { 0x02 } else { 0x01 };
             }
             let w = QuantMatrix::new(ty, rows, cols, &wrong).unwrap();
             let mut out = vec![0.0f32; rows];
             matmul_quantized(&w, &acts, &mut out, &kernels);
             let err = reference.rel_l2(&out);
-            assert!(err > reference.bound, "{ty}: error {err:e} within bound {:e}", reference.bound);
+            assert!(
+                err > reference.bound,
+                "{ty}: error {err:e} within bound {:e}",
+                reference.bound
+            );
         }
     }
 }

@@ -62,7 +62,11 @@ pub fn quantize_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
     for (x, b) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
         let (amax, max) = signed_absmax(x);
         if amax == 0.0 {
-            *b = BlockQ8K { d: [0; 4], qs: [0; QK_K], bsums: [[0; 2]; 16] };
+            *b = BlockQ8K {
+                d: [0; 4],
+                qs: [0; QK_K],
+                bsums: [[0; 2]; 16],
+            };
             continue;
         }
         // ggml uses -127/max (not -128) so that every quant fits in [-127, 127].
@@ -92,7 +96,8 @@ pub fn quantize_q4_0(x: &[f32], out: &mut [BlockQ4_0]) {
 }
 
 fn min_max(x: &[f32]) -> (f32, f32) {
-    x.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)))
+    x.iter()
+        .fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)))
 }
 
 pub fn quantize_q4_1(x: &[f32], out: &mut [BlockQ4_1]) {
@@ -139,7 +144,8 @@ pub fn quantize_q5_1(x: &[f32], out: &mut [BlockQ5_1]) {
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         b.d = F16Le::from_f32(d);
         b.m = F16Le::from_f32(min);
-        let codes: [u8; 32] = std::array::from_fn(|j| (((x[j] - min) * id + 0.5) as i8).min(31) as u8);
+        let codes: [u8; 32] =
+            std::array::from_fn(|j| (((x[j] - min) * id + 0.5) as i8).min(31) as u8);
         pack_q5(&codes, &mut b.qs, &mut b.qh);
     }
 }

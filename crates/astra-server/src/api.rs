@@ -17,11 +17,21 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
-        ApiError { status: 400, message: message.into(), kind: "invalid_request_error", param: Some(param.to_owned()) }
+        ApiError {
+            status: 400,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some(param.to_owned()),
+        }
     }
 
     pub fn bad_request(message: impl Into<String>) -> ApiError {
-        ApiError { status: 400, message: message.into(), kind: "invalid_request_error", param: None }
+        ApiError {
+            status: 400,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+        }
     }
 
     pub fn body(&self) -> Value {
@@ -124,32 +134,51 @@ impl<'a> Fields<'a> {
     }
 
     fn number(&self, key: &str, lo: f64, hi: f64) -> Result<Option<f32>, ApiError> {
-        let Some(v) = self.get(key) else { return Ok(None) };
-        let x = v.as_f64().ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be a number")))?;
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let x = v
+            .as_f64()
+            .ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be a number")))?;
         if !(lo..=hi).contains(&x) {
-            return Err(ApiError::invalid(key, format!("'{key}' must be between {lo} and {hi}, got {x}")));
+            return Err(ApiError::invalid(
+                key,
+                format!("'{key}' must be between {lo} and {hi}, got {x}"),
+            ));
         }
         Ok(Some(x as f32))
     }
 
     fn integer(&self, key: &str, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
-        let Some(v) = self.get(key) else { return Ok(None) };
-        let x = v.as_i64().ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be an integer")))?;
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let x = v
+            .as_i64()
+            .ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be an integer")))?;
         if !(lo..=hi).contains(&x) {
-            return Err(ApiError::invalid(key, format!("'{key}' must be between {lo} and {hi}, got {x}")));
+            return Err(ApiError::invalid(
+                key,
+                format!("'{key}' must be between {lo} and {hi}, got {x}"),
+            ));
         }
         Ok(Some(x))
     }
 
     fn boolean(&self, key: &str) -> Result<Option<bool>, ApiError> {
-        let Some(v) = self.get(key) else { return Ok(None) };
-        v.as_bool().map(Some).ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be true or false")))
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        v.as_bool()
+            .map(Some)
+            .ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be true or false")))
     }
 }
 
 /// The body as a JSON object.
 pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
     match v {
         Value::Object(m) => Ok(m),
         _ => Err(ApiError::bad_request("the body must be a JSON object")),
@@ -162,38 +191,79 @@ fn stop_strings(f: &Fields) -> Result<Vec<String>, ApiError> {
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(a)) => a
             .iter()
-            .map(|s| s.as_str().map(str::to_owned).ok_or_else(|| ApiError::invalid("stop", "'stop' must be a string or a list of strings")))
+            .map(|s| {
+                s.as_str().map(str::to_owned).ok_or_else(|| {
+                    ApiError::invalid("stop", "'stop' must be a string or a list of strings")
+                })
+            })
             .collect::<Result<_, _>>()?,
-        Some(_) => return Err(ApiError::invalid("stop", "'stop' must be a string or a list of strings")),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stop",
+                "'stop' must be a string or a list of strings",
+            ))
+        }
     };
     if stops.len() > MAX_STOPS {
-        return Err(ApiError::invalid("stop", format!("at most {MAX_STOPS} stop strings, got {}", stops.len())));
+        return Err(ApiError::invalid(
+            "stop",
+            format!("at most {MAX_STOPS} stop strings, got {}", stops.len()),
+        ));
     }
     Ok(stops)
 }
 
 /// `logit_bias`: token id (as a string key) → bias in [-100, 100]; -100 bans the token.
 fn logit_bias(f: &Fields, n_vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
-    let Some(v) = f.get("logit_bias") else { return Ok(Vec::new()) };
-    let map = v.as_object().ok_or_else(|| ApiError::invalid("logit_bias", "'logit_bias' must be an object of token id to bias"))?;
+    let Some(v) = f.get("logit_bias") else {
+        return Ok(Vec::new());
+    };
+    let map = v.as_object().ok_or_else(|| {
+        ApiError::invalid(
+            "logit_bias",
+            "'logit_bias' must be an object of token id to bias",
+        )
+    })?;
     let mut out = Vec::with_capacity(map.len().min(n_vocab));
     for (k, b) in map {
         let id: u32 = k
             .parse()
             .ok()
             .filter(|&id: &u32| (id as usize) < n_vocab)
-            .ok_or_else(|| ApiError::invalid("logit_bias", format!("'logit_bias' key {k:?} is not a token id below {n_vocab}")))?;
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("'logit_bias' key {k:?} is not a token id below {n_vocab}"),
+                )
+            })?;
         let bias = b
             .as_f64()
             .filter(|x| (-100.0..=100.0).contains(x))
-            .ok_or_else(|| ApiError::invalid("logit_bias", format!("'logit_bias' for token {id} must be a number in [-100, 100]")))?;
-        out.push((id, if bias <= -100.0 { f32::NEG_INFINITY } else { bias as f32 }));
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("'logit_bias' for token {id} must be a number in [-100, 100]"),
+                )
+            })?;
+        out.push((
+            id,
+            if bias <= -100.0 {
+                f32::NEG_INFINITY
+            } else {
+                bias as f32
+            },
+        ));
     }
     out.sort_by_key(|&(id, _)| id);
     Ok(out)
 }
 
-fn message_content(v: Option<&Value>, i: usize, role: &str, images: &mut Vec<ImagePart>) -> Result<String, ApiError> {
+fn message_content(
+    v: Option<&Value>,
+    i: usize,
+    role: &str,
+    images: &mut Vec<ImagePart>,
+) -> Result<String, ApiError> {
     let param = format!("messages[{i}].content");
     match v {
         Some(Value::String(s)) => Ok(s.clone()),
@@ -209,41 +279,82 @@ fn message_content(v: Option<&Value>, i: usize, role: &str, images: &mut Vec<Ima
                             .get("image_url")
                             .and_then(|u| u.get("url").or(Some(u)))
                             .and_then(Value::as_str)
-                            .ok_or_else(|| ApiError::invalid(&param, format!("{param}[{j}].image_url.url must be a string")))?;
-                        images.push(ImagePart { message: i, digest: sha2::Sha256::digest(url.as_bytes()).into() });
+                            .ok_or_else(|| {
+                                ApiError::invalid(
+                                    &param,
+                                    format!("{param}[{j}].image_url.url must be a string"),
+                                )
+                            })?;
+                        images.push(ImagePart {
+                            message: i,
+                            digest: sha2::Sha256::digest(url.as_bytes()).into(),
+                        });
                     }
-                    (Some("text"), None) => return Err(ApiError::invalid(&param, format!("{param}[{j}] has no 'text' string"))),
-                    (Some(other), _) => {
-                        return Err(ApiError::invalid(&param, format!("{param}[{j}]: content of type '{other}' is not supported (text only)")))
+                    (Some("text"), None) => {
+                        return Err(ApiError::invalid(
+                            &param,
+                            format!("{param}[{j}] has no 'text' string"),
+                        ))
                     }
-                    (None, _) => return Err(ApiError::invalid(&param, format!("{param}[{j}] must be an object with a 'type'"))),
+                    (Some(other), _) => return Err(ApiError::invalid(
+                        &param,
+                        format!(
+                            "{param}[{j}]: content of type '{other}' is not supported (text only)"
+                        ),
+                    )),
+                    (None, _) => {
+                        return Err(ApiError::invalid(
+                            &param,
+                            format!("{param}[{j}] must be an object with a 'type'"),
+                        ))
+                    }
                 }
             }
             Ok(text)
         }
         None | Some(Value::Null) => Err(ApiError::invalid(&param, format!("{param} is required"))),
-        Some(_) => Err(ApiError::invalid(&param, format!("{param} must be a string or an array of content parts"))),
+        Some(_) => Err(ApiError::invalid(
+            &param,
+            format!("{param} must be a string or an array of content parts"),
+        )),
     }
 }
 
 fn messages(f: &Fields, images: &mut Vec<ImagePart>) -> Result<Vec<ChatMessage>, ApiError> {
-    let v = f.get("messages").ok_or_else(|| ApiError::invalid("messages", "'messages' is required"))?;
-    let list = v.as_array().ok_or_else(|| ApiError::invalid("messages", "'messages' must be an array"))?;
+    let v = f
+        .get("messages")
+        .ok_or_else(|| ApiError::invalid("messages", "'messages' is required"))?;
+    let list = v
+        .as_array()
+        .ok_or_else(|| ApiError::invalid("messages", "'messages' must be an array"))?;
     if list.is_empty() {
-        return Err(ApiError::invalid("messages", "'messages' must not be empty"));
+        return Err(ApiError::invalid(
+            "messages",
+            "'messages' must not be empty",
+        ));
     }
     list.iter()
         .enumerate()
         .map(|(i, m)| {
-            let m = m.as_object().ok_or_else(|| ApiError::invalid("messages", format!("messages[{i}] must be an object")))?;
-            let role = m
-                .get("role")
-                .and_then(Value::as_str)
-                .ok_or_else(|| ApiError::invalid("messages", format!("messages[{i}].role must be a string")))?;
+            let m = m.as_object().ok_or_else(|| {
+                ApiError::invalid("messages", format!("messages[{i}] must be an object"))
+            })?;
+            let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
+                ApiError::invalid("messages", format!("messages[{i}].role must be a string"))
+            })?;
             if !ROLES.contains(&role) {
-                return Err(ApiError::invalid("messages", format!("messages[{i}].role '{role}' is not one of {}", ROLES.join(", "))));
+                return Err(ApiError::invalid(
+                    "messages",
+                    format!(
+                        "messages[{i}].role '{role}' is not one of {}",
+                        ROLES.join(", ")
+                    ),
+                ));
             }
-            Ok(ChatMessage::new(role, message_content(m.get("content"), i, role, images)?))
+            Ok(ChatMessage::new(
+                role,
+                message_content(m.get("content"), i, role, images)?,
+            ))
         })
         .collect()
 }
@@ -255,13 +366,24 @@ fn token_ids(a: &[Value], n_vocab: usize, param: &str) -> Result<Vec<u32>, ApiEr
             t.as_u64()
                 .filter(|&id| (id as usize) < n_vocab)
                 .map(|id| id as u32)
-                .ok_or_else(|| ApiError::invalid(param, format!("'{param}': {t} is not a token id below {n_vocab}")))
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        param,
+                        format!("'{param}': {t} is not a token id below {n_vocab}"),
+                    )
+                })
         })
         .collect()
 }
 
 fn prompt(f: &Fields, n_vocab: usize) -> Result<Prompt, ApiError> {
-    let one_or_many = |mut all: Vec<Prompt>| if all.len() == 1 { all.remove(0) } else { Prompt::Many(all) };
+    let one_or_many = |mut all: Vec<Prompt>| {
+        if all.len() == 1 {
+            all.remove(0)
+        } else {
+            Prompt::Many(all)
+        }
+    };
     match f.get("prompt") {
         None => Err(ApiError::invalid("prompt", "'prompt' is required")),
         Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
@@ -284,22 +406,39 @@ fn prompt(f: &Fields, n_vocab: usize) -> Result<Prompt, ApiError> {
 }
 
 /// Parses a `/v1/chat/completions` (`chat`) or `/v1/completions` body.
-pub fn completion_request(body: &Map<String, Value>, chat: bool, n_vocab: usize) -> Result<CompletionRequest, ApiError> {
+pub fn completion_request(
+    body: &Map<String, Value>,
+    chat: bool,
+    n_vocab: usize,
+) -> Result<CompletionRequest, ApiError> {
     let f = Fields(body);
     let mut images = Vec::new();
-    let prompt = if chat { Prompt::Chat(messages(&f, &mut images)?) } else { prompt(&f, n_vocab)? };
+    let prompt = if chat {
+        Prompt::Chat(messages(&f, &mut images)?)
+    } else {
+        prompt(&f, n_vocab)?
+    };
     let mut needs = Vec::new();
-    if f.get("tools").and_then(Value::as_array).is_some_and(|t| !t.is_empty()) {
+    if f.get("tools")
+        .and_then(Value::as_array)
+        .is_some_and(|t| !t.is_empty())
+    {
         needs.push("tools");
     }
-    if let Some(kind) = f.get("response_format").and_then(|r| r.get("type")).and_then(Value::as_str) {
+    if let Some(kind) = f
+        .get("response_format")
+        .and_then(|r| r.get("type"))
+        .and_then(Value::as_str)
+    {
         if kind != "text" {
             needs.push("structured_output");
         }
     }
     let thinking = ThinkingRequest {
         think: f.boolean("think")?.unwrap_or(false),
-        thinking_budget: f.integer("thinking_budget", 0, i64::MAX)?.map(|n| n as usize),
+        thinking_budget: f
+            .integer("thinking_budget", 0, i64::MAX)?
+            .map(|n| n as usize),
         answer_room: f.integer("answer_room", 0, i64::MAX)?.map(|n| n as usize),
     };
     let max_tokens = match f.integer("max_completion_tokens", 1, i64::MAX)? {
@@ -310,26 +449,39 @@ pub fn completion_request(body: &Map<String, Value>, chat: bool, n_vocab: usize)
         let want = f.boolean("logprobs")?.unwrap_or(false);
         let top = f.integer("top_logprobs", 0, MAX_TOP_LOGPROBS as i64)?;
         if top.is_some() && !want {
-            return Err(ApiError::invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true"));
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "'top_logprobs' needs 'logprobs': true",
+            ));
         }
         want.then_some(top.unwrap_or(0) as usize)
     } else {
-        f.integer("logprobs", 0, MAX_TOP_LOGPROBS as i64)?.map(|n| n as usize)
+        f.integer("logprobs", 0, MAX_TOP_LOGPROBS as i64)?
+            .map(|n| n as usize)
     };
     let stream = f.boolean("stream")?.unwrap_or(false);
     let include_usage = match f.get("stream_options") {
         None => false,
         Some(Value::Object(o)) => Fields(o).boolean("include_usage")?.unwrap_or(false),
-        Some(_) => return Err(ApiError::invalid("stream_options", "'stream_options' must be an object")),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stream_options",
+                "'stream_options' must be an object",
+            ))
+        }
     };
     let defaults = SamplerConfig::default();
     let sampler = SamplerConfig {
         // OpenAI's default temperature is 1.
         temperature: f.number("temperature", 0.0, 2.0)?.unwrap_or(1.0),
-        top_k: f.integer("top_k", 0, i64::from(u32::MAX))?.map_or(defaults.top_k, |k| k as usize),
+        top_k: f
+            .integer("top_k", 0, i64::from(u32::MAX))?
+            .map_or(defaults.top_k, |k| k as usize),
         top_p: f.number("top_p", 0.0, 1.0)?.unwrap_or(defaults.top_p),
         min_p: f.number("min_p", 0.0, 1.0)?.unwrap_or(defaults.min_p),
-        repeat_penalty: f.number("repeat_penalty", 0.0, 10.0)?.unwrap_or(defaults.repeat_penalty),
+        repeat_penalty: f
+            .number("repeat_penalty", 0.0, 10.0)?
+            .unwrap_or(defaults.repeat_penalty),
         frequency_penalty: f.number("frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0),
         presence_penalty: f.number("presence_penalty", -2.0, 2.0)?.unwrap_or(0.0),
         logit_bias: logit_bias(&f, n_vocab)?,
@@ -346,7 +498,10 @@ pub fn completion_request(body: &Map<String, Value>, chat: bool, n_vocab: usize)
     let n = f.integer("n", 1, MAX_CHOICES as i64)?.unwrap_or(1) as usize;
     let prompts = prompt.each().len();
     if prompts * n > MAX_CHOICES {
-        return Err(ApiError::invalid("n", format!("{prompts} prompts × n {n} is more than {MAX_CHOICES} choices")));
+        return Err(ApiError::invalid(
+            "n",
+            format!("{prompts} prompts × n {n} is more than {MAX_CHOICES} choices"),
+        ));
     }
     Ok(CompletionRequest {
         prompt,
@@ -368,7 +523,12 @@ pub fn completion_request(body: &Map<String, Value>, chat: bool, n_vocab: usize)
 /// seconds, 0 to unload right after the request, a negative value to stay loaded.
 fn keep_alive(f: &Fields) -> Result<Option<Option<std::time::Duration>>, ApiError> {
     use std::time::Duration;
-    let bad = || ApiError::invalid("keep_alive", "'keep_alive' must be seconds or a duration such as \"30s\", \"5m\", \"1h\"");
+    let bad = || {
+        ApiError::invalid(
+            "keep_alive",
+            "'keep_alive' must be seconds or a duration such as \"30s\", \"5m\", \"1h\"",
+        )
+    };
     let secs = match f.get("keep_alive") {
         None => return Ok(None),
         Some(Value::Number(n)) => n.as_f64().ok_or_else(bad)?,
@@ -378,7 +538,9 @@ fn keep_alive(f: &Fields) -> Result<Option<Option<std::time::Duration>>, ApiErro
     if secs < 0.0 {
         return Ok(Some(None));
     }
-    Duration::try_from_secs_f64(secs).map(|d| Some(Some(d))).map_err(|_| bad())
+    Duration::try_from_secs_f64(secs)
+        .map(|d| Some(Some(d)))
+        .map_err(|_| bad())
 }
 
 /// Seconds in "250ms", "30s", "5m", "1h", "-1" or a bare number.
@@ -427,7 +589,12 @@ pub fn detokenize_request(body: &Map<String, Value>, n_vocab: usize) -> Result<V
     let f = Fields(body);
     let list = match f.get("tokens") {
         Some(Value::Array(a)) => a,
-        Some(_) => return Err(ApiError::invalid("tokens", "'tokens' must be an array of token ids")),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "tokens",
+                "'tokens' must be an array of token ids",
+            ))
+        }
         None => return Err(ApiError::invalid("tokens", "'tokens' is required")),
     };
     token_ids(list, n_vocab, "tokens")
@@ -451,18 +618,40 @@ mod tests {
     #[test]
     fn completion_prompts_one_or_many() {
         let texts = |r: &CompletionRequest| -> Vec<String> {
-            r.prompt.each().iter().map(|p| match p { Prompt::Text(t) => t.clone(), other => format!("{other:?}") }).collect()
+            r.prompt
+                .each()
+                .iter()
+                .map(|p| match p {
+                    Prompt::Text(t) => t.clone(),
+                    other => format!("{other:?}"),
+                })
+                .collect()
         };
         assert_eq!(texts(&plain(json!({"prompt": "a"})).unwrap()), ["a"]);
         assert_eq!(texts(&plain(json!({"prompt": ["a"]})).unwrap()), ["a"]);
         let two = plain(json!({"prompt": ["a", "b c"], "n": 3})).unwrap();
         assert!(matches!(two.prompt, Prompt::Many(_)));
-        assert_eq!((texts(&two), two.choices()), (vec!["a".to_owned(), "b c".to_owned()], 6));
+        assert_eq!(
+            (texts(&two), two.choices()),
+            (vec!["a".to_owned(), "b c".to_owned()], 6)
+        );
         let ids = plain(json!({"prompt": [[1, 2], [3]]})).unwrap();
-        let ids: Vec<Vec<u32>> = ids.prompt.each().iter().map(|p| match p { Prompt::Tokens(t) => t.clone(), _ => panic!("{p:?}") }).collect();
+        let ids: Vec<Vec<u32>> = ids
+            .prompt
+            .each()
+            .iter()
+            .map(|p| match p {
+                Prompt::Tokens(t) => t.clone(),
+                _ => panic!("{p:?}"),
+            })
+            .collect();
         assert_eq!(ids, vec![vec![1, 2], vec![3]]);
-        assert!(matches!(plain(json!({"prompt": [[5, 6]]})).unwrap().prompt, Prompt::Tokens(ref t) if t == &[5, 6]));
-        assert!(matches!(plain(json!({"prompt": [7, 8]})).unwrap().prompt, Prompt::Tokens(ref t) if t == &[7, 8]));
+        assert!(
+            matches!(plain(json!({"prompt": [[5, 6]]})).unwrap().prompt, Prompt::Tokens(ref t) if t == &[5, 6])
+        );
+        assert!(
+            matches!(plain(json!({"prompt": [7, 8]})).unwrap().prompt, Prompt::Tokens(ref t) if t == &[7, 8])
+        );
         for (bad, param) in [
             (json!({"prompt": []}), "prompt"),
             (json!({"prompt": [[]]}), "prompt"),
@@ -473,7 +662,12 @@ mod tests {
             (json!({"prompt": ["a", "b"], "n": MAX_CHOICES / 2 + 1}), "n"),
         ] {
             let e = plain(bad.clone()).expect_err(&bad.to_string());
-            assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{bad}: {}", e.message);
+            assert_eq!(
+                (e.status, e.param.as_deref()),
+                (400, Some(param)),
+                "{bad}: {}",
+                e.message
+            );
         }
     }
 
@@ -487,12 +681,17 @@ mod tests {
             "seed": -1, "user": "ignored"
         }))
         .unwrap();
-        let Prompt::Chat(m) = &r.prompt else { panic!("chat prompt") };
+        let Prompt::Chat(m) = &r.prompt else {
+            panic!("chat prompt")
+        };
         assert_eq!(m[1].content, "hi there");
         assert_eq!(r.max_tokens, Some(5));
         assert_eq!(r.sampler.temperature, 0.0);
         assert_eq!(r.sampler.logit_bias, vec![(7, f32::NEG_INFINITY), (9, 2.5)]);
-        assert_eq!((r.logprobs, r.n, r.stream, r.include_usage), (Some(3), 2, true, true));
+        assert_eq!(
+            (r.logprobs, r.n, r.stream, r.include_usage),
+            (Some(3), 2, true, true)
+        );
         assert_eq!(r.stop, vec!["\n".to_owned()]);
     }
 
@@ -500,19 +699,54 @@ mod tests {
     fn rejects_with_the_field_named() {
         for (body, param) in [
             (json!({"messages": []}), "messages"),
-            (json!({"messages": [{"role": "wizard", "content": "x"}]}), "messages"),
-            (json!({"messages": [{"role": "user", "content": 3}]}), "messages[0].content"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}), "temperature"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}), "max_tokens"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5000": 1}}), "logit_bias"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "n": 17}), "n"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), "top_logprobs"),
-            (json!({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}), "messages[0].content"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "keep_alive": "soon"}), "keep_alive"),
-            (json!({"messages": [{"role": "user", "content": "x"}], "answer_room": -1}), "answer_room"),
+            (
+                json!({"messages": [{"role": "wizard", "content": "x"}]}),
+                "messages",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": 3}]}),
+                "messages[0].content",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+                "temperature",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
+                "max_tokens",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5000": 1}}),
+                "logit_bias",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "n": 17}),
+                "n",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+                "top_logprobs",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}),
+                "messages[0].content",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "keep_alive": "soon"}),
+                "keep_alive",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "answer_room": -1}),
+                "answer_room",
+            ),
         ] {
             let e = chat(body.clone()).unwrap_err();
-            assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{body}: {}", e.message);
+            assert_eq!(
+                (e.status, e.param.as_deref()),
+                (400, Some(param)),
+                "{body}: {}",
+                e.message
+            );
         }
     }
 
@@ -523,11 +757,20 @@ mod tests {
                 {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]}]}))
             .unwrap()
         };
-        let (a, b, c) = (with("data:image/png;base64,AAAA"), with("data:image/png;base64,AAAB"), with("data:image/png;base64,AAAA"));
+        let (a, b, c) = (
+            with("data:image/png;base64,AAAA"),
+            with("data:image/png;base64,AAAB"),
+            with("data:image/png;base64,AAAA"),
+        );
         assert_eq!(a.images.len(), 1);
-        assert_ne!(a.images[0].digest, b.images[0].digest, "same length, different bytes");
+        assert_ne!(
+            a.images[0].digest, b.images[0].digest,
+            "same length, different bytes"
+        );
         assert_eq!(a.images, c.images);
-        let Prompt::Chat(m) = &a.prompt else { panic!("chat") };
+        let Prompt::Chat(m) = &a.prompt else {
+            panic!("chat")
+        };
         assert_eq!(m[0].content, "what is this?");
     }
 

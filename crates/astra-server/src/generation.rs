@@ -102,7 +102,9 @@ pub struct Generation {
 /// Whether a token's text starts a new word (so that text injected before it does not
 /// split a word).
 fn starts_word(bytes: &[u8]) -> bool {
-    bytes.first().is_none_or(|&b| !(b.is_ascii_alphanumeric() || b >= 0x80))
+    bytes
+        .first()
+        .is_none_or(|&b| !(b.is_ascii_alphanumeric() || b >= 0x80))
 }
 
 impl Generation {
@@ -111,7 +113,10 @@ impl Generation {
         let mut sampler = Sampler::new(params.sampler.clone());
         sampler.accept(prompt);
         let stops = StopMatcher::new(params.stop.clone());
-        let think = params.thinking.as_ref().map(|t| StopMatcher::new(vec![t.end.clone()]));
+        let think = params
+            .thinking
+            .as_ref()
+            .map(|t| StopMatcher::new(vec![t.end.clone()]));
         Generation {
             params,
             sampler,
@@ -163,10 +168,13 @@ impl Generation {
 
     /// Whether the thinking budget calls for the wrap-up before a token with `bytes`.
     fn wrap_up_due(&self, bytes: &[u8]) -> bool {
-        let Some(budget) = self.params.thinking.as_ref().and_then(|t| t.budget) else { return false };
+        let Some(budget) = self.params.thinking.as_ref().and_then(|t| t.budget) else {
+            return false;
+        };
         self.think.is_some()
             && !self.injected
-            && (self.thinking_tokens >= budget || (self.thinking_tokens + WRAP_UP_WINDOW >= budget && starts_word(bytes)))
+            && (self.thinking_tokens >= budget
+                || (self.thinking_tokens + WRAP_UP_WINDOW >= budget && starts_word(bytes)))
     }
 
     /// Picks the next token from `logits`; `room` is how many more positions the
@@ -174,8 +182,15 @@ impl Generation {
     pub fn step(&mut self, tok: &Tokenizer, logits: &mut [f32], room: usize) -> Emitted {
         let log_probs = self.params.logprobs.map(|n| (log_softmax(logits), n));
         let id = self.sampler.sample(logits);
-        let logprob = log_probs.map(|(lp, n)| TokenLogprob { id, logprob: lp[id as usize], top: top_n(&lp, n) });
-        let mut out = Emitted { logprob, ..Emitted::default() };
+        let logprob = log_probs.map(|(lp, n)| TokenLogprob {
+            id,
+            logprob: lp[id as usize],
+            top: top_n(&lp, n),
+        });
+        let mut out = Emitted {
+            logprob,
+            ..Emitted::default()
+        };
         if tok.vocab().eog.contains(&id) {
             let tail = self.decoder.finish();
             self.route(&tail, &mut out);
@@ -185,12 +200,23 @@ impl Generation {
         }
         let mut bytes = Vec::new();
         tok.token_bytes(id, false, &mut bytes);
-        let wrap_up_fits = self.params.thinking.as_ref().is_some_and(|t| room > t.wrap_up_tokens.len());
+        let wrap_up_fits = self
+            .params
+            .thinking
+            .as_ref()
+            .is_some_and(|t| room > t.wrap_up_tokens.len());
         if wrap_up_fits && self.wrap_up_due(&bytes) {
             // The sampled token is dropped; the wrap-up is fed in its place.
             self.injected = true;
-            let t = self.params.thinking.as_ref().expect("budget implies thinking");
-            let (text, tokens) = (format!("{}{}", self.decoder.finish(), t.wrap_up_text), t.wrap_up_tokens.clone());
+            let t = self
+                .params
+                .thinking
+                .as_ref()
+                .expect("budget implies thinking");
+            let (text, tokens) = (
+                format!("{}{}", self.decoder.finish(), t.wrap_up_text),
+                t.wrap_up_tokens.clone(),
+            );
             out.logprob = None;
             out.inject = Some(tokens);
             self.route(&text, &mut out);
@@ -226,7 +252,11 @@ impl Generation {
 
 /// The `n` largest values with their indices, largest first (ties: lower index first).
 fn top_n(values: &[f32], n: usize) -> Vec<(u32, f32)> {
-    let mut all: Vec<(u32, f32)> = values.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
+    let mut all: Vec<(u32, f32)> = values
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| (i as u32, v))
+        .collect();
     let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     let n = n.min(all.len());
     if n == 0 {

@@ -38,7 +38,13 @@ pub enum ImagePolicy {
 /// its text and tokens.
 pub fn wrap_up(tok: &Tokenizer, end: &str) -> (String, Vec<u32>) {
     let text = format!("\n{WRAP_UP}\n{end}\n\n");
-    let tokens = tok.encode(&text, EncodeOptions { add_special: false, parse_special: true });
+    let tokens = tok.encode(
+        &text,
+        EncodeOptions {
+            add_special: false,
+            parse_special: true,
+        },
+    );
     (text, tokens)
 }
 
@@ -125,7 +131,12 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(metrics: Arc<Metrics>, keep_awake: Arc<KeepAwake>, body_limit: usize, api_key: Option<&str>) -> AppState {
+    pub fn new(
+        metrics: Arc<Metrics>,
+        keep_awake: Arc<KeepAwake>,
+        body_limit: usize,
+        api_key: Option<&str>,
+    ) -> AppState {
         AppState {
             ready: OnceLock::new(),
             metrics,
@@ -142,7 +153,10 @@ impl AppState {
 type Shared = Arc<AppState>;
 
 fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 impl IntoResponse for ApiError {
@@ -158,8 +172,14 @@ fn same_digest(a: &[u8; 32], b: &[u8; 32]) -> bool {
 }
 
 /// Requires `Authorization: Bearer KEY` on every route but `/health` when a key is set.
-async fn require_key(State(state): State<Shared>, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
-    let Some(want) = &state.api_key else { return next.run(req).await };
+async fn require_key(
+    State(state): State<Shared>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(want) = &state.api_key else {
+        return next.run(req).await;
+    };
     if req.uri().path() == "/health" {
         return next.run(req).await;
     }
@@ -172,7 +192,12 @@ async fn require_key(State(state): State<Shared>, req: axum::extract::Request, n
     match given {
         Some(d) if same_digest(&d, want) => next.run(req).await,
         _ => {
-            let e = ApiError { status: 401, message: "a valid API key is required (Authorization: Bearer KEY)".into(), kind: "invalid_request_error", param: None };
+            let e = ApiError {
+                status: 401,
+                message: "a valid API key is required (Authorization: Bearer KEY)".into(),
+                kind: "invalid_request_error",
+                param: None,
+            };
             let mut body = e.body();
             body["error"]["code"] = json!("invalid_api_key");
             (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response()
@@ -193,16 +218,36 @@ pub fn router(state: Shared) -> Router {
         .route("/completions", post(completions))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
-        .fallback(|| async { ApiError { status: 404, message: "no such endpoint".into(), kind: "not_found_error", param: None } })
-        .method_not_allowed_fallback(|| async {
-            ApiError { status: 405, message: "method not allowed on this endpoint".into(), kind: "invalid_request_error", param: None }
+        .fallback(|| async {
+            ApiError {
+                status: 404,
+                message: "no such endpoint".into(),
+                kind: "not_found_error",
+                param: None,
+            }
         })
-        .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), require_key))
+        .method_not_allowed_fallback(|| async {
+            ApiError {
+                status: 405,
+                message: "method not allowed on this endpoint".into(),
+                kind: "invalid_request_error",
+                param: None,
+            }
+        })
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state),
+            require_key,
+        ))
         .with_state(state)
 }
 
 fn loading() -> ApiError {
-    ApiError { status: 503, message: "the model is loading".into(), kind: "unavailable_error", param: None }
+    ApiError {
+        status: 503,
+        message: "the model is loading".into(),
+        kind: "unavailable_error",
+        param: None,
+    }
 }
 
 fn ready(state: &AppState) -> Result<&Ready, ApiError> {
@@ -211,10 +256,14 @@ fn ready(state: &AppState) -> Result<&Ready, ApiError> {
 
 async fn health(State(state): State<Shared>) -> Response {
     match (state.ready.get(), state.status.get()) {
-        (None, _) | (_, Status::Loading) => {
-            (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "loading", "loaded": false}))).into_response()
+        (None, _) | (_, Status::Loading) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"status": "loading", "loaded": false})),
+        )
+            .into_response(),
+        (Some(_), Status::Idle) => {
+            axum::Json(json!({"status": "idle", "loaded": false})).into_response()
         }
-        (Some(_), Status::Idle) => axum::Json(json!({"status": "idle", "loaded": false})).into_response(),
         (Some(r), Status::Ready) => {
             let busy = state.metrics.slots_busy.load(Ordering::Relaxed) as usize;
             axum::Json(json!({
@@ -240,7 +289,11 @@ async fn models(State(state): State<Shared>) -> Result<Response, ApiError> {
 
 async fn props(State(state): State<Shared>) -> Result<Response, ApiError> {
     let r = ready(&state)?;
-    let text = |id: Option<u32>| id.and_then(|i| r.tok.token_text(i)).unwrap_or("").to_owned();
+    let text = |id: Option<u32>| {
+        id.and_then(|i| r.tok.token_text(i))
+            .unwrap_or("")
+            .to_owned()
+    };
     Ok(axum::Json(json!({
         "model_path": r.model_path,
         "total_slots": r.slots,
@@ -257,14 +310,24 @@ async fn props(State(state): State<Shared>) -> Result<Response, ApiError> {
 }
 
 async fn metrics(State(state): State<Shared>) -> Response {
-    state.metrics.keep_awake_holders.store(state.keep_awake.holders() as u64, Ordering::Relaxed);
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
+    state
+        .metrics
+        .keep_awake_holders
+        .store(state.keep_awake.holders() as u64, Ordering::Relaxed);
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
 }
 
 async fn read_body(state: &AppState, body: Body) -> Result<Map<String, Value>, ApiError> {
     let too_large = || ApiError {
         status: 413,
-        message: format!("the body is larger than {} bytes, or was cut off", state.body_limit),
+        message: format!(
+            "the body is larger than {} bytes, or was cut off",
+            state.body_limit
+        ),
         kind: "invalid_request_error",
         param: None,
     };
@@ -272,7 +335,9 @@ async fn read_body(state: &AppState, body: Body) -> Result<Map<String, Value>, A
     if body.size_hint().lower() > state.body_limit as u64 {
         return Err(too_large());
     }
-    let bytes = axum::body::to_bytes(body, state.body_limit).await.map_err(|_| too_large())?;
+    let bytes = axum::body::to_bytes(body, state.body_limit)
+        .await
+        .map_err(|_| too_large())?;
     api::parse_object(&bytes)
 }
 
@@ -311,7 +376,9 @@ impl Drop for Tracker {
         let outcome = self.outcome.unwrap_or(Outcome::Cancelled);
         self.metrics.request(outcome);
         if matches!(outcome, Outcome::Ok | Outcome::Cancelled) {
-            self.metrics.request_duration.observe(self.start.elapsed().as_secs_f64());
+            self.metrics
+                .request_duration
+                .observe(self.start.elapsed().as_secs_f64());
         }
     }
 }
@@ -319,7 +386,13 @@ impl Drop for Tracker {
 async fn tokenize(State(state): State<Shared>, body: Body) -> Result<Response, ApiError> {
     let r = ready(&state)?;
     let req = api::tokenize_request(&read_body(&state, body).await?)?;
-    let ids = r.tok.encode(&req.content, EncodeOptions { add_special: req.add_special, parse_special: req.parse_special });
+    let ids = r.tok.encode(
+        &req.content,
+        EncodeOptions {
+            add_special: req.add_special,
+            parse_special: req.parse_special,
+        },
+    );
     let tokens: Vec<Value> = if req.with_pieces {
         ids.iter()
             .map(|&id| {
@@ -368,7 +441,11 @@ async fn complete(state: Shared, body: Body, chat: bool) -> Response {
     let mut tracker = Tracker::new(&state);
     match accept(&state, body, chat).await {
         Err(e) => tracker.fail(e).into_response(),
-        Ok(Queued { req, events, warnings }) => {
+        Ok(Queued {
+            req,
+            events,
+            warnings,
+        }) => {
             let r = state.ready.get().expect("accepted only when ready");
             let n = state.next_id.fetch_add(1, Ordering::Relaxed);
             let a = Accepted {
@@ -399,7 +476,12 @@ struct Queued {
 }
 
 fn unavailable(message: String) -> ApiError {
-    ApiError { status: 503, message, kind: "unavailable_error", param: None }
+    ApiError {
+        status: 503,
+        message,
+        kind: "unavailable_error",
+        param: None,
+    }
 }
 
 /// The thinking of a request that thinks: its end marker, budget and wrap-up.
@@ -408,17 +490,31 @@ fn thinking_params(r: &Ready, req: &CompletionRequest) -> ThinkingParams {
     let cap = req.max_tokens;
     let loggable = |c: usize| c <= 32768;
     let (budget, log) = match (req.thinking.thinking_budget, cap) {
-        (Some(b), cap) => (Some(b), cap.filter(|&c| loggable(c)).map(|c| format!("cap={c} answer_room=off thinking_budget={b} (requested)"))),
+        (Some(b), cap) => (
+            Some(b),
+            cap.filter(|&c| loggable(c))
+                .map(|c| format!("cap={c} answer_room=off thinking_budget={b} (requested)")),
+        ),
         (None, Some(cap)) => {
             let room = req.thinking.answer_room.unwrap_or(r.answer_room);
             let budget = (room > 0).then(|| cap.saturating_sub(room));
             let shown = budget.map_or_else(|| "unlimited".to_owned(), |b| b.to_string());
-            (budget, loggable(cap).then(|| format!("cap={cap} answer_room={room} thinking_budget={shown}")))
+            (
+                budget,
+                loggable(cap)
+                    .then(|| format!("cap={cap} answer_room={room} thinking_budget={shown}")),
+            )
         }
         (None, None) => (None, None),
     };
     let (wrap_up_text, wrap_up_tokens) = r.wrap_up.clone();
-    ThinkingParams { end, budget, wrap_up_text, wrap_up_tokens, log }
+    ThinkingParams {
+        end,
+        budget,
+        wrap_up_text,
+        wrap_up_tokens,
+        log,
+    }
 }
 
 /// Validates, tokenizes and queues a completion request.
@@ -442,7 +538,12 @@ async fn accept(state: &AppState, body: Body, chat: bool) -> Result<Queued, ApiE
     let mut warnings = Vec::new();
     if !req.images.is_empty() && !r.capabilities.images {
         match r.images {
-            ImagePolicy::Reject => return Err(missing_capability("images", "; send text only, or start the server with --images omit")),
+            ImagePolicy::Reject => {
+                return Err(missing_capability(
+                    "images",
+                    "; send text only, or start the server with --images omit",
+                ))
+            }
             ImagePolicy::Omit => warnings.push(format!(
                 "{} image part(s) omitted: this model lacks the 'images' capability",
                 req.images.len()
@@ -455,7 +556,11 @@ async fn accept(state: &AppState, body: Body, chat: bool) -> Result<Queued, ApiE
     for prompt in req.prompt.each() {
         let (tokens, thinking) = encode_prompt(r, &req, prompt)?;
         let max_tokens = completion_room(r, &req, tokens.len(), chat)?;
-        jobs.push((tokens, max_tokens, thinking.then(|| thinking_params(r, &req))));
+        jobs.push((
+            tokens,
+            max_tokens,
+            thinking.then(|| thinking_params(r, &req)),
+        ));
     }
     let (tx, rx) = unbounded_channel();
     for (p, (tokens, max_tokens, thinking)) in jobs.into_iter().enumerate() {
@@ -464,8 +569,17 @@ async fn accept(state: &AppState, body: Body, chat: bool) -> Result<Queued, ApiE
             let mut sampler = req.sampler.clone();
             sampler.seed = sampler.seed.wrapping_add(index as u64);
             let job = Job {
-                key: PromptKey { tokens: tokens.clone(), media: media.clone() },
-                params: GenParams { sampler, max_tokens, stop: req.stop.clone(), logprobs: req.logprobs, thinking: thinking.clone() },
+                key: PromptKey {
+                    tokens: tokens.clone(),
+                    media: media.clone(),
+                },
+                params: GenParams {
+                    sampler,
+                    max_tokens,
+                    stop: req.stop.clone(),
+                    logprobs: req.logprobs,
+                    thinking: thinking.clone(),
+                },
                 index,
                 events: tx.clone(),
                 received: Instant::now(),
@@ -487,18 +601,32 @@ async fn accept(state: &AppState, body: Body, chat: bool) -> Result<Queued, ApiE
             }
         }
     }
-    Ok(Queued { req, events: rx, warnings })
+    Ok(Queued {
+        req,
+        events: rx,
+        warnings,
+    })
 }
 
 /// One prompt of a request as tokens (the chat template applied, the thinking opened
 /// where asked), and whether the generation starts inside the thinking.
-fn encode_prompt(r: &Ready, req: &CompletionRequest, prompt: &Prompt) -> Result<(Vec<u32>, bool), ApiError> {
+fn encode_prompt(
+    r: &Ready,
+    req: &CompletionRequest,
+    prompt: &Prompt,
+) -> Result<(Vec<u32>, bool), ApiError> {
     let start = r.think_markers.0.as_str();
     let (tokens, thinking) = match prompt {
         Prompt::Tokens(ids) => {
             let mut ids = ids.clone();
             if req.thinking.think {
-                ids.extend(r.tok.encode(start, EncodeOptions { add_special: false, parse_special: true }));
+                ids.extend(r.tok.encode(
+                    start,
+                    EncodeOptions {
+                        add_special: false,
+                        parse_special: true,
+                    },
+                ));
             }
             (ids, req.thinking.think)
         }
@@ -507,7 +635,9 @@ fn encode_prompt(r: &Ready, req: &CompletionRequest, prompt: &Prompt) -> Result<
                 Prompt::Chat(messages) => r
                     .template
                     .prompt(messages, r.tok.vocab().add_bos)
-                    .map_err(|e| ApiError::invalid("messages", format!("the chat template failed: {}", e.0)))?,
+                    .map_err(|e| {
+                        ApiError::invalid("messages", format!("the chat template failed: {}", e.0))
+                    })?,
                 Prompt::Text(t) => t.clone(),
                 _ => unreachable!("matched above"),
             };
@@ -527,7 +657,12 @@ fn encode_prompt(r: &Ready, req: &CompletionRequest, prompt: &Prompt) -> Result<
 
 /// The most tokens a completion of a `prompt_len`-token prompt may have: `max_tokens`,
 /// or the rest of the context; an error where they do not fit.
-fn completion_room(r: &Ready, req: &CompletionRequest, prompt_len: usize, chat: bool) -> Result<usize, ApiError> {
+fn completion_room(
+    r: &Ready,
+    req: &CompletionRequest,
+    prompt_len: usize,
+    chat: bool,
+) -> Result<usize, ApiError> {
     if prompt_len >= r.ctx {
         return Err(ApiError::invalid(
             if chat { "messages" } else { "prompt" },
@@ -538,7 +673,10 @@ fn completion_room(r: &Ready, req: &CompletionRequest, prompt_len: usize, chat: 
     match req.max_tokens {
         Some(m) if m > room => Err(ApiError::invalid(
             "max_tokens",
-            format!("max_tokens {m} and the prompt's {prompt_len} tokens exceed the context of {}", r.ctx),
+            format!(
+                "max_tokens {m} and the prompt's {prompt_len} tokens exceed the context of {}",
+                r.ctx
+            ),
         )),
         Some(m) => Ok(m),
         None => Ok(room),
@@ -565,8 +703,16 @@ fn chat_logprob(tok: &Tokenizer, lp: &TokenLogprob) -> Value {
 /// The usage of a response whose choices' usage is `usage` (in choice order), `n`
 /// choices per prompt: each prompt's tokens counted once.
 fn usage_json(usage: &[Usage], n: usize) -> Value {
-    let prompt: usize = usage.iter().step_by(n.max(1)).map(|u| u.prompt_tokens).sum();
-    let cached: usize = usage.iter().step_by(n.max(1)).map(|u| u.cached_tokens).sum();
+    let prompt: usize = usage
+        .iter()
+        .step_by(n.max(1))
+        .map(|u| u.prompt_tokens)
+        .sum();
+    let cached: usize = usage
+        .iter()
+        .step_by(n.max(1))
+        .map(|u| u.cached_tokens)
+        .sum();
     let completion: usize = usage.iter().map(|u| u.completion_tokens).sum();
     let reasoning: usize = usage.iter().map(|u| u.reasoning_tokens).sum();
     json!({
@@ -602,7 +748,12 @@ struct Choice {
 }
 
 fn server_error(message: String) -> ApiError {
-    ApiError { status: 500, message, kind: "server_error", param: None }
+    ApiError {
+        status: 500,
+        message,
+        kind: "server_error",
+        param: None,
+    }
 }
 
 async fn whole_response(mut a: Accepted) -> Response {
@@ -616,13 +767,24 @@ async fn whole_response(mut a: Accepted) -> Response {
                 c.text.push_str(&emitted.content);
                 c.logprobs.extend(emitted.logprob);
             }
-            Some(Event::Done { index, finish, usage }) => {
+            Some(Event::Done {
+                index,
+                finish,
+                usage,
+            }) => {
                 choices[index].finish = Some(finish);
                 choices[index].usage = Some(usage);
                 left -= 1;
             }
-            Some(Event::Failed { message, .. }) => return a.tracker.fail(server_error(message)).into_response(),
-            None => return a.tracker.fail(server_error("the scheduler stopped".into())).into_response(),
+            Some(Event::Failed { message, .. }) => {
+                return a.tracker.fail(server_error(message)).into_response()
+            }
+            None => {
+                return a
+                    .tracker
+                    .fail(server_error("the scheduler stopped".into()))
+                    .into_response()
+            }
         }
     }
     let usage: Vec<Usage> = choices.iter_mut().filter_map(|c| c.usage.take()).collect();
@@ -673,7 +835,14 @@ fn completion_logprobs(tok: &Tokenizer, lps: &[TokenLogprob]) -> Value {
     }
     let top: Vec<Value> = lps
         .iter()
-        .map(|l| Value::Object(l.top.iter().map(|&(id, lp)| (token_piece(tok, id).0, json!(lp))).collect()))
+        .map(|l| {
+            Value::Object(
+                l.top
+                    .iter()
+                    .map(|&(id, lp)| (token_piece(tok, id).0, json!(lp)))
+                    .collect(),
+            )
+        })
         .collect();
     json!({"tokens": tokens, "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(), "top_logprobs": top, "text_offset": offsets})
 }
@@ -692,7 +861,13 @@ fn sse(v: &Value) -> Bytes {
 }
 
 impl Streaming {
-    fn chunk(&self, index: usize, delta: Value, logprobs: Option<Value>, finish: Option<FinishReason>) -> Value {
+    fn chunk(
+        &self,
+        index: usize,
+        delta: Value,
+        logprobs: Option<Value>,
+        finish: Option<FinishReason>,
+    ) -> Value {
         let finish = finish.map(FinishReason::as_str);
         let choice = if self.a.chat {
             json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
@@ -734,11 +909,18 @@ impl Streaming {
             match self.a.events.recv().await {
                 Some(Event::Token { index, emitted }) => {
                     let logprobs = match (&emitted.logprob, self.a.req.logprobs) {
-                        (Some(l), Some(_)) if self.a.chat => Some(json!({"content": [chat_logprob(&self.a.tok, l)]})),
-                        (Some(l), Some(_)) => Some(completion_logprobs(&self.a.tok, std::slice::from_ref(l))),
+                        (Some(l), Some(_)) if self.a.chat => {
+                            Some(json!({"content": [chat_logprob(&self.a.tok, l)]}))
+                        }
+                        (Some(l), Some(_)) => {
+                            Some(completion_logprobs(&self.a.tok, std::slice::from_ref(l)))
+                        }
                         _ => None,
                     };
-                    if emitted.content.is_empty() && emitted.reasoning.is_empty() && logprobs.is_none() {
+                    if emitted.content.is_empty()
+                        && emitted.reasoning.is_empty()
+                        && logprobs.is_none()
+                    {
                         continue;
                     }
                     let mut delta = json!({});
@@ -750,7 +932,11 @@ impl Streaming {
                     }
                     return Some(sse(&self.chunk(index, delta, logprobs, None)));
                 }
-                Some(Event::Done { index, finish, usage }) => {
+                Some(Event::Done {
+                    index,
+                    finish,
+                    usage,
+                }) => {
                     self.left -= 1;
                     self.usage.push((index, usage));
                     return Some(sse(&self.chunk(index, json!({}), None, Some(finish))));
@@ -772,15 +958,24 @@ impl Streaming {
 
 fn stream_response(a: Accepted) -> Response {
     let left = a.req.choices();
-    let s = Streaming { a, left, usage: Vec::new(), finished: false };
+    let s = Streaming {
+        a,
+        left,
+        usage: Vec::new(),
+        finished: false,
+    };
     // Each choice opens with the assistant's role (chat), as OpenAI's streams do.
     let opening: Vec<Bytes> = if s.a.chat {
-        (0..left).map(|i| sse(&s.chunk(i, json!({"role": "assistant", "content": ""}), None, None))).collect()
+        (0..left)
+            .map(|i| sse(&s.chunk(i, json!({"role": "assistant", "content": ""}), None, None)))
+            .collect()
     } else {
         Vec::new()
     };
     let first = futures_util::stream::iter(opening.into_iter().map(Ok::<_, Infallible>));
-    let rest = futures_util::stream::unfold(s, |mut s| async move { s.next().await.map(|b| (Ok::<_, Infallible>(b), s)) });
+    let rest = futures_util::stream::unfold(s, |mut s| async move {
+        s.next().await.map(|b| (Ok::<_, Infallible>(b), s))
+    });
     let body = Body::from_stream(futures_util::StreamExt::chain(first, rest));
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")

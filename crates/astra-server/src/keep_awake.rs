@@ -30,7 +30,10 @@ pub struct AwakeGuard {
 
 impl KeepAwake {
     pub fn new(inhibitor: Box<dyn Inhibitor>) -> KeepAwake {
-        KeepAwake { count: Mutex::new(0), inhibitor }
+        KeepAwake {
+            count: Mutex::new(0),
+            inhibitor,
+        }
     }
 
     /// The platform's inhibitor (one that does nothing where there is none).
@@ -46,7 +49,9 @@ impl KeepAwake {
             }
         }
         *count += 1;
-        AwakeGuard { owner: Arc::clone(this) }
+        AwakeGuard {
+            owner: Arc::clone(this),
+        }
     }
 
     /// Requests holding it now.
@@ -114,7 +119,10 @@ mod logind {
     impl Logind {
         fn inhibit(state: &mut State) -> Result<zbus::zvariant::OwnedFd, String> {
             if state.conn.is_none() {
-                state.conn = Some(zbus::blocking::Connection::system().map_err(|e| format!("no system D-Bus ({e})"))?);
+                state.conn = Some(
+                    zbus::blocking::Connection::system()
+                        .map_err(|e| format!("no system D-Bus ({e})"))?,
+                );
             }
             let conn = state.conn.as_ref().expect("just connected");
             let reply = conn
@@ -126,7 +134,10 @@ mod logind {
                     &("sleep", "astra", "serving inference requests", "block"),
                 )
                 .map_err(|e| format!("logind refused the sleep inhibitor ({e})"))?;
-            reply.body().deserialize().map_err(|e| format!("unexpected reply from logind ({e})"))
+            reply
+                .body()
+                .deserialize()
+                .map_err(|e| format!("unexpected reply from logind ({e})"))
         }
     }
 
@@ -165,12 +176,21 @@ mod macos {
     type CFStringRef = *const c_void;
     #[link(name = "IOKit", kind = "framework")]
     extern "C" {
-        fn IOPMAssertionCreateWithName(kind: CFStringRef, level: u32, name: CFStringRef, id: *mut u32) -> i32;
+        fn IOPMAssertionCreateWithName(
+            kind: CFStringRef,
+            level: u32,
+            name: CFStringRef,
+            id: *mut u32,
+        ) -> i32;
         fn IOPMAssertionRelease(id: u32) -> i32;
     }
     #[link(name = "CoreFoundation", kind = "framework")]
     extern "C" {
-        fn CFStringCreateWithCString(alloc: *const c_void, s: *const i8, encoding: u32) -> CFStringRef;
+        fn CFStringCreateWithCString(
+            alloc: *const c_void,
+            s: *const i8,
+            encoding: u32,
+        ) -> CFStringRef;
         fn CFRelease(cf: *const c_void);
     }
     const UTF8: u32 = 0x0800_0100;
@@ -185,8 +205,16 @@ mod macos {
         fn acquire(&self) -> Result<(), String> {
             // SAFETY: null-terminated literals; the strings are released after use.
             unsafe {
-                let kind = CFStringCreateWithCString(std::ptr::null(), c"PreventUserIdleSystemSleep".as_ptr(), UTF8);
-                let name = CFStringCreateWithCString(std::ptr::null(), c"astra: serving inference requests".as_ptr(), UTF8);
+                let kind = CFStringCreateWithCString(
+                    std::ptr::null(),
+                    c"PreventUserIdleSystemSleep".as_ptr(),
+                    UTF8,
+                );
+                let name = CFStringCreateWithCString(
+                    std::ptr::null(),
+                    c"astra: serving inference requests".as_ptr(),
+                    UTF8,
+                );
                 let mut id = 0u32;
                 let rc = IOPMAssertionCreateWithName(kind, ASSERTION_LEVEL_ON, name, &mut id);
                 CFRelease(kind);
@@ -222,12 +250,18 @@ mod tests {
 
     impl Inhibitor for Arc<Recording> {
         fn acquire(&self) -> Result<(), String> {
-            assert!(!self.held.swap(true, Ordering::SeqCst), "acquired while held");
+            assert!(
+                !self.held.swap(true, Ordering::SeqCst),
+                "acquired while held"
+            );
             self.acquisitions.fetch_add(1, Ordering::SeqCst);
             Ok(())
         }
         fn release(&self) {
-            assert!(self.held.swap(false, Ordering::SeqCst), "released while not held");
+            assert!(
+                self.held.swap(false, Ordering::SeqCst),
+                "released while not held"
+            );
         }
     }
 
@@ -248,14 +282,20 @@ mod tests {
                         s ^= s >> 7;
                         s ^= s << 17;
                         let guard = KeepAwake::acquire(&keep);
-                        assert!(rec.held.load(Ordering::SeqCst), "a request runs while sleep is allowed");
+                        assert!(
+                            rec.held.load(Ordering::SeqCst),
+                            "a request runs while sleep is allowed"
+                        );
                         for _ in 0..(s % 64) {
                             std::hint::spin_loop();
                         }
                         if s % 7 == 0 {
                             std::thread::yield_now();
                         }
-                        assert!(rec.held.load(Ordering::SeqCst), "released under a running request");
+                        assert!(
+                            rec.held.load(Ordering::SeqCst),
+                            "released under a running request"
+                        );
                         drop(guard);
                     }
                 })
@@ -265,7 +305,10 @@ mod tests {
             t.join().unwrap();
         }
         assert_eq!(keep.holders(), 0);
-        assert!(!rec.held.load(Ordering::SeqCst), "still held after the last request");
+        assert!(
+            !rec.held.load(Ordering::SeqCst),
+            "still held after the last request"
+        );
         assert!(rec.acquisitions.load(Ordering::SeqCst) >= 1);
     }
 }

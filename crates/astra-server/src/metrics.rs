@@ -29,7 +29,9 @@ const OUTCOMES: [(Outcome, &str); 5] = [
 ];
 
 /// Upper bounds (seconds) of the latency histograms' buckets.
-const BUCKETS: [f64; 14] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+const BUCKETS: [f64; 14] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
 
 #[derive(Default)]
 pub struct Histogram {
@@ -61,7 +63,11 @@ impl Histogram {
             cumulative += c;
             let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
         }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", h.count, h.sum, h.count);
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}",
+            h.count, h.sum, h.count
+        );
     }
 }
 
@@ -114,7 +120,10 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn request(&self, outcome: Outcome) {
-        let i = OUTCOMES.iter().position(|(o, _)| *o == outcome).expect("every outcome is listed");
+        let i = OUTCOMES
+            .iter()
+            .position(|(o, _)| *o == outcome)
+            .expect("every outcome is listed");
         self.requests[i].fetch_add(1, Ordering::Relaxed);
     }
 
@@ -127,20 +136,68 @@ impl Metrics {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         out.push_str("# HELP astra_requests_total Requests by outcome.\n# TYPE astra_requests_total counter\n");
         for ((_, label), c) in OUTCOMES.iter().zip(&self.requests) {
-            let _ = writeln!(out, "astra_requests_total{{outcome=\"{label}\"}} {}", get(c));
+            let _ = writeln!(
+                out,
+                "astra_requests_total{{outcome=\"{label}\"}} {}",
+                get(c)
+            );
         }
         for (name, kind, help, c) in [
-            ("astra_prompt_tokens_total", "counter", "Prompt tokens received.", &self.prompt_tokens),
-            ("astra_generated_tokens_total", "counter", "Tokens generated.", &self.generated_tokens),
-            ("astra_cached_tokens_total", "counter", "Prompt tokens served from the prompt cache.", &self.cached_tokens),
-            ("astra_queue_depth", "gauge", "Requests waiting for a slot.", &self.queue_depth),
-            ("astra_slots_busy", "gauge", "Slots generating.", &self.slots_busy),
+            (
+                "astra_prompt_tokens_total",
+                "counter",
+                "Prompt tokens received.",
+                &self.prompt_tokens,
+            ),
+            (
+                "astra_generated_tokens_total",
+                "counter",
+                "Tokens generated.",
+                &self.generated_tokens,
+            ),
+            (
+                "astra_cached_tokens_total",
+                "counter",
+                "Prompt tokens served from the prompt cache.",
+                &self.cached_tokens,
+            ),
+            (
+                "astra_queue_depth",
+                "gauge",
+                "Requests waiting for a slot.",
+                &self.queue_depth,
+            ),
+            (
+                "astra_slots_busy",
+                "gauge",
+                "Slots generating.",
+                &self.slots_busy,
+            ),
             ("astra_slots_total", "gauge", "Slots.", &self.slots_total),
-            ("astra_process_resident_memory_bytes", "gauge", "Resident memory of the server process (1 Hz sample).", &self.resident_memory),
-            ("astra_keep_awake_requests", "gauge", "Requests in flight holding the host awake.", &self.keep_awake_holders),
-            ("astra_telemetry_samples_total", "counter", "Telemetry samples taken.", &self.telemetry_samples),
+            (
+                "astra_process_resident_memory_bytes",
+                "gauge",
+                "Resident memory of the server process (1 Hz sample).",
+                &self.resident_memory,
+            ),
+            (
+                "astra_keep_awake_requests",
+                "gauge",
+                "Requests in flight holding the host awake.",
+                &self.keep_awake_holders,
+            ),
+            (
+                "astra_telemetry_samples_total",
+                "counter",
+                "Telemetry samples taken.",
+                &self.telemetry_samples,
+            ),
         ] {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}", get(c));
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}",
+                get(c)
+            );
         }
         let avail = get(&self.available_memory);
         if avail != u64::MAX {
@@ -169,8 +226,16 @@ impl Metrics {
             "From a request's arrival to its first generated token.",
             &mut out,
         );
-        self.inter_token_latency.render("astra_inter_token_latency_seconds", "Between consecutive generated tokens.", &mut out);
-        self.request_duration.render("astra_request_duration_seconds", "From a request's arrival to its end.", &mut out);
+        self.inter_token_latency.render(
+            "astra_inter_token_latency_seconds",
+            "Between consecutive generated tokens.",
+            &mut out,
+        );
+        self.request_duration.render(
+            "astra_request_duration_seconds",
+            "From a request's arrival to its end.",
+            &mut out,
+        );
         out
     }
 }

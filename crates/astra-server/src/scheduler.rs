@@ -106,9 +106,19 @@ pub struct Usage {
 }
 
 pub enum Event {
-    Token { index: usize, emitted: Emitted },
-    Done { index: usize, finish: FinishReason, usage: Usage },
-    Failed { index: usize, message: String },
+    Token {
+        index: usize,
+        emitted: Emitted,
+    },
+    Done {
+        index: usize,
+        finish: FinishReason,
+        usage: Usage,
+    },
+    Failed {
+        index: usize,
+        message: String,
+    },
 }
 
 struct Idle<B: Backend> {
@@ -181,7 +191,9 @@ impl<B: Backend> Scheduler<B> {
         metrics: Arc<Metrics>,
         limits: Limits,
     ) -> Scheduler<B> {
-        metrics.slots_total.store(limits.parallel as u64, Ordering::Relaxed);
+        metrics
+            .slots_total
+            .store(limits.parallel as u64, Ordering::Relaxed);
         status.set(Status::Ready);
         Scheduler {
             model: Some(model),
@@ -202,12 +214,21 @@ impl<B: Backend> Scheduler<B> {
     /// Samples the device's memory in use, at most once a second (the model's backend
     /// lives on this thread).
     fn sample_device(&mut self) {
-        if self.sampled.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+        if self
+            .sampled
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
             return;
         }
         self.sampled = Some(Instant::now());
-        if let Some(bytes) = self.model.as_ref().and_then(|m| m.backend.device_memory_in_use()) {
-            self.metrics.device_memory_in_use.store(bytes, Ordering::Relaxed);
+        if let Some(bytes) = self
+            .model
+            .as_ref()
+            .and_then(|m| m.backend.device_memory_in_use())
+        {
+            self.metrics
+                .device_memory_in_use
+                .store(bytes, Ordering::Relaxed);
         }
     }
 
@@ -255,7 +276,9 @@ impl<B: Backend> Scheduler<B> {
             }
             self.drop_abandoned();
             self.sample_device();
-            self.metrics.slots_busy.store(self.active.len() as u64, Ordering::Relaxed);
+            self.metrics
+                .slots_busy
+                .store(self.active.len() as u64, Ordering::Relaxed);
             if !self.active.is_empty() {
                 self.step();
             }
@@ -289,7 +312,11 @@ impl<B: Backend> Scheduler<B> {
     }
 
     fn session_bytes(&self) -> usize {
-        self.idle.iter().map(|i| i.session.kv_bytes()).chain(self.active.iter().map(|a| a.session.kv_bytes())).sum()
+        self.idle
+            .iter()
+            .map(|i| i.session.kv_bytes())
+            .chain(self.active.iter().map(|a| a.session.kv_bytes()))
+            .sum()
     }
 
     fn start(&mut self, job: Job) -> Result<(), String> {
@@ -297,12 +324,16 @@ impl<B: Backend> Scheduler<B> {
             Ok(m) => m,
             Err(e) => {
                 let message = format!("loading the model: {e}");
-                let _ = job.events.send(Event::Failed { index: job.index, message: message.clone() });
+                let _ = job.events.send(Event::Failed {
+                    index: job.index,
+                    message: message.clone(),
+                });
                 return Err(message);
             }
         };
         let reusable = |key: &PromptKey| job.key.reusable_from(key);
-        let best = (0..self.idle.len()).max_by_key(|&i| (reusable(&self.idle[i].key), self.idle[i].used));
+        let best =
+            (0..self.idle.len()).max_by_key(|&i| (reusable(&self.idle[i].key), self.idle[i].used));
         let mut taken = match best {
             Some(i) if reusable(&self.idle[i].key) > 0 => Some(self.idle.swap_remove(i)),
             _ => None,
@@ -312,7 +343,9 @@ impl<B: Backend> Scheduler<B> {
             let fits = new_bytes.is_none_or(|b| self.session_bytes() + b <= self.limits.budget);
             if !fits {
                 // Recycle the least recently used idle sequence.
-                let lru = (0..self.idle.len()).min_by_key(|&i| self.idle[i].used).expect("an idle sequence exists");
+                let lru = (0..self.idle.len())
+                    .min_by_key(|&i| self.idle[i].used)
+                    .expect("an idle sequence exists");
                 taken = Some(self.idle.swap_remove(lru));
             }
         }
@@ -324,7 +357,10 @@ impl<B: Backend> Scheduler<B> {
             None => match model.session(self.limits.ctx) {
                 Ok(s) => (s, 0),
                 Err(e) => {
-                    let _ = job.events.send(Event::Failed { index: job.index, message: e.to_string() });
+                    let _ = job.events.send(Event::Failed {
+                        index: job.index,
+                        message: e.to_string(),
+                    });
                     return Err(e.to_string());
                 }
             },
@@ -365,10 +401,19 @@ impl<B: Backend> Scheduler<B> {
     fn retire(&mut self, a: Active<B>) {
         self.clock += 1;
         self.hold = a.job.keep_alive.unwrap_or(self.limits.keep_alive);
-        let key = PromptKey { tokens: a.tokens, media: a.job.key.media };
-        self.idle.push(Idle { session: a.session, key, used: self.clock });
+        let key = PromptKey {
+            tokens: a.tokens,
+            media: a.job.key.media,
+        };
+        self.idle.push(Idle {
+            session: a.session,
+            key,
+            used: self.clock,
+        });
         while self.session_bytes() > self.limits.budget && !self.idle.is_empty() {
-            let lru = (0..self.idle.len()).min_by_key(|&i| self.idle[i].used).expect("non-empty");
+            let lru = (0..self.idle.len())
+                .min_by_key(|&i| self.idle[i].used)
+                .expect("non-empty");
             self.idle.swap_remove(lru);
         }
     }
@@ -395,9 +440,17 @@ impl<B: Backend> Scheduler<B> {
         let mut steps = Vec::with_capacity(plan.len());
         let mut planned = plan.iter().peekable();
         for (i, a) in self.active.iter_mut().enumerate() {
-            let Some(&&(_, n)) = planned.peek().filter(|(j, _)| *j == i) else { continue };
+            let Some(&&(_, n)) = planned.peek().filter(|(j, _)| *j == i) else {
+                continue;
+            };
             planned.next();
-            let Active { session, job, fed, next, .. } = a;
+            let Active {
+                session,
+                job,
+                fed,
+                next,
+                ..
+            } = a;
             let (tokens, logits_from) = if *fed == job.key.tokens.len() {
                 (&next[..], next.len() - 1)
             } else {
@@ -405,16 +458,27 @@ impl<B: Backend> Scheduler<B> {
                 let last = *fed + n == job.key.tokens.len();
                 (chunk, if last { n - 1 } else { n })
             };
-            steps.push(Step { session, tokens, logits_from });
+            steps.push(Step {
+                session,
+                tokens,
+                logits_from,
+            });
         }
-        let model = Arc::clone(self.model.as_ref().expect("active sequences imply a loaded model"));
+        let model = Arc::clone(
+            self.model
+                .as_ref()
+                .expect("active sequences imply a loaded model"),
+        );
         let result = model.forward_many(&mut steps);
         drop(steps);
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
                 for a in std::mem::take(&mut self.active) {
-                    let _ = a.job.events.send(Event::Failed { index: a.job.index, message: e.to_string() });
+                    let _ = a.job.events.send(Event::Failed {
+                        index: a.job.index,
+                        message: e.to_string(),
+                    });
                 }
                 return;
             }
@@ -425,7 +489,8 @@ impl<B: Backend> Scheduler<B> {
             if a.fed == a.job.key.tokens.len() {
                 a.tokens.append(&mut a.next);
             } else {
-                a.tokens.extend_from_slice(&a.job.key.tokens[a.fed..a.fed + n]);
+                a.tokens
+                    .extend_from_slice(&a.job.key.tokens[a.fed..a.fed + n]);
                 a.fed += n;
             }
             if logits.is_empty() {
@@ -435,9 +500,14 @@ impl<B: Backend> Scheduler<B> {
             match a.prompt_done {
                 None => {
                     a.prompt_done = Some(now);
-                    self.metrics.time_to_first_token.observe((now - a.job.received).as_secs_f64());
+                    self.metrics
+                        .time_to_first_token
+                        .observe((now - a.job.received).as_secs_f64());
                 }
-                Some(_) => self.metrics.inter_token_latency.observe((now - a.last_token).as_secs_f64()),
+                Some(_) => self
+                    .metrics
+                    .inter_token_latency
+                    .observe((now - a.last_token).as_secs_f64()),
             }
             a.last_token = now;
             let room = self.limits.ctx - a.session.n_past();
@@ -450,7 +520,10 @@ impl<B: Backend> Scheduler<B> {
                 a.next = tokens.clone();
             }
             let finish = emitted.finish;
-            let _ = a.job.events.send(Event::Token { index: a.job.index, emitted });
+            let _ = a.job.events.send(Event::Token {
+                index: a.job.index,
+                emitted,
+            });
             if let Some(finish) = finish {
                 finished.push((i, finish));
             }
@@ -469,11 +542,21 @@ impl<B: Backend> Scheduler<B> {
                 prompt_ms: (prompt_done - a.job.received).as_secs_f64() * 1e3,
                 predicted_ms: (now - prompt_done).as_secs_f64() * 1e3,
             };
-            if let Some(t) = a.generation.params().thinking.as_ref().filter(|t| t.log.is_some()) {
+            if let Some(t) = a
+                .generation
+                .params()
+                .thinking
+                .as_ref()
+                .filter(|t| t.log.is_some())
+            {
                 let injected = if a.generation.injected { "yes" } else { "no" };
                 eprintln!("astra: INFO reasoning budget: {} thinking_tokens={} wrap_up_injected={injected}", t.log.as_deref().unwrap_or(""), usage.reasoning_tokens);
             }
-            let _ = a.job.events.send(Event::Done { index: a.job.index, finish, usage });
+            let _ = a.job.events.send(Event::Done {
+                index: a.job.index,
+                finish,
+                usage,
+            });
             self.retire(a);
         }
     }
@@ -485,7 +568,10 @@ mod tests {
 
     #[test]
     fn prompt_keys_reuse_only_with_the_same_images() {
-        let key = |tokens: &[u32], media: &[u8]| PromptKey { tokens: tokens.to_vec(), media: media.iter().map(|&b| [b; 32]).collect() };
+        let key = |tokens: &[u32], media: &[u8]| PromptKey {
+            tokens: tokens.to_vec(),
+            media: media.iter().map(|&b| [b; 32]).collect(),
+        };
         let cached = key(&[1, 2, 3, 4, 5], &[7]);
         assert_eq!(key(&[1, 2, 3, 9], &[7]).reusable_from(&cached), 3);
         // The whole cached prompt again: all but the last token.

@@ -48,7 +48,10 @@ pub struct ServeOptions {
 }
 
 /// Thinking markers known from chat templates, checked in order.
-const KNOWN_THINK_MARKERS: [(&str, &str); 2] = [("<think>", "</think>"), ("<|START_THINKING|>", "<|END_THINKING|>")];
+const KNOWN_THINK_MARKERS: [(&str, &str); 2] = [
+    ("<think>", "</think>"),
+    ("<|START_THINKING|>", "<|END_THINKING|>"),
+];
 
 /// The thinking markers: given, else the first known pair the template uses, else
 /// `<think>`/`</think>`.
@@ -56,7 +59,11 @@ fn think_markers(opts: &ServeOptions, template_source: Option<&str>) -> (String,
     if let Some(m) = &opts.think_markers {
         return m.clone();
     }
-    let found = template_source.and_then(|t| KNOWN_THINK_MARKERS.iter().find(|(a, b)| t.contains(a) && t.contains(b)));
+    let found = template_source.and_then(|t| {
+        KNOWN_THINK_MARKERS
+            .iter()
+            .find(|(a, b)| t.contains(a) && t.contains(b))
+    });
     let (a, b) = found.copied().unwrap_or(KNOWN_THINK_MARKERS[0]);
     (a.to_owned(), b.to_owned())
 }
@@ -72,7 +79,8 @@ fn load<B: Backend>(
     status: Arc<ModelStatus>,
 ) -> Result<(Ready, Scheduler<B>), String> {
     let path = opts.model.clone();
-    let loader: Loader<B> = Box::new(move || Model::load_on(backend()?, &path).map_err(|e| e.to_string()));
+    let loader: Loader<B> =
+        Box::new(move || Model::load_on(backend()?, &path).map_err(|e| e.to_string()));
     let model = loader()?;
     let tok = Arc::new(Tokenizer::from_metadata(model.file.metadata()).map_err(|e| e.to_string())?);
     let template = ChatTemplate::for_model(model.file.metadata(), &tok).map_err(|e| e.0)?;
@@ -97,7 +105,10 @@ fn load<B: Backend>(
         backend: model.backend.name().to_owned(),
     };
     eprintln!("astra: INFO {}", capabilities.line());
-    let think_markers = think_markers(opts, model.file.metadata().str("tokenizer.chat_template").ok());
+    let think_markers = think_markers(
+        opts,
+        model.file.metadata().str("tokenizer.chat_template").ok(),
+    );
     let ready = Ready {
         tok: Arc::clone(&tok),
         template,
@@ -115,7 +126,12 @@ fn load<B: Backend>(
         images: opts.images,
         min_free_mem: opts.min_free_mem_mib.map(|m| m << 20),
     };
-    let limits = Limits { parallel: opts.parallel, ctx, budget, keep_alive: opts.keep_alive };
+    let limits = Limits {
+        parallel: opts.parallel,
+        ctx,
+        budget,
+        keep_alive: opts.keep_alive,
+    };
     let scheduler = Scheduler::new(model, loader, status, tok, jobs, metrics, limits);
     Ok((ready, scheduler))
 }
@@ -162,7 +178,12 @@ pub fn serve_on<B: Backend>(opts: ServeOptions, backend: BackendFactory<B>) -> R
         let metrics = Arc::new(Metrics::default());
         crate::telemetry::start(Arc::clone(&metrics));
         let keep_awake = Arc::new(KeepAwake::for_host());
-        let state = Arc::new(AppState::new(Arc::clone(&metrics), keep_awake, opts.body_limit, opts.api_key.as_deref()));
+        let state = Arc::new(AppState::new(
+            Arc::clone(&metrics),
+            keep_awake,
+            opts.body_limit,
+            opts.api_key.as_deref(),
+        ));
         let status = Arc::clone(&state.status);
         let loading = Arc::clone(&state);
         let load_opts = opts.clone();

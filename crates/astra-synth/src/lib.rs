@@ -12,7 +12,9 @@ use astra_gguf::{Array, GgmlType, GgufWriter, TensorSource, Value};
 pub enum SynthError {
     #[error("unknown shape {0:?} (known: {1})")]
     UnknownShape(String, String),
-    #[error("{0} weights cannot be synthesized (supported: q4_0, q4_1, q5_0, q8_0, q4_k, q6_k, iq2_s)")]
+    #[error(
+        "{0} weights cannot be synthesized (supported: q4_0, q4_1, q5_0, q8_0, q4_k, q6_k, iq2_s)"
+    )]
     UnsupportedType(GgmlType),
     #[error("writing {path}: {err}")]
     Io { path: String, err: std::io::Error },
@@ -39,15 +41,74 @@ pub struct Shape {
 
 /// Shapes of known models.
 pub const SHAPES: [Shape; 4] = [
-    Shape { name: "llama3-8b", arch: "llama", n_layer: 32, n_embd: 4096, n_head: 32, n_head_kv: 8, head_dim: 128, n_ff: 14336, n_vocab: 128256, ctx: 8192, rope_base: 500000.0, rms_eps: 1e-5, window: None },
-    Shape { name: "llama3-1b", arch: "llama", n_layer: 16, n_embd: 2048, n_head: 32, n_head_kv: 8, head_dim: 64, n_ff: 8192, n_vocab: 128256, ctx: 8192, rope_base: 500000.0, rms_eps: 1e-5, window: None },
-    Shape { name: "smollm2-135m", arch: "llama", n_layer: 30, n_embd: 576, n_head: 9, n_head_kv: 3, head_dim: 64, n_ff: 1536, n_vocab: 49152, ctx: 8192, rope_base: 100000.0, rms_eps: 1e-5, window: None },
-    Shape { name: "gemma3-270m", arch: "gemma3", n_layer: 18, n_embd: 640, n_head: 4, n_head_kv: 1, head_dim: 256, n_ff: 2048, n_vocab: 262144, ctx: 32768, rope_base: 1e6, rms_eps: 1e-6, window: Some(512) },
+    Shape {
+        name: "llama3-8b",
+        arch: "llama",
+        n_layer: 32,
+        n_embd: 4096,
+        n_head: 32,
+        n_head_kv: 8,
+        head_dim: 128,
+        n_ff: 14336,
+        n_vocab: 128256,
+        ctx: 8192,
+        rope_base: 500000.0,
+        rms_eps: 1e-5,
+        window: None,
+    },
+    Shape {
+        name: "llama3-1b",
+        arch: "llama",
+        n_layer: 16,
+        n_embd: 2048,
+        n_head: 32,
+        n_head_kv: 8,
+        head_dim: 64,
+        n_ff: 8192,
+        n_vocab: 128256,
+        ctx: 8192,
+        rope_base: 500000.0,
+        rms_eps: 1e-5,
+        window: None,
+    },
+    Shape {
+        name: "smollm2-135m",
+        arch: "llama",
+        n_layer: 30,
+        n_embd: 576,
+        n_head: 9,
+        n_head_kv: 3,
+        head_dim: 64,
+        n_ff: 1536,
+        n_vocab: 49152,
+        ctx: 8192,
+        rope_base: 100000.0,
+        rms_eps: 1e-5,
+        window: None,
+    },
+    Shape {
+        name: "gemma3-270m",
+        arch: "gemma3",
+        n_layer: 18,
+        n_embd: 640,
+        n_head: 4,
+        n_head_kv: 1,
+        head_dim: 256,
+        n_ff: 2048,
+        n_vocab: 262144,
+        ctx: 32768,
+        rope_base: 1e6,
+        rms_eps: 1e-6,
+        window: Some(512),
+    },
 ];
 
 pub fn shape(name: &str) -> Result<&'static Shape, SynthError> {
     SHAPES.iter().find(|s| s.name == name).ok_or_else(|| {
-        SynthError::UnknownShape(name.to_owned(), SHAPES.iter().map(|s| s.name).collect::<Vec<_>>().join(", "))
+        SynthError::UnknownShape(
+            name.to_owned(),
+            SHAPES.iter().map(|s| s.name).collect::<Vec<_>>().join(", "),
+        )
     })
 }
 
@@ -95,7 +156,12 @@ fn scale_fields(ty: GgmlType) -> Result<&'static [(usize, f32)], SynthError> {
 }
 
 /// A random `rows × cols` matrix of `ty`.
-fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Result<Vec<u8>, SynthError> {
+fn random_matrix(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    rng: &mut Rng,
+) -> Result<Vec<u8>, SynthError> {
     let fields = scale_fields(ty)?;
     let (elems, bytes) = (ty.block_elems() as usize, ty.block_bytes() as usize);
     let mut data = vec![0u8; rows * cols / elems * bytes];
@@ -151,17 +217,38 @@ pub fn write(shape: &Shape, ty: GgmlType, seed: u64, path: &Path) -> Result<(), 
     let mut w = GgufWriter::new();
     let (tokens, scores, types) = vocabulary(s.n_vocab);
     w.set("general.architecture", Value::String(a.into()))
-        .set("general.name", Value::String(format!("synthetic {} ({})", s.name, ty.name())))
+        .set(
+            "general.name",
+            Value::String(format!("synthetic {} ({})", s.name, ty.name())),
+        )
         .set(format!("{a}.block_count"), Value::U32(s.n_layer as u32))
         .set(format!("{a}.embedding_length"), Value::U32(s.n_embd as u32))
-        .set(format!("{a}.feed_forward_length"), Value::U32(s.n_ff as u32))
-        .set(format!("{a}.attention.head_count"), Value::U32(s.n_head as u32))
-        .set(format!("{a}.attention.head_count_kv"), Value::U32(s.n_head_kv as u32))
-        .set(format!("{a}.attention.key_length"), Value::U32(s.head_dim as u32))
-        .set(format!("{a}.attention.value_length"), Value::U32(s.head_dim as u32))
+        .set(
+            format!("{a}.feed_forward_length"),
+            Value::U32(s.n_ff as u32),
+        )
+        .set(
+            format!("{a}.attention.head_count"),
+            Value::U32(s.n_head as u32),
+        )
+        .set(
+            format!("{a}.attention.head_count_kv"),
+            Value::U32(s.n_head_kv as u32),
+        )
+        .set(
+            format!("{a}.attention.key_length"),
+            Value::U32(s.head_dim as u32),
+        )
+        .set(
+            format!("{a}.attention.value_length"),
+            Value::U32(s.head_dim as u32),
+        )
         .set(format!("{a}.context_length"), Value::U32(s.ctx as u32))
         .set(format!("{a}.rope.freq_base"), Value::F32(s.rope_base))
-        .set(format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(s.rms_eps))
+        .set(
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            Value::F32(s.rms_eps),
+        )
         .set("tokenizer.ggml.model", Value::String("llama".into()))
         .set("tokenizer.ggml.tokens", Value::Array(Array::String(tokens)))
         .set("tokenizer.ggml.scores", Value::Array(Array::F32(scores)))
@@ -170,18 +257,38 @@ pub fn write(shape: &Shape, ty: GgmlType, seed: u64, path: &Path) -> Result<(), 
         .set("tokenizer.ggml.eos_token_id", Value::U32(2))
         .set("tokenizer.ggml.add_bos_token", Value::Bool(true));
     if let Some(window) = s.window {
-        w.set(format!("{a}.attention.sliding_window"), Value::U32(window as u32));
+        w.set(
+            format!("{a}.attention.sliding_window"),
+            Value::U32(window as u32),
+        );
     }
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let (e, q, kv) = (s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim);
     let ones = |n: usize| TensorSource::Owned((0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect());
-    let mut add = |w: &mut GgufWriter, name: String, rows: usize, cols: usize, ty: GgmlType| -> Result<(), SynthError> {
+    let mut add = |w: &mut GgufWriter,
+                   name: String,
+                   rows: usize,
+                   cols: usize,
+                   ty: GgmlType|
+     -> Result<(), SynthError> {
         let ty = matrix_type(ty, cols);
         let data = random_matrix(ty, rows, cols, &mut rng)?;
-        w.add_tensor(name, &[cols as u64, rows as u64], ty, TensorSource::Owned(data)).expect("consistent shape");
+        w.add_tensor(
+            name,
+            &[cols as u64, rows as u64],
+            ty,
+            TensorSource::Owned(data),
+        )
+        .expect("consistent shape");
         Ok(())
     };
-    add(&mut w, "token_embd.weight".into(), s.n_vocab, e, GgmlType::Q8_0)?;
+    add(
+        &mut w,
+        "token_embd.weight".into(),
+        s.n_vocab,
+        e,
+        GgmlType::Q8_0,
+    )?;
     for l in 0..s.n_layer {
         let n = |t: &str| format!("blk.{l}.{t}.weight");
         add(&mut w, n("attn_q"), q, e, ty)?;
@@ -193,12 +300,22 @@ pub fn write(shape: &Shape, ty: GgmlType, seed: u64, path: &Path) -> Result<(), 
         add(&mut w, n("ffn_down"), e, s.n_ff, ty)?;
         let mut norms = vec![("attn_norm", e), ("ffn_norm", e)];
         if a == "gemma3" {
-            norms.extend([("attn_q_norm", s.head_dim), ("attn_k_norm", s.head_dim), ("post_attention_norm", e), ("post_ffw_norm", e)]);
+            norms.extend([
+                ("attn_q_norm", s.head_dim),
+                ("attn_k_norm", s.head_dim),
+                ("post_attention_norm", e),
+                ("post_ffw_norm", e),
+            ]);
         }
         for (t, len) in norms {
-            w.add_tensor(n(t), &[len as u64], GgmlType::F32, ones(len)).expect("consistent shape");
+            w.add_tensor(n(t), &[len as u64], GgmlType::F32, ones(len))
+                .expect("consistent shape");
         }
     }
-    w.add_tensor("output_norm.weight", &[e as u64], GgmlType::F32, ones(e)).expect("consistent shape");
-    w.write_file(path).map_err(|err| SynthError::Io { path: path.display().to_string(), err })
+    w.add_tensor("output_norm.weight", &[e as u64], GgmlType::F32, ones(e))
+        .expect("consistent shape");
+    w.write_file(path).map_err(|err| SynthError::Io {
+        path: path.display().to_string(),
+        err,
+    })
 }

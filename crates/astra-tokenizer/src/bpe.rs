@@ -18,7 +18,8 @@ pub(crate) fn byte_to_char_table() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut next = 256u32;
     for b in 0..256u32 {
-        let printable = (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+        let printable =
+            (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
         table[b as usize] = if printable {
             char::from_u32(b).expect("Latin-1")
         } else {
@@ -54,7 +55,9 @@ impl Bpe {
             // llama.cpp splits at the first space after the first byte.
             let split = merge.bytes().skip(1).position(|b| b == b' ').map(|i| i + 1);
             let Some(split) = split else {
-                return Err(TokenizerError::Invalid(format!("merge {rank} {merge:?} has no separating space")));
+                return Err(TokenizerError::Invalid(format!(
+                    "merge {rank} {merge:?} has no separating space"
+                )));
             };
             let (left, right) = (&merge[..split], &merge[split + 1..]);
             if let (Some(l), Some(r)) = (vocab.id(left), vocab.id(right)) {
@@ -62,8 +65,17 @@ impl Bpe {
             }
         }
         let byte_chars = byte_to_char_table();
-        let char_bytes = byte_chars.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
-        Ok(Bpe { pre, ranks, byte_chars, char_bytes })
+        let char_bytes = byte_chars
+            .iter()
+            .enumerate()
+            .map(|(b, &c)| (c, b as u8))
+            .collect();
+        Ok(Bpe {
+            pre,
+            ranks,
+            byte_chars,
+            char_bytes,
+        })
     }
 
     /// Appends the tokens of one text fragment (no special tokens in it).
@@ -77,7 +89,13 @@ impl Bpe {
         }
     }
 
-    fn encode_word(&self, vocab: &Vocab, word: &str, symbols: &mut Vec<Symbol>, out: &mut Vec<u32>) {
+    fn encode_word(
+        &self,
+        vocab: &Vocab,
+        word: &str,
+        symbols: &mut Vec<Symbol>,
+        out: &mut Vec<u32>,
+    ) {
         if self.pre.ignores_merges() {
             if let Some(id) = vocab.id(word) {
                 out.push(id);
@@ -99,8 +117,12 @@ impl Bpe {
         // Queue entries: (rank, left index, left id, right id); the ids tell whether
         // the pair is still what it was when queued.
         let mut queue = BinaryHeap::new();
-        let push = |queue: &mut BinaryHeap<Reverse<(u32, usize, u32, u32)>>, symbols: &[Symbol], left: usize| {
-            let Some(right) = symbols[left].next else { return };
+        let push = |queue: &mut BinaryHeap<Reverse<(u32, usize, u32, u32)>>,
+                    symbols: &[Symbol],
+                    left: usize| {
+            let Some(right) = symbols[left].next else {
+                return;
+            };
             if let (Some(l), Some(r)) = (symbols[left].id, symbols[right].id) {
                 if let Some(&rank) = self.ranks.get(&(l, r)) {
                     queue.push(Reverse((rank, left, l, r)));
@@ -111,8 +133,13 @@ impl Bpe {
             push(&mut queue, symbols, i);
         }
         while let Some(Reverse((_, left, l, r))) = queue.pop() {
-            let Some(right) = symbols[left].next else { continue };
-            if symbols[left].start == symbols[left].end || symbols[left].id != Some(l) || symbols[right].id != Some(r) {
+            let Some(right) = symbols[left].next else {
+                continue;
+            };
+            if symbols[left].start == symbols[left].end
+                || symbols[left].id != Some(l)
+                || symbols[right].id != Some(r)
+            {
                 continue;
             }
             let merged_end = symbols[right].end;
@@ -136,9 +163,11 @@ impl Bpe {
                 Some(id) => out.push(id),
                 // A symbol that is no token: each of its bytes, where that byte alone
                 // is a token (llama.cpp's fallback; unreachable with a complete vocab).
-                None => out.extend(word[s.start..s.end].bytes().filter_map(|b| {
-                    std::str::from_utf8(&[b]).ok().and_then(|t| vocab.id(t))
-                })),
+                None => out.extend(
+                    word[s.start..s.end]
+                        .bytes()
+                        .filter_map(|b| std::str::from_utf8(&[b]).ok().and_then(|t| vocab.id(t))),
+                ),
             }
             i = s.next;
         }

@@ -14,7 +14,10 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -62,17 +65,31 @@ pub struct ChatTemplate {
 
 impl ChatTemplate {
     /// Compiles `source`; `bos_token`/`eos_token` are the texts templates may print.
-    pub fn new(source: &str, kind: TemplateKind, bos_token: &str, eos_token: &str) -> Result<Self, TemplateError> {
+    pub fn new(
+        source: &str,
+        kind: TemplateKind,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<Self, TemplateError> {
         let mut env = Environment::new();
         // As Hugging Face's apply_chat_template (and llama.cpp's Jinja engine) render.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-        });
-        env.add_template_owned("chat", source.to_owned()).map_err(|e| TemplateError(e.to_string()))?;
-        Ok(ChatTemplate { env, kind, bos_token: bos_token.to_owned(), eos_token: eos_token.to_owned() })
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
+        env.add_template_owned("chat", source.to_owned())
+            .map_err(|e| TemplateError(e.to_string()))?;
+        Ok(ChatTemplate {
+            env,
+            kind,
+            bos_token: bos_token.to_owned(),
+            eos_token: eos_token.to_owned(),
+        })
     }
 
     /// The built-in template of `kind` (not [`TemplateKind::FromFile`]).
@@ -85,14 +102,25 @@ impl ChatTemplate {
     }
 
     /// The file's template, else the built-in one for the architecture.
-    pub fn for_model(md: &astra_gguf::Metadata, tokenizer: &crate::Tokenizer) -> Result<Self, TemplateError> {
-        let text = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or("").to_owned();
+    pub fn for_model(
+        md: &astra_gguf::Metadata,
+        tokenizer: &crate::Tokenizer,
+    ) -> Result<Self, TemplateError> {
+        let text = |id: Option<u32>| {
+            id.and_then(|i| tokenizer.token_text(i))
+                .unwrap_or("")
+                .to_owned()
+        };
         let (bos, eos) = (text(tokenizer.bos()), text(tokenizer.eos()));
         if let Ok(source) = md.str("tokenizer.chat_template") {
             return Self::new(source, TemplateKind::FromFile, &bos, &eos);
         }
         let arch = md.str("general.architecture").unwrap_or("");
-        let kind = if arch.starts_with("gemma") { TemplateKind::GemmaTurns } else { TemplateKind::ChatMl };
+        let kind = if arch.starts_with("gemma") {
+            TemplateKind::GemmaTurns
+        } else {
+            TemplateKind::ChatMl
+        };
         Ok(Self::builtin(kind, &bos, &eos))
     }
 
@@ -101,8 +129,15 @@ impl ChatTemplate {
     }
 
     /// Renders the conversation; `add_generation_prompt` opens the assistant's turn.
-    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TemplateError> {
-        let template = self.env.get_template("chat").map_err(|e| TemplateError(e.to_string()))?;
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
+        let template = self
+            .env
+            .get_template("chat")
+            .map_err(|e| TemplateError(e.to_string()))?;
         template
             .render(context! {
                 messages => messages,
@@ -116,7 +151,11 @@ impl ChatTemplate {
     /// The prompt text that opens the assistant's turn, ready to encode with special
     /// tokens added: when the tokenizer adds BOS itself, a BOS the template printed at
     /// the start is dropped (as llama.cpp does), so the prompt never starts with two.
-    pub fn prompt(&self, messages: &[ChatMessage], tokenizer_adds_bos: bool) -> Result<String, TemplateError> {
+    pub fn prompt(
+        &self,
+        messages: &[ChatMessage],
+        tokenizer_adds_bos: bool,
+    ) -> Result<String, TemplateError> {
         let text = self.render(messages, true)?;
         match text.strip_prefix(self.bos_token.as_str()) {
             Some(rest) if tokenizer_adds_bos && !self.bos_token.is_empty() => Ok(rest.to_owned()),
@@ -130,13 +169,18 @@ mod tests {
     use super::*;
 
     fn msgs(pairs: &[(&str, &str)]) -> Vec<ChatMessage> {
-        pairs.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect()
+        pairs
+            .iter()
+            .map(|(r, c)| ChatMessage::new(*r, *c))
+            .collect()
     }
 
     #[test]
     fn chatml_builtin() {
         let t = ChatTemplate::builtin(TemplateKind::ChatMl, "", "");
-        let out = t.render(&msgs(&[("system", "Be brief."), ("user", "Hi")]), true).unwrap();
+        let out = t
+            .render(&msgs(&[("system", "Be brief."), ("user", "Hi")]), true)
+            .unwrap();
         assert_eq!(out, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
         let out = t.render(&msgs(&[("user", "Hi")]), false).unwrap();
         assert_eq!(out, "<|im_start|>user\nHi<|im_end|>\n");
@@ -148,7 +192,15 @@ mod tests {
     fn gemma_builtin() {
         let t = ChatTemplate::builtin(TemplateKind::GemmaTurns, "<bos>", "<eos>");
         let out = t
-            .render(&msgs(&[("system", " Be brief. "), ("user", " Hi "), ("assistant", "Hello."), ("user", "Bye")]), true)
+            .render(
+                &msgs(&[
+                    ("system", " Be brief. "),
+                    ("user", " Hi "),
+                    ("assistant", "Hello."),
+                    ("user", "Bye"),
+                ]),
+                true,
+            )
             .unwrap();
         assert_eq!(
             out,
@@ -164,7 +216,9 @@ mod tests {
         assert_eq!(t.render(&msgs(&[("user", " hi ")]), false).unwrap(), "HI");
         let err = t.render(&msgs(&[("bot", "x")]), false).unwrap_err();
         assert!(err.to_string().contains("only user roles"), "{err}");
-        let err = ChatTemplate::new("{% for %}", TemplateKind::FromFile, "", "").err().unwrap();
+        let err = ChatTemplate::new("{% for %}", TemplateKind::FromFile, "", "")
+            .err()
+            .unwrap();
         assert!(err.to_string().starts_with("chat template:"), "{err}");
     }
 }

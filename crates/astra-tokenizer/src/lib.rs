@@ -51,7 +51,10 @@ pub struct EncodeOptions {
 
 impl Default for EncodeOptions {
     fn default() -> Self {
-        EncodeOptions { add_special: true, parse_special: true }
+        EncodeOptions {
+            add_special: true,
+            parse_special: true,
+        }
     }
 }
 
@@ -77,17 +80,29 @@ impl Tokenizer {
         let vocab = Vocab::from_metadata(md, spm)?;
         let model = if spm {
             if vocab.scores.is_empty() {
-                return Err(TokenizerError::Invalid("a SentencePiece vocabulary needs tokenizer.ggml.scores".into()));
+                return Err(TokenizerError::Invalid(
+                    "a SentencePiece vocabulary needs tokenizer.ggml.scores".into(),
+                ));
             }
             Model::Spm
         } else {
-            let pre_name = md.optional("tokenizer.ggml.pre", Metadata::str)?.unwrap_or("gpt-2");
+            let pre_name = md
+                .optional("tokenizer.ggml.pre", Metadata::str)?
+                .unwrap_or("gpt-2");
             let pre = PreTokenizer::from_name(pre_name)
                 .ok_or_else(|| TokenizerError::UnknownPreTokenizer(pre_name.to_owned()))?;
-            Model::Bpe(bpe::Bpe::new(&vocab, pre, md.strings("tokenizer.ggml.merges")?)?)
+            Model::Bpe(bpe::Bpe::new(
+                &vocab,
+                pre,
+                md.strings("tokenizer.ggml.merges")?,
+            )?)
         };
         let specials = partition::Specials::new(&vocab);
-        Ok(Tokenizer { vocab, model, specials })
+        Ok(Tokenizer {
+            vocab,
+            model,
+            specials,
+        })
     }
 
     pub fn vocab(&self) -> &Vocab {
@@ -108,13 +123,23 @@ impl Tokenizer {
     }
 
     /// Encodes and also returns the fragments and, for each, the index of its first id.
-    pub(crate) fn encode_fragments(&self, text: &str, opts: EncodeOptions) -> (Vec<u32>, Vec<(Fragment, usize)>) {
+    pub(crate) fn encode_fragments(
+        &self,
+        text: &str,
+        opts: EncodeOptions,
+    ) -> (Vec<u32>, Vec<(Fragment, usize)>) {
         self.encode_parts(text, opts.parse_special, opts.add_special, opts.add_special)
     }
 
     /// The encoding of `text`, with BOS and EOS each added when asked and the model
     /// adds it; also the fragments and, for each, the index of its first id.
-    pub(crate) fn encode_parts(&self, text: &str, parse_special: bool, bos: bool, eos: bool) -> (Vec<u32>, Vec<(Fragment, usize)>) {
+    pub(crate) fn encode_parts(
+        &self,
+        text: &str,
+        parse_special: bool,
+        bos: bool,
+        eos: bool,
+    ) -> (Vec<u32>, Vec<(Fragment, usize)>) {
         let fragments = self.specials.partition(text, parse_special);
         let mut ids = Vec::with_capacity(text.len() / 3 + 2);
         if bos && self.vocab.add_bos {
@@ -160,7 +185,9 @@ impl Tokenizer {
     /// The bytes of one token. Control and unknown tokens are rendered only when
     /// `special` is set (their text), as llama.cpp's `token_to_piece`.
     pub fn token_bytes(&self, id: u32, special: bool, out: &mut Vec<u8>) {
-        let Some(text) = self.vocab.texts.get(id as usize) else { return };
+        let Some(text) = self.vocab.texts.get(id as usize) else {
+            return;
+        };
         let ty = self.vocab.types[id as usize];
         match ty {
             t if t.is_special() => {

@@ -50,13 +50,28 @@ impl Specials {
             .filter(|&(id, _)| !vocab.texts[id as usize].is_empty())
             .collect();
         order.sort_by_key(|&(id, _)| (std::cmp::Reverse(vocab.texts[id as usize].len()), id));
-        let texts: Vec<String> = order.iter().map(|&(id, _)| vocab.texts[id as usize].clone()).collect();
-        let finder = (!texts.is_empty()).then(|| AhoCorasick::new(&texts).expect("special token automaton"));
+        let texts: Vec<String> = order
+            .iter()
+            .map(|&(id, _)| vocab.texts[id as usize].clone())
+            .collect();
+        let finder =
+            (!texts.is_empty()).then(|| AhoCorasick::new(&texts).expect("special token automaton"));
         let longest = |need_special: bool| {
-            order.iter().zip(&texts).filter(|((_, s), _)| need_special || !s).map(|(_, t)| t.len()).max().unwrap_or(0)
+            order
+                .iter()
+                .zip(&texts)
+                .filter(|((_, s), _)| need_special || !s)
+                .map(|(_, t)| t.len())
+                .max()
+                .unwrap_or(0)
         };
         let max_len = [longest(false), longest(true)];
-        Specials { order, texts, finder, max_len }
+        Specials {
+            order,
+            texts,
+            finder,
+            max_len,
+        }
     }
 
     /// Bytes of the longest special token text that `partition` can match.
@@ -69,7 +84,9 @@ impl Specials {
             return Vec::new();
         }
         let mut fragments = vec![Fragment::Text(0..text.len())];
-        let Some(finder) = &self.finder else { return fragments };
+        let Some(finder) = &self.finder else {
+            return fragments;
+        };
         let mut present = vec![false; self.order.len()];
         for m in finder.find_overlapping_iter(text) {
             present[m.pattern().as_usize()] = true;
@@ -92,7 +109,10 @@ impl Specials {
                     if at > start {
                         next.push(Fragment::Text(start..at));
                     }
-                    next.push(Fragment::Token { id, range: at..at + needle.len() });
+                    next.push(Fragment::Token {
+                        id,
+                        range: at..at + needle.len(),
+                    });
                     start = at + needle.len();
                 }
                 if start < range.end {

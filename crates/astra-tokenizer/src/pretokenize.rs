@@ -28,10 +28,11 @@ impl PreTokenizer {
     pub fn from_name(name: &str) -> Option<PreTokenizer> {
         Some(match name {
             "gpt-2" | "mpt" | "olmo" | "jais" | "trillion" => PreTokenizer::Gpt2,
-            "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva" => {
-                PreTokenizer::DigitsThenGpt2
+            "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone"
+            | "minerva" => PreTokenizer::DigitsThenGpt2,
+            "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "dbrx" | "smaug-bpe" => {
+                PreTokenizer::Llama3
             }
-            "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "dbrx" | "smaug-bpe" => PreTokenizer::Llama3,
             "qwen2" | "stablelm2" | "hunyuan" => PreTokenizer::Qwen2,
             _ => return None,
         })
@@ -52,9 +53,15 @@ impl PreTokenizer {
             _ => whole,
         };
         let words = match self {
-            PreTokenizer::Gpt2 | PreTokenizer::DigitsThenGpt2 => split_words(&chars, &pieces, gpt2_word_end),
-            PreTokenizer::Llama3 => split_words(&chars, &pieces, |p, pos| llama3_word_end(p, pos, 3)),
-            PreTokenizer::Qwen2 => split_words(&chars, &pieces, |p, pos| llama3_word_end(p, pos, 1)),
+            PreTokenizer::Gpt2 | PreTokenizer::DigitsThenGpt2 => {
+                split_words(&chars, &pieces, gpt2_word_end)
+            }
+            PreTokenizer::Llama3 => {
+                split_words(&chars, &pieces, |p, pos| llama3_word_end(p, pos, 3))
+            }
+            PreTokenizer::Qwen2 => {
+                split_words(&chars, &pieces, |p, pos| llama3_word_end(p, pos, 1))
+            }
         };
         words.into_iter().map(|r| chars.byte_range(r)).collect()
     }
@@ -107,10 +114,18 @@ impl Piece<'_> {
 
 /// Splits each piece into adjacent words, left to right: `word_end(piece, pos)` gives
 /// the end of the word that starts at `pos` (always past it).
-fn split_words(chars: &Chars, pieces: &[Range<usize>], word_end: impl Fn(&Piece, usize) -> usize) -> Vec<Range<usize>> {
+fn split_words(
+    chars: &Chars,
+    pieces: &[Range<usize>],
+    word_end: impl Fn(&Piece, usize) -> usize,
+) -> Vec<Range<usize>> {
     let mut out = Vec::with_capacity(chars.len() / 3);
     for piece in pieces {
-        let p = Piece { chars: &chars.chars, start: piece.start, end: piece.end };
+        let p = Piece {
+            chars: &chars.chars,
+            start: piece.start,
+            end: piece.end,
+        };
         let mut pos = p.start;
         while pos < p.end {
             let end = word_end(&p, pos);
@@ -189,7 +204,11 @@ fn gpt2_word_end(p: &Piece, pos: usize) -> usize {
         return pos + len;
     }
     let space = p.get(pos) == Some(' ');
-    let mut f2 = if space { p.flags(pos + 1) } else { p.flags(pos) };
+    let mut f2 = if space {
+        p.flags(pos + 1)
+    } else {
+        p.flags(pos)
+    };
     // ` ?\p{L}+`, ` ?\p{N}+`, ` ?[^\s\p{L}\p{N}]+`
     let classes: [fn(Flags) -> bool; 3] = [
         |f| f.is_letter(),
@@ -227,7 +246,9 @@ fn llama3_word_end(p: &Piece, pos: usize, max_digits: usize) -> usize {
         return pos + len;
     }
     // `[^\r\n\p{L}\p{N}]?\p{L}+`
-    if !(matches!(c, Some('\r' | '\n')) || f.is_number()) && (f.is_letter() || p.flags(pos + 1).is_letter()) {
+    if !(matches!(c, Some('\r' | '\n')) || f.is_number())
+        && (f.is_letter() || p.flags(pos + 1).is_letter())
+    {
         let mut end = pos + 1;
         while p.flags(end).is_letter() {
             end += 1;
@@ -273,19 +294,28 @@ mod tests {
     #[test]
     fn gpt2_splits_as_its_regex() {
         let w = words(PreTokenizer::Gpt2, "Hello world's  end   x\n\n 42!!");
-        assert_eq!(w, ["Hello", " world", "'s", " ", " end", "  ", " x", "\n\n", " 42", "!!"]);
+        assert_eq!(
+            w,
+            ["Hello", " world", "'s", " ", " end", "  ", " x", "\n\n", " 42", "!!"]
+        );
         // A trailing run takes every space (nothing follows to take the last one).
         assert_eq!(words(PreTokenizer::Gpt2, "a   "), ["a", "   "]);
     }
 
     #[test]
     fn smollm_isolates_digits_first() {
-        assert_eq!(words(PreTokenizer::DigitsThenGpt2, "  42 a1b"), ["  ", "4", "2", " a", "1", "b"]);
+        assert_eq!(
+            words(PreTokenizer::DigitsThenGpt2, "  42 a1b"),
+            ["  ", "4", "2", " a", "1", "b"]
+        );
     }
 
     #[test]
     fn llama3_groups_three_digits_and_keeps_newlines_with_punctuation() {
-        assert_eq!(words(PreTokenizer::Llama3, "12345 DON'T x.\n\nok"), ["123", "45", " DON", "'T", " x", ".\n\n", "ok"]);
+        assert_eq!(
+            words(PreTokenizer::Llama3, "12345 DON'T x.\n\nok"),
+            ["123", "45", " DON", "'T", " x", ".\n\n", "ok"]
+        );
         assert_eq!(words(PreTokenizer::Qwen2, "123"), ["1", "2", "3"]);
     }
 }

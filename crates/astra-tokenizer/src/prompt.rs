@@ -28,7 +28,14 @@ pub struct PromptEncoder<'t> {
 
 impl<'t> PromptEncoder<'t> {
     pub fn new(tokenizer: &'t Tokenizer, opts: EncodeOptions) -> Self {
-        PromptEncoder { tokenizer, opts, text: String::new(), ids: Vec::new(), restart_points: Vec::new(), reused: 0 }
+        PromptEncoder {
+            tokenizer,
+            opts,
+            text: String::new(),
+            ids: Vec::new(),
+            restart_points: Vec::new(),
+            reused: 0,
+        }
     }
 
     pub fn text(&self) -> &str {
@@ -63,17 +70,29 @@ impl<'t> PromptEncoder<'t> {
     fn update(&mut self, text: String, common: usize) -> &[u32] {
         let limit = common.saturating_sub(self.tokenizer.specials.max_len(self.opts.parse_special));
         // The last restart point whose special token ends at or before the limit.
-        let k = self.restart_points.partition_point(|&(end, _)| end <= limit);
-        let (byte, id_count) = if k == 0 { (0, 0) } else { self.restart_points[k - 1] };
+        let k = self
+            .restart_points
+            .partition_point(|&(end, _)| end <= limit);
+        let (byte, id_count) = if k == 0 {
+            (0, 0)
+        } else {
+            self.restart_points[k - 1]
+        };
         self.restart_points.truncate(k);
         self.ids.truncate(id_count);
         self.reused = id_count;
         let o = self.opts;
-        let (ids, fragments) = self.tokenizer.encode_parts(&text[byte..], o.parse_special, o.add_special && byte == 0, o.add_special);
+        let (ids, fragments) = self.tokenizer.encode_parts(
+            &text[byte..],
+            o.parse_special,
+            o.add_special && byte == 0,
+            o.add_special,
+        );
         let base = self.ids.len();
         for (f, start) in fragments {
             if let Fragment::Token { range, .. } = f {
-                self.restart_points.push((byte + range.end, base + start + 1));
+                self.restart_points
+                    .push((byte + range.end, base + start + 1));
             }
         }
         self.ids.extend(ids);

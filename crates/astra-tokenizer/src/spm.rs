@@ -32,7 +32,9 @@ impl Eq for Bigram {}
 
 impl Ord for Bigram {
     fn cmp(&self, other: &Self) -> Ordering {
-        self.score.total_cmp(&other.score).then(Reverse(self.left).cmp(&Reverse(other.left)))
+        self.score
+            .total_cmp(&other.score)
+            .then(Reverse(self.left).cmp(&Reverse(other.left)))
     }
 }
 
@@ -56,13 +58,23 @@ pub fn encode(vocab: &Vocab, text: &str, out: &mut Vec<u32>) {
         })
         .collect();
     let mut queue = BinaryHeap::new();
-    let try_add = |queue: &mut BinaryHeap<Bigram>, symbols: &[Symbol], left: Option<usize>, right: Option<usize>| {
-        let (Some(left), Some(right)) = (left, right) else { return };
+    let try_add = |queue: &mut BinaryHeap<Bigram>,
+                   symbols: &[Symbol],
+                   left: Option<usize>,
+                   right: Option<usize>| {
+        let (Some(left), Some(right)) = (left, right) else {
+            return;
+        };
         let (l, r) = (symbols[left], symbols[right]);
         let piece = &text[l.start..l.start + l.len + r.len];
         if let Some(id) = vocab.id(piece) {
             let score = vocab.scores.get(id as usize).copied().unwrap_or(0.0);
-            queue.push(Bigram { score, left, right, size: piece.len() });
+            queue.push(Bigram {
+                score,
+                left,
+                right,
+                size: piece.len(),
+            });
         }
     };
     for i in 1..symbols.len() {
@@ -99,7 +111,13 @@ pub fn encode(vocab: &Vocab, text: &str, out: &mut Vec<u32>) {
 pub fn byte_token(vocab: &Vocab, b: u8) -> u32 {
     vocab
         .id(&format!("<0x{b:02X}>"))
-        .or_else(|| vocab.texts.iter().position(|t| t == "<unk>").map(|i| i as u32))
+        .or_else(|| {
+            vocab
+                .texts
+                .iter()
+                .position(|t| t == "<unk>")
+                .map(|i| i as u32)
+        })
         .unwrap_or(0)
 }
 

@@ -28,7 +28,9 @@ impl StreamDecoder {
                 }
                 Err(e) => {
                     let valid = e.valid_up_to();
-                    out.push_str(std::str::from_utf8(&self.pending[..valid]).expect("valid prefix"));
+                    out.push_str(
+                        std::str::from_utf8(&self.pending[..valid]).expect("valid prefix"),
+                    );
                     match e.error_len() {
                         // Incomplete character at the end: wait for more bytes.
                         None => {

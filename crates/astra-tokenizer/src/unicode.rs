@@ -32,7 +32,10 @@ impl Flags {
 pub(crate) fn flags(c: char) -> Flags {
     let cp = c as u32;
     let i = RANGES.partition_point(|&(start, _)| start <= cp) - 1;
-    Flags { category: RANGES[i].1, whitespace: WHITESPACE.binary_search(&cp).is_ok() }
+    Flags {
+        category: RANGES[i].1,
+        whitespace: WHITESPACE.binary_search(&cp).is_ok(),
+    }
 }
 
 #[cfg(test)]
@@ -43,7 +46,11 @@ mod tests {
     fn classification_matches_the_unicode_categories() {
         assert!(flags('a').is_letter() && flags('Ж').is_letter() && flags('中').is_letter());
         assert!(flags('7').is_number() && flags('٣').is_number() && flags('²').is_number());
-        assert!(flags(' ').is_whitespace() && flags('\u{3000}').is_whitespace() && flags('\n').is_whitespace());
+        assert!(
+            flags(' ').is_whitespace()
+                && flags('\u{3000}').is_whitespace()
+                && flags('\n').is_whitespace()
+        );
         assert!(!flags('!').is_letter() && !flags('!').is_number() && flags('!').exists());
         assert!(flags('\u{10FFFF}').exists());
     }

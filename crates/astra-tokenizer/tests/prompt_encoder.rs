@@ -15,7 +15,11 @@ use proptest::prelude::*;
 fn tokenizer(model: &str) -> Option<&'static Tokenizer> {
     static SMOLLM: OnceLock<Option<Tokenizer>> = OnceLock::new();
     static GEMMA: OnceLock<Option<Tokenizer>> = OnceLock::new();
-    let cell = if model == "smollm2-135m" { &SMOLLM } else { &GEMMA };
+    let cell = if model == "smollm2-135m" {
+        &SMOLLM
+    } else {
+        &GEMMA
+    };
     cell.get_or_init(|| {
         let path = astra_models::model_for_test(model)?;
         Some(Tokenizer::from_metadata(GgufFile::open(path).unwrap().metadata()).unwrap())
@@ -26,12 +30,83 @@ fn tokenizer(model: &str) -> Option<&'static Tokenizer> {
 /// Pieces that stress the boundaries: specials whole and cut, whitespace runs,
 /// contractions, digits, multi-byte characters, byte-fallback characters.
 const ATOMS: &[&str] = &[
-    "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_", "end|>", "<", "|", ">", "<start_of_turn>",
-    "<end_of_turn>", "<start_of", "_turn>", "<bos>", "<eos>", "</s>", "<s>", "<b>", "</b>", "<div>", "\n",
-    "\n\n", "\n\n\n", " ", "  ", "   ", "\t", "\t\t", "\r\n", "'s", "'ll", "'", "s", "ll", "don", "'t",
-    "Hello", " world", "user", "assistant", "model", "0", "1", "12", "123", "4567", "3.14", "é", "e\u{301}",
-    "ñ", "中文", "日本", "한국어", "🦀", "👍🏽", "\u{200d}", "\u{a0}", "\u{2581}", "—", "…", "«", "»", "!!",
-    "?", ".", ",", "\u{7}", "\u{0}", "ß", "Ἀ", "Ж", "ا", "ह", "ก", "x", "y", "z", "aaaa",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|im_",
+    "end|>",
+    "<",
+    "|",
+    ">",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of",
+    "_turn>",
+    "<bos>",
+    "<eos>",
+    "</s>",
+    "<s>",
+    "<b>",
+    "</b>",
+    "<div>",
+    "\n",
+    "\n\n",
+    "\n\n\n",
+    " ",
+    "  ",
+    "   ",
+    "\t",
+    "\t\t",
+    "\r\n",
+    "'s",
+    "'ll",
+    "'",
+    "s",
+    "ll",
+    "don",
+    "'t",
+    "Hello",
+    " world",
+    "user",
+    "assistant",
+    "model",
+    "0",
+    "1",
+    "12",
+    "123",
+    "4567",
+    "3.14",
+    "é",
+    "e\u{301}",
+    "ñ",
+    "中文",
+    "日本",
+    "한국어",
+    "🦀",
+    "👍🏽",
+    "\u{200d}",
+    "\u{a0}",
+    "\u{2581}",
+    "—",
+    "…",
+    "«",
+    "»",
+    "!!",
+    "?",
+    ".",
+    ",",
+    "\u{7}",
+    "\u{0}",
+    "ß",
+    "Ἀ",
+    "Ж",
+    "ا",
+    "ह",
+    "ก",
+    "x",
+    "y",
+    "z",
+    "aaaa",
 ];
 
 fn text_strategy() -> impl Strategy<Value = String> {
@@ -64,21 +139,47 @@ fn pieces(text: &str, cuts: &[f64]) -> Vec<usize> {
     points
 }
 
-fn check(model: &str, text: &str, cuts: &[f64], edit: &str, parse_special: bool, add_special: bool) -> Result<(), TestCaseError> {
-    let Some(tok) = tokenizer(model) else { return Ok(()) };
-    let opts = EncodeOptions { add_special, parse_special };
+fn check(
+    model: &str,
+    text: &str,
+    cuts: &[f64],
+    edit: &str,
+    parse_special: bool,
+    add_special: bool,
+) -> Result<(), TestCaseError> {
+    let Some(tok) = tokenizer(model) else {
+        return Ok(());
+    };
+    let opts = EncodeOptions {
+        add_special,
+        parse_special,
+    };
     let mut enc = PromptEncoder::new(tok, opts);
     let mut last = 0;
     for p in pieces(text, cuts) {
         enc.push_str(&text[last..p]);
         last = p;
-        prop_assert_eq!(enc.ids(), &tok.encode(enc.text(), opts)[..], "{} appending up to {} of {:?}", model, p, text);
+        prop_assert_eq!(
+            enc.ids(),
+            &tok.encode(enc.text(), opts)[..],
+            "{} appending up to {} of {:?}",
+            model,
+            p,
+            text
+        );
     }
     // An edit: keep a prefix, then continue differently (as a regenerated chat turn).
     let keep = pieces(text, &cuts[..cuts.len().min(1)])[0];
     let edited = format!("{}{}", &text[..keep], edit);
     enc.set_text(&edited);
-    prop_assert_eq!(enc.ids(), &tok.encode(&edited, opts)[..], "{} edit of {:?} to {:?}", model, text, edited);
+    prop_assert_eq!(
+        enc.ids(),
+        &tok.encode(&edited, opts)[..],
+        "{} edit of {:?} to {:?}",
+        model,
+        text,
+        edited
+    );
     Ok(())
 }
 

@@ -5,7 +5,11 @@ mod cmd;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "astra", version, about = "Local LLM inference engine and OpenAI-compatible server")]
+#[command(
+    name = "astra",
+    version,
+    about = "Local LLM inference engine and OpenAI-compatible server"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -6,11 +6,18 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 fn astra(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_astra")).args(args).output().expect("run astra")
+    Command::new(env!("CARGO_BIN_EXE_astra"))
+        .args(args)
+        .output()
+        .expect("run astra")
 }
 
 fn json(out: &Output) -> Value {
-    assert!(out.status.success(), "astra failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "astra failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).expect("JSON on stdout")
 }
 
@@ -20,14 +27,21 @@ fn model(name: &str) -> Option<String> {
 
 #[test]
 fn inspect_reports_the_real_models() {
-    for (name, arch, blocks, tensors) in [("smollm2-135m", "llama", 30, 272), ("gemma3-270m", "gemma3", 18, 236)] {
+    for (name, arch, blocks, tensors) in [
+        ("smollm2-135m", "llama", 30, 272),
+        ("gemma3-270m", "gemma3", 18, 236),
+    ] {
         let Some(path) = model(name) else { continue };
         let v = json(&astra(&["inspect", &path, "--json"]));
         assert_eq!(v["architecture"], arch);
         assert_eq!(v["block_count"], blocks);
         assert_eq!(v["tensor_count"], tensors);
         let text = String::from_utf8(astra(&["inspect", &path]).stdout).unwrap();
-        assert!(text.contains(&format!("architecture:  {arch}")) && text.contains(&format!("{tensors} tensors")), "{text}");
+        assert!(
+            text.contains(&format!("architecture:  {arch}"))
+                && text.contains(&format!("{tensors} tensors")),
+            "{text}"
+        );
     }
 }
 
@@ -39,11 +53,16 @@ fn bad_input_is_one_clear_line_and_a_failure() {
     let out = astra(&["inspect", bad.to_str().unwrap()]);
     assert!(!out.status.success());
     let err = String::from_utf8(out.stderr).unwrap();
-    assert!(err.starts_with("error: ") && err.contains("bad.gguf") && err.contains("at byte 8"), "{err}");
+    assert!(
+        err.starts_with("error: ") && err.contains("bad.gguf") && err.contains("at byte 8"),
+        "{err}"
+    );
     assert_eq!(err.lines().count(), 1, "{err}");
     let out = astra(&["inspect", "no-such-model"]);
     assert!(!out.status.success());
-    assert!(String::from_utf8(out.stderr).unwrap().contains("known: smollm2-135m"));
+    assert!(String::from_utf8(out.stderr)
+        .unwrap()
+        .contains("known: smollm2-135m"));
     let out = astra(&["parity", "kernels", "--type", "q9_9"]);
     assert!(!out.status.success());
 }
@@ -56,42 +75,88 @@ fn parity_baselines_round_trip() {
     let d = dir.path().to_str().unwrap();
     let base = ["parity", "kernels", "--type", "q4_0", "--isa", "scalar"];
     let save = astra(&[&base[..], &["--save", d]].concat());
-    assert!(save.status.success(), "{}", String::from_utf8_lossy(&save.stderr));
+    assert!(
+        save.status.success(),
+        "{}",
+        String::from_utf8_lossy(&save.stderr)
+    );
     let same = astra(&[&base[..], &["--bitwise", d]].concat());
-    assert!(same.status.success(), "{}", String::from_utf8_lossy(&same.stdout));
-    let file = std::fs::read_dir(dir.path()).unwrap().next().unwrap().unwrap().path();
+    assert!(
+        same.status.success(),
+        "{}",
+        String::from_utf8_lossy(&same.stdout)
+    );
+    let file = std::fs::read_dir(dir.path())
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
     let mut bytes = std::fs::read(&file).unwrap();
     bytes[0] ^= 1;
     std::fs::write(&file, bytes).unwrap();
     let changed = astra(&[&base[..], &["--bitwise", d]].concat());
     assert!(!changed.status.success());
-    assert!(String::from_utf8(changed.stdout).unwrap().contains("outputs differ in some bit"));
+    assert!(String::from_utf8(changed.stdout)
+        .unwrap()
+        .contains("outputs differ in some bit"));
 }
 
 /// `bench --depth`: both tests run after that many tokens are in the cache, and a depth
 /// past the model's context is one clear line.
 #[test]
 fn bench_runs_at_a_depth() {
-    let Some(path) = model("smollm2-135m") else { return };
-    let v = json(&astra(&["bench", "-m", &path, "-p", "8", "-n", "2", "-d", "70", "-r", "1", "--json"]));
+    let Some(path) = model("smollm2-135m") else {
+        return;
+    };
+    let v = json(&astra(&[
+        "bench", "-m", &path, "-p", "8", "-n", "2", "-d", "70", "-r", "1", "--json",
+    ]));
     assert_eq!(v["depth"], 70);
-    assert!(v["pp_tokens_per_s"].as_f64().unwrap() > 0.0 && v["tg_tokens_per_s"].as_f64().unwrap() > 0.0, "{v}");
-    let text = String::from_utf8(astra(&["bench", "-m", &path, "-p", "8", "-n", "2", "-d", "70", "-r", "1"]).stdout).unwrap();
-    assert!(text.contains("| pp8 @ d70 |") && text.contains("| tg2 @ d70 |"), "{text}");
+    assert!(
+        v["pp_tokens_per_s"].as_f64().unwrap() > 0.0
+            && v["tg_tokens_per_s"].as_f64().unwrap() > 0.0,
+        "{v}"
+    );
+    let text = String::from_utf8(
+        astra(&[
+            "bench", "-m", &path, "-p", "8", "-n", "2", "-d", "70", "-r", "1",
+        ])
+        .stdout,
+    )
+    .unwrap();
+    assert!(
+        text.contains("| pp8 @ d70 |") && text.contains("| tg2 @ d70 |"),
+        "{text}"
+    );
     let out = astra(&["bench", "-m", &path, "-p", "8", "-n", "2", "-d", "8190"]);
     assert!(!out.status.success());
     let err = String::from_utf8(out.stderr).unwrap();
-    assert!(err.starts_with("error: ") && err.contains("context of 8192"), "{err}");
+    assert!(
+        err.starts_with("error: ") && err.contains("context of 8192"),
+        "{err}"
+    );
     assert_eq!(err.lines().count(), 1, "{err}");
     // Several sequences decoded together, at a depth, counted in all.
-    let v = json(&astra(&["bench", "-m", &path, "-p", "0", "-n", "3", "-d", "20", "-s", "3", "-r", "1", "--json"]));
+    let v = json(&astra(&[
+        "bench", "-m", &path, "-p", "0", "-n", "3", "-d", "20", "-s", "3", "-r", "1", "--json",
+    ]));
     assert_eq!(v["sequences"], 3);
     assert!(v["tg_tokens_per_s"].as_f64().unwrap() > 0.0, "{v}");
-    let text = String::from_utf8(astra(&["bench", "-m", &path, "-p", "0", "-n", "2", "-s", "2", "-r", "1"]).stdout).unwrap();
+    let text = String::from_utf8(
+        astra(&[
+            "bench", "-m", &path, "-p", "0", "-n", "2", "-s", "2", "-r", "1",
+        ])
+        .stdout,
+    )
+    .unwrap();
     assert!(text.contains("| tg2 × 2 |"), "{text}");
     for bad in ["0", "513"] {
         let out = astra(&["bench", "-m", &path, "-s", bad]);
-        assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--sequences"), "-s {bad}");
+        assert!(
+            !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--sequences"),
+            "-s {bad}"
+        );
     }
 }
 
@@ -104,7 +169,9 @@ fn cuda_without_a_gpu_is_one_clear_line() {
         eprintln!("SKIPPED: a GPU is present; tests/gpu.rs and scripts/gpu-check cover --backend cuda there");
         return;
     };
-    let Some(path) = model("smollm2-135m") else { return };
+    let Some(path) = model("smollm2-135m") else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let text = dir.path().join("text.txt");
     std::fs::write(&text, "a short text to score\n").unwrap();
@@ -117,12 +184,20 @@ fn cuda_without_a_gpu_is_one_clear_line() {
     ];
     for command in commands {
         for mode in [&[][..], &["--deterministic"][..]] {
-            let args: Vec<&str> = command.iter().chain(&["--backend", "cuda"]).chain(mode).copied().collect();
+            let args: Vec<&str> = command
+                .iter()
+                .chain(&["--backend", "cuda"])
+                .chain(mode)
+                .copied()
+                .collect();
             let out = astra(&args);
             assert!(!out.status.success(), "{args:?} succeeded without a GPU");
             let err = String::from_utf8(out.stderr).unwrap();
             assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
-            assert!(err.starts_with("error: ") && err.contains(&why), "{args:?}: {err}");
+            assert!(
+                err.starts_with("error: ") && err.contains(&why),
+                "{args:?}: {err}"
+            );
         }
     }
 }
@@ -134,13 +209,32 @@ fn cuda_without_a_gpu_is_one_clear_line() {
 /// one value the other way, and the same first token.
 #[test]
 fn parity_layers_traces_every_block() {
-    let Some(path) = model("smollm2-135m") else { return };
+    let Some(path) = model("smollm2-135m") else {
+        return;
+    };
     if astra_quant::Isa::selected() == astra_quant::Isa::Scalar {
         eprintln!("SKIPPED: this CPU runs the scalar kernels already; there is no second instruction set to compare");
         return;
     }
-    let out = astra(&["parity", "layers", "-m", &path, "-p", "The capital of France is", "-n", "8", "-t", "2", "--isa", "scalar"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = astra(&[
+        "parity",
+        "layers",
+        "-m",
+        &path,
+        "-p",
+        "The capital of France is",
+        "-n",
+        "8",
+        "-t",
+        "2",
+        "--isa",
+        "scalar",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
     // Rows "| stage | rel L2 | max abs |" (and, with a GPU, two more pairs), the scalar
     // kernels' first.
@@ -153,15 +247,28 @@ fn parity_layers_traces_every_block() {
         .collect();
     let stages: Vec<&str> = rows.iter().map(|r| r.0).collect();
     assert_eq!(stages.len(), 1 + 2 * 30 + 1, "{text}");
-    assert_eq!(&stages[..3], ["embedding", "layer 0 attention", "layer 0"], "{text}");
+    assert_eq!(
+        &stages[..3],
+        ["embedding", "layer 0 attention", "layer 0"],
+        "{text}"
+    );
     assert_eq!(stages[stages.len() - 1], "logits", "{text}");
     assert_eq!(rows[0].1, 0.0, "the same embedding rows: {text}");
     assert!(rows[1].1 < 1e-3, "layer 0's attention: {text}");
     assert!(rows.iter().all(|r| r.1 < 0.1), "{text}");
     // "  NAME: PIECE LOGPROB, ..." (the piece quoted, perhaps with spaces).
     let top = |name: &str| {
-        let line = text.lines().find_map(|l| l.strip_prefix(&format!("  {name}: "))).unwrap_or_else(|| panic!("no top 5 of {name}: {text}"));
-        line.split(", ").next().unwrap().rsplit_once(' ').unwrap().0.to_owned()
+        let line = text
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("  {name}: ")))
+            .unwrap_or_else(|| panic!("no top 5 of {name}: {text}"));
+        line.split(", ")
+            .next()
+            .unwrap()
+            .rsplit_once(' ')
+            .unwrap()
+            .0
+            .to_owned()
     };
     assert_eq!(top("cpu"), "\" Paris\"", "{text}");
     assert_eq!(top("cpu scalar"), top("cpu"), "{text}");
@@ -170,54 +277,174 @@ fn parity_layers_traces_every_block() {
 
 #[test]
 fn tokenize_prints_llama_cpp_ids() {
-    let Some(path) = model("smollm2-135m") else { return };
+    let Some(path) = model("smollm2-135m") else {
+        return;
+    };
     // llama.cpp's ids for "Hello world" on SmolLM2 (tokenizer test data).
-    assert_eq!(json(&astra(&["tokenize", "-m", &path, "Hello world"])), serde_json::json!([19556, 905]));
-    let v = json(&astra(&["tokenize", "-m", &path, "--pieces", "--no-special", "<|im_end|>"]));
-    assert!(v.as_array().unwrap().len() > 1, "special text must not become the special token: {v}");
+    assert_eq!(
+        json(&astra(&["tokenize", "-m", &path, "Hello world"])),
+        serde_json::json!([19556, 905])
+    );
+    let v = json(&astra(&[
+        "tokenize",
+        "-m",
+        &path,
+        "--pieces",
+        "--no-special",
+        "<|im_end|>",
+    ]));
+    assert!(
+        v.as_array().unwrap().len() > 1,
+        "special text must not become the special token: {v}"
+    );
 }
 
 #[test]
 fn run_greedy_continues_as_llama_cpp_and_is_reproducible() {
-    let Some(path) = model("smollm2-135m") else { return };
-    let args = ["run", "-m", &path, "-p", "The capital of France is", "--temp", "0", "-n", "8", "--json", "-t", "2"];
+    let Some(path) = model("smollm2-135m") else {
+        return;
+    };
+    let args = [
+        "run",
+        "-m",
+        &path,
+        "-p",
+        "The capital of France is",
+        "--temp",
+        "0",
+        "-n",
+        "8",
+        "--json",
+        "-t",
+        "2",
+    ];
     let a = json(&astra(&args));
     let b = json(&astra(&args));
     assert_eq!(a["tokens"], b["tokens"]);
     // llama.cpp's greedy continuation begins " Paris.\n\nThe United States".
     assert!(a["text"].as_str().unwrap().starts_with(" Paris."), "{a}");
     assert_eq!(a["timings"]["prompt_tokens"], 5);
-    let sampled = ["run", "-m", &path, "-p", "Once upon a time", "--temp", "0.9", "--seed", "7", "-n", "12", "--json"];
-    assert_eq!(json(&astra(&sampled))["tokens"], json(&astra(&sampled))["tokens"], "same seed, same tokens");
+    let sampled = [
+        "run",
+        "-m",
+        &path,
+        "-p",
+        "Once upon a time",
+        "--temp",
+        "0.9",
+        "--seed",
+        "7",
+        "-n",
+        "12",
+        "--json",
+    ];
+    assert_eq!(
+        json(&astra(&sampled))["tokens"],
+        json(&astra(&sampled))["tokens"],
+        "same seed, same tokens"
+    );
 }
 
 /// `--kv-type f32` runs (the same greedy start as the f16 cache here) and says so in
 /// the bench report; with `--backend cuda` it is refused in one line, GPU or not.
 #[test]
 fn an_f32_kv_cache_is_chosen_by_a_flag() {
-    let Some(path) = model("smollm2-135m") else { return };
-    let run = json(&astra(&["run", "-m", &path, "-p", "The capital of France is", "--temp", "0", "-n", "4", "--json", "--kv-type", "f32"]));
-    assert!(run["text"].as_str().unwrap().starts_with(" Paris."), "{run}");
-    let bench = json(&astra(&["bench", "-m", &path, "-p", "8", "-n", "2", "-r", "1", "--json", "--kv-type", "f32"]));
-    assert!(bench["backend"].as_str().unwrap().contains("f32 KV cache"), "{bench}");
-    let out = astra(&["run", "-m", &path, "-p", "hi", "--backend", "cuda", "--kv-type", "f32"]);
+    let Some(path) = model("smollm2-135m") else {
+        return;
+    };
+    let run = json(&astra(&[
+        "run",
+        "-m",
+        &path,
+        "-p",
+        "The capital of France is",
+        "--temp",
+        "0",
+        "-n",
+        "4",
+        "--json",
+        "--kv-type",
+        "f32",
+    ]));
+    assert!(
+        run["text"].as_str().unwrap().starts_with(" Paris."),
+        "{run}"
+    );
+    let bench = json(&astra(&[
+        "bench",
+        "-m",
+        &path,
+        "-p",
+        "8",
+        "-n",
+        "2",
+        "-r",
+        "1",
+        "--json",
+        "--kv-type",
+        "f32",
+    ]));
+    assert!(
+        bench["backend"].as_str().unwrap().contains("f32 KV cache"),
+        "{bench}"
+    );
+    let out = astra(&[
+        "run",
+        "-m",
+        &path,
+        "-p",
+        "hi",
+        "--backend",
+        "cuda",
+        "--kv-type",
+        "f32",
+    ]);
     assert!(!out.status.success());
     let err = String::from_utf8(out.stderr).unwrap();
-    assert!(err.contains("--kv-type f32 is for the CPU backend") && err.lines().count() == 1, "{err}");
+    assert!(
+        err.contains("--kv-type f32 is for the CPU backend") && err.lines().count() == 1,
+        "{err}"
+    );
     let out = astra(&["run", "-m", &path, "-p", "hi", "--kv-type", "f8"]);
     assert!(!out.status.success());
 }
 
 #[test]
 fn perplexity_command_reports_llama_cpp_format() {
-    let Some(path) = model("smollm2-135m") else { return };
+    let Some(path) = model("smollm2-135m") else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let text = dir.path().join("t.txt");
-    std::fs::write(&text, "The quick brown fox jumps over the lazy dog. ".repeat(60)).unwrap();
-    let out = astra(&["perplexity", "-m", &path, "-f", text.to_str().unwrap(), "--ctx", "128"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::write(
+        &text,
+        "The quick brown fox jumps over the lazy dog. ".repeat(60),
+    )
+    .unwrap();
+    let out = astra(&[
+        "perplexity",
+        "-m",
+        &path,
+        "-f",
+        text.to_str().unwrap(),
+        "--ctx",
+        "128",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stdout = String::from_utf8(out.stdout).unwrap();
-    let ppl: f64 = stdout.split("PPL = ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    let ppl: f64 = stdout
+        .split("PPL = ")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
     // A sentence repeated sixty times is nearly certain after the first copies.
     assert!(ppl > 1.0 && ppl < 1.5, "{stdout}");
 }
@@ -232,16 +459,34 @@ fn synth_writes_loadable_models_of_known_shapes() {
         let path = dir.path().join(format!("{like}.gguf"));
         let p = path.to_str().unwrap();
         let out = astra(&["synth", "--like", like, "--type", ty, "-o", p]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let v = json(&astra(&["inspect", p, "--json"]));
         assert_eq!(v["tensor_count"], tensors, "{like}");
         if like == "gemma3-270m" {
             let types = &v["tensor_types"];
-            assert!(types["Q5_0"]["tensors"].as_u64() > Some(0) && types["Q4_K"]["tensors"].as_u64() > Some(0), "{types}");
+            assert!(
+                types["Q5_0"]["tensors"].as_u64() > Some(0)
+                    && types["Q4_K"]["tensors"].as_u64() > Some(0),
+                "{types}"
+            );
         }
-        let run = json(&astra(&["run", "-m", p, "-p", "hello", "-n", "3", "--temp", "0", "--json"]));
+        let run = json(&astra(&[
+            "run", "-m", p, "-p", "hello", "-n", "3", "--temp", "0", "--json",
+        ]));
         assert_eq!(run["tokens"].as_array().unwrap().len(), 3);
     }
-    let out = astra(&["synth", "--like", "gpt-5", "-o", dir.path().join("x.gguf").to_str().unwrap()]);
-    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("unknown shape"));
+    let out = astra(&[
+        "synth",
+        "--like",
+        "gpt-5",
+        "-o",
+        dir.path().join("x.gguf").to_str().unwrap(),
+    ]);
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("unknown shape")
+    );
 }

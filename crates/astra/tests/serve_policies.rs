@@ -42,12 +42,20 @@ fn thinking_budget_wraps_up_and_leaves_room_to_answer() {
     let msg = &r["choices"][0]["message"];
     let reasoning = msg["reasoning_content"].as_str().unwrap();
     let content = msg["content"].as_str().unwrap();
-    let thinking_tokens = r["usage"]["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap();
-    assert!(reasoning.trim_end().ends_with(WRAP_UP), "reasoning: {reasoning:?}");
+    let thinking_tokens = r["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        reasoning.trim_end().ends_with(WRAP_UP),
+        "reasoning: {reasoning:?}"
+    );
     assert_eq!(reasoning.matches(WRAP_UP).count(), 1);
     assert!(thinking_tokens <= 48, "{thinking_tokens} thinking tokens");
     assert!(!content.trim().is_empty(), "no answer after the wrap-up");
-    assert!(!content.contains(WRAP_UP) && !content.contains("</think>"), "content: {content:?}");
+    assert!(
+        !content.contains(WRAP_UP) && !content.contains("</think>"),
+        "content: {content:?}"
+    );
     let logged = s.wait_for_log("reasoning budget: cap=64 answer_room=16 thinking_budget=48");
     assert_eq!(logged.len(), 1, "{logged:?}");
     assert!(logged[0].contains("wrap_up_injected=yes"), "{}", logged[0]);
@@ -59,23 +67,40 @@ fn thinking_budget_wraps_up_and_leaves_room_to_answer() {
     assert_eq!(status, 200);
     let (sr, sc, usage) = streamed_parts(&text);
     assert_eq!((sr.as_str(), sc.as_str()), (reasoning, content));
-    assert_eq!(usage["completion_tokens_details"]["reasoning_tokens"].as_u64(), Some(thinking_tokens));
+    assert_eq!(
+        usage["completion_tokens_details"]["reasoning_tokens"].as_u64(),
+        Some(thinking_tokens)
+    );
 }
 
 #[test]
 fn answer_room_zero_turns_the_reservation_off() {
     let Some(s) = Server::start(&[]) else { return };
     let r = s.chat(&thinking_request(0));
-    let reasoning = r["choices"][0]["message"]["reasoning_content"].as_str().unwrap_or("");
+    let reasoning = r["choices"][0]["message"]["reasoning_content"]
+        .as_str()
+        .unwrap_or("");
     assert!(!reasoning.contains(WRAP_UP));
     let logged = s.wait_for_log("reasoning budget: cap=64 answer_room=0 thinking_budget=unlimited");
-    assert!(logged.len() == 1 && logged[0].contains("wrap_up_injected=no"), "{logged:?}");
+    assert!(
+        logged.len() == 1 && logged[0].contains("wrap_up_injected=no"),
+        "{logged:?}"
+    );
     // An explicit thinking_budget replaces the reservation.
     let mut body = thinking_request(16);
     body["thinking_budget"] = json!(20);
     let r = s.chat(&body);
-    assert!(r["usage"]["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap() <= 20);
-    assert!(r["choices"][0]["message"]["reasoning_content"].as_str().unwrap().trim_end().ends_with(WRAP_UP));
+    assert!(
+        r["usage"]["completion_tokens_details"]["reasoning_tokens"]
+            .as_u64()
+            .unwrap()
+            <= 20
+    );
+    assert!(r["choices"][0]["message"]["reasoning_content"]
+        .as_str()
+        .unwrap()
+        .trim_end()
+        .ends_with(WRAP_UP));
 }
 
 #[test]
@@ -83,7 +108,11 @@ fn capabilities_are_stated_and_enforced() {
     let Some(s) = Server::start(&[]) else { return };
     let line = s.wait_for_log("capabilities: ");
     assert_eq!(line.len(), 1);
-    assert!(line[0].contains("capabilities: logit_bias=1 images=0 thinking=1 tools=0"), "{}", line[0]);
+    assert!(
+        line[0].contains("capabilities: logit_bias=1 images=0 thinking=1 tools=0"),
+        "{}",
+        line[0]
+    );
     assert!(line[0].contains("backend=cpu"), "{}", line[0]);
     let props: Value = serde_json::from_str(&s.get("/props").1).unwrap();
     assert_eq!(props["capabilities"]["logit_bias"], true);
@@ -91,16 +120,34 @@ fn capabilities_are_stated_and_enforced() {
     let mut body = user("hi", 4);
     body["tools"] = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
     let (status, v) = s.post("/v1/chat/completions", &body);
-    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("tools")), "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("'tools' capability"));
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("tools")),
+        "{v}"
+    );
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("'tools' capability"));
     let mut body = user("hi", 4);
     body["response_format"] = json!({"type": "json_schema", "json_schema": {"schema": {}}});
     let (status, v) = s.post("/v1/chat/completions", &body);
-    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("structured_output")), "{v}");
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("structured_output")),
+        "{v}"
+    );
     // An image on this text-only model, under the default policy (reject).
     let (status, v) = s.post("/v1/chat/completions", &with_image("AAAA"));
-    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("images")), "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("--images omit"));
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("images")),
+        "{v}"
+    );
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("--images omit"));
 }
 
 fn with_image(b64: &str) -> Value {
@@ -112,25 +159,47 @@ fn with_image(b64: &str) -> Value {
 
 #[test]
 fn omitted_images_warn_and_key_the_cache_by_their_bytes() {
-    let Some(s) = Server::start(&["--images", "omit"]) else { return };
+    let Some(s) = Server::start(&["--images", "omit"]) else {
+        return;
+    };
     let first = s.chat(&with_image("iVBORw0KGgoAAAA"));
-    assert!(first["warnings"][0].as_str().unwrap().contains("1 image part(s) omitted"), "{first}");
+    assert!(
+        first["warnings"][0]
+            .as_str()
+            .unwrap()
+            .contains("1 image part(s) omitted"),
+        "{first}"
+    );
     let prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
     let same = s.chat(&with_image("iVBORw0KGgoAAAA"));
-    assert_eq!(same["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(prompt - 1));
+    assert_eq!(
+        same["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(prompt - 1)
+    );
     // The same length of image data, other bytes: the cached prefix is not reused.
     let changed = s.chat(&with_image("iVBORw0KGgoAAAB"));
     assert_eq!(changed["usage"]["prompt_tokens"].as_u64(), Some(prompt));
-    assert_eq!(changed["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(0));
+    assert_eq!(
+        changed["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(0)
+    );
 }
 
 #[test]
 fn memory_gate_refuses_new_requests_below_the_threshold() {
     // Far above any machine's available memory.
-    let Some(s) = Server::start(&["--min-free-mem-mib", "100000000"]) else { return };
+    let Some(s) = Server::start(&["--min-free-mem-mib", "100000000"]) else {
+        return;
+    };
     let (status, v) = s.post("/v1/chat/completions", &user("hi", 4));
     assert_eq!(status, 503, "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("--min-free-mem-mib"), "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--min-free-mem-mib"),
+        "{v}"
+    );
     assert_eq!(s.get("/health").0, 200);
     assert!(s.metric("astra_system_available_memory_bytes") > 0.0);
     assert!(s.metric("astra_process_resident_memory_bytes") > 0.0);
@@ -143,19 +212,28 @@ fn health(s: &Server) -> Value {
 fn wait_for_health(s: &Server, status: &str) {
     let t0 = Instant::now();
     while health(s)["status"] != status {
-        assert!(t0.elapsed() < Duration::from_secs(10), "/health never said {status}: {}", health(s));
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "/health never said {status}: {}",
+            health(s)
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
 
 #[test]
 fn keep_alive_unloads_when_idle_and_the_next_request_reloads() {
-    let Some(s) = Server::start(&["--keep-alive", "1s"]) else { return };
+    let Some(s) = Server::start(&["--keep-alive", "1s"]) else {
+        return;
+    };
     let before = s.chat(&user("Say hello.", 6));
     wait_for_health(&s, "idle");
     let (status, body) = s.get("/health");
     assert_eq!(status, 200);
-    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["loaded"], false);
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["loaded"],
+        false
+    );
     let after = s.chat(&user("Say hello.", 6));
     assert_eq!(common::content(&after), common::content(&before));
     assert_eq!(health(&s)["status"], "ready");
@@ -165,7 +243,11 @@ fn keep_alive_unloads_when_idle_and_the_next_request_reloads() {
     body["keep_alive"] = json!("-1");
     s.chat(&body);
     std::thread::sleep(Duration::from_millis(1500));
-    assert_eq!(health(&s)["status"], "ready", "keep_alive -1 keeps the model loaded");
+    assert_eq!(
+        health(&s)["status"],
+        "ready",
+        "keep_alive -1 keeps the model loaded"
+    );
     body["keep_alive"] = json!(0);
     s.chat(&body);
     wait_for_health(&s, "idle");
@@ -173,7 +255,9 @@ fn keep_alive_unloads_when_idle_and_the_next_request_reloads() {
 
 #[test]
 fn api_key_is_required_except_for_health() {
-    let Some(s) = Server::start_with_env(&[], &[("ASTRA_API_KEY", "s3cret")]) else { return };
+    let Some(s) = Server::start_with_env(&[], &[("ASTRA_API_KEY", "s3cret")]) else {
+        return;
+    };
     let call = |key: Option<&str>| {
         let mut req = Server::agent().get(&format!("{}/v1/models", s.base));
         if let Some(k) = key {
@@ -194,13 +278,22 @@ fn api_key_is_required_except_for_health() {
 
 #[test]
 fn keep_awake_is_held_while_requests_run() {
-    let Some(s) = Server::start(&["--parallel", "2"]) else { return };
+    let Some(s) = Server::start(&["--parallel", "2"]) else {
+        return;
+    };
     assert_eq!(s.metric("astra_keep_awake_requests"), 0.0);
     let base = s.base.clone();
     let workers: Vec<_> = (0..4)
         .map(|i| {
             let base = base.clone();
-            std::thread::spawn(move || common::post_to(&base, "/v1/chat/completions", &user(&format!("Story {i}"), 40).to_string()).0)
+            std::thread::spawn(move || {
+                common::post_to(
+                    &base,
+                    "/v1/chat/completions",
+                    &user(&format!("Story {i}"), 40).to_string(),
+                )
+                .0
+            })
         })
         .collect();
     let t0 = Instant::now();
@@ -212,5 +305,9 @@ fn keep_awake_is_held_while_requests_run() {
     for w in workers {
         assert_eq!(w.join().unwrap(), 200);
     }
-    assert_eq!(s.metric("astra_keep_awake_requests"), 0.0, "still held after the last request");
+    assert_eq!(
+        s.metric("astra_keep_awake_requests"),
+        0.0,
+        "still held after the last request"
+    );
 }

@@ -28,16 +28,27 @@ fn chat_whole_and_streamed_agree() {
     assert_eq!(status, 200);
     let events = sse_events(&text);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
     assert_eq!(streamed, content(&whole));
     let usage = &chunks.last().unwrap()["usage"];
     assert_eq!(usage["completion_tokens"], 24);
     assert_eq!(usage["prompt_tokens"], whole["usage"]["prompt_tokens"]);
-    assert!(chunks.iter().any(|c| c["choices"][0]["finish_reason"] == "length"));
+    assert!(chunks
+        .iter()
+        .any(|c| c["choices"][0]["finish_reason"] == "length"));
     // Plain completions, too.
-    let (status, v) = s.post("/v1/completions", &json!({"prompt": "The sky is", "max_tokens": 8, "temperature": 0}));
+    let (status, v) = s.post(
+        "/v1/completions",
+        &json!({"prompt": "The sky is", "max_tokens": 8, "temperature": 0}),
+    );
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["object"], "text_completion");
     assert_eq!(v["usage"]["completion_tokens"], 8);
@@ -53,13 +64,22 @@ fn several_prompts_in_one_completion() {
     let alone: Vec<Value> = prompts
         .iter()
         .map(|p| {
-            let (status, v) = s.post("/v1/completions", &json!({"prompt": p, "max_tokens": 6, "temperature": 0}));
+            let (status, v) = s.post(
+                "/v1/completions",
+                &json!({"prompt": p, "max_tokens": 6, "temperature": 0}),
+            );
             assert_eq!(status, 200, "{v}");
             v
         })
         .collect();
-    let prompt_tokens: u64 = alone.iter().map(|a| a["usage"]["prompt_tokens"].as_u64().unwrap()).sum();
-    let (status, v) = s.post("/v1/completions", &json!({"prompt": prompts, "max_tokens": 6, "temperature": 0, "n": 2}));
+    let prompt_tokens: u64 = alone
+        .iter()
+        .map(|a| a["usage"]["prompt_tokens"].as_u64().unwrap())
+        .sum();
+    let (status, v) = s.post(
+        "/v1/completions",
+        &json!({"prompt": prompts, "max_tokens": 6, "temperature": 0, "n": 2}),
+    );
     assert_eq!(status, 200, "{v}");
     let choices = v["choices"].as_array().unwrap();
     assert_eq!(choices.len(), 6);
@@ -74,12 +94,26 @@ fn several_prompts_in_one_completion() {
     assert_eq!(status, 200);
     let events = sse_events(&text);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
     for (i, a) in alone.iter().enumerate() {
-        let streamed: String = chunks.iter().filter(|c| c["choices"][0]["index"] == i).filter_map(|c| c["choices"][0]["text"].as_str()).collect();
-        assert_eq!(streamed, a["choices"][0]["text"].as_str().unwrap(), "prompt {i}");
+        let streamed: String = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == i)
+            .filter_map(|c| c["choices"][0]["text"].as_str())
+            .collect();
+        assert_eq!(
+            streamed,
+            a["choices"][0]["text"].as_str().unwrap(),
+            "prompt {i}"
+        );
     }
-    assert_eq!(chunks.last().unwrap()["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(
+        chunks.last().unwrap()["usage"]["prompt_tokens"],
+        prompt_tokens
+    );
 }
 
 fn long_prefix() -> String {
@@ -106,14 +140,22 @@ fn shared_prefix_is_served_from_the_cache_with_the_same_output() {
         let (_, v) = s.post("/tokenize", &json!({"content": long_prefix()}));
         v["tokens"].as_array().unwrap().len() as u64
     };
-    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
-    assert!(prefix_tokens > 400 && cached * 10 >= prefix_tokens * 9, "cached {cached} of a {prefix_tokens}-token prefix");
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        prefix_tokens > 400 && cached * 10 >= prefix_tokens * 9,
+        "cached {cached} of a {prefix_tokens}-token prefix"
+    );
     assert!(cached < prompt_tokens);
     // The same request on a fresh server (nothing cached) gives the same text.
     drop(s);
     let fresh = Server::start(&[]).unwrap();
     let uncached = fresh.chat(&with_prefix("Summarise note 3."));
-    assert_eq!(uncached["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(
+        uncached["usage"]["prompt_tokens_details"]["cached_tokens"],
+        0
+    );
     assert_eq!(content(&uncached), content(&second));
 }
 
@@ -126,10 +168,18 @@ fn json_key_order_and_whitespace_do_not_change_caching() {
     let (sa, va) = s.post_raw("/v1/chat/completions", a);
     let (sb, vb) = s.post_raw("/v1/chat/completions", b);
     assert_eq!((sa, sb), (200, 200));
-    let (va, vb): (Value, Value) = (serde_json::from_str(&va).unwrap(), serde_json::from_str(&vb).unwrap());
+    let (va, vb): (Value, Value) = (
+        serde_json::from_str(&va).unwrap(),
+        serde_json::from_str(&vb).unwrap(),
+    );
     let prompt = vb["usage"]["prompt_tokens"].as_u64().unwrap();
     // Everything but the last prompt token (whose logits start the generation).
-    assert_eq!(vb["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), prompt - 1);
+    assert_eq!(
+        vb["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+        prompt - 1
+    );
     assert_eq!(content(&va), content(&vb));
 }
 
@@ -140,20 +190,35 @@ fn logit_bias_bans_the_greedy_token() {
     body["logprobs"] = json!(true);
     let plain = s.chat(&body);
     let ids = |v: &Value| -> Vec<u64> {
-        v["choices"][0]["logprobs"]["content"].as_array().unwrap().iter().map(|t| t["id"].as_u64().unwrap()).collect()
+        v["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["id"].as_u64().unwrap())
+            .collect()
     };
     let first = ids(&plain)[0];
     body["logit_bias"] = json!({ first.to_string(): -100 });
     let biased = s.chat(&body);
     assert_ne!(content(&biased), content(&plain));
-    assert!(!ids(&biased).contains(&first), "token {first} was emitted despite a -100 bias");
+    assert!(
+        !ids(&biased).contains(&first),
+        "token {first} was emitted despite a -100 bias"
+    );
 }
 
 #[test]
 fn concurrent_requests_match_their_single_outputs() {
-    let Some(s) = Server::start(&["--parallel", "4", "--queue", "32"]) else { return };
-    let prompts: Vec<String> = (0..16).map(|i| format!("Give me fact number {i} about the number {}.", i * 7 + 3)).collect();
-    let single: Vec<String> = prompts.iter().map(|p| content(&s.chat(&user(p, 12))).to_owned()).collect();
+    let Some(s) = Server::start(&["--parallel", "4", "--queue", "32"]) else {
+        return;
+    };
+    let prompts: Vec<String> = (0..16)
+        .map(|i| format!("Give me fact number {i} about the number {}.", i * 7 + 3))
+        .collect();
+    let single: Vec<String> = prompts
+        .iter()
+        .map(|p| content(&s.chat(&user(p, 12))).to_owned())
+        .collect();
     let base = s.base.clone();
     let handles: Vec<_> = prompts
         .iter()
@@ -161,7 +226,8 @@ fn concurrent_requests_match_their_single_outputs() {
         .map(|p| {
             let base = base.clone();
             std::thread::spawn(move || {
-                let (status, text) = post_to(&base, "/v1/chat/completions", &user(&p, 12).to_string());
+                let (status, text) =
+                    post_to(&base, "/v1/chat/completions", &user(&p, 12).to_string());
                 assert_eq!(status, 200, "{text}");
                 content(&serde_json::from_str(&text).unwrap()).to_owned()
             })
@@ -174,7 +240,9 @@ fn concurrent_requests_match_their_single_outputs() {
 
 #[test]
 fn a_disconnecting_client_frees_its_slot() {
-    let Some(s) = Server::start(&["--parallel", "1"]) else { return };
+    let Some(s) = Server::start(&["--parallel", "1"]) else {
+        return;
+    };
     let addr = s.base.strip_prefix("http://").unwrap().to_owned();
     let body = json!({"messages": [{"role": "user", "content": "Count slowly to a thousand."}], "max_tokens": 1500,
                       "temperature": 0, "stream": true})
@@ -191,7 +259,10 @@ fn a_disconnecting_client_frees_its_slot() {
             if h["slots_processing"] == want {
                 return t0.elapsed();
             }
-            assert!(t0.elapsed() < Duration::from_secs(5), "slots_processing is not {want} after 5 s");
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "slots_processing is not {want} after 5 s"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     };
@@ -206,18 +277,32 @@ fn a_disconnecting_client_frees_its_slot() {
 
 #[test]
 fn over_the_queue_is_429() {
-    let Some(s) = Server::start(&["--parallel", "1", "--queue", "1"]) else { return };
+    let Some(s) = Server::start(&["--parallel", "1", "--queue", "1"]) else {
+        return;
+    };
     let base = s.base.clone();
     let handles: Vec<_> = (0..4)
         .map(|i| {
             let base = base.clone();
-            std::thread::spawn(move || post_to(&base, "/v1/chat/completions", &user(&format!("Story {i}"), 40).to_string()))
+            std::thread::spawn(move || {
+                post_to(
+                    &base,
+                    "/v1/chat/completions",
+                    &user(&format!("Story {i}"), 40).to_string(),
+                )
+            })
         })
         .collect();
     let results: Vec<(u16, String)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     let rejected: Vec<&(u16, String)> = results.iter().filter(|(st, _)| *st == 429).collect();
-    assert!(results.iter().all(|(st, _)| *st == 200 || *st == 429), "{results:?}");
-    assert!(!rejected.is_empty() && results.iter().any(|(st, _)| *st == 200), "{results:?}");
+    assert!(
+        results.iter().all(|(st, _)| *st == 200 || *st == 429),
+        "{results:?}"
+    );
+    assert!(
+        !rejected.is_empty() && results.iter().any(|(st, _)| *st == 200),
+        "{results:?}"
+    );
     let err: Value = serde_json::from_str(&rejected[0].1).unwrap();
     assert_eq!(err["error"]["type"], "rate_limit_error");
     assert!(err["error"]["message"].as_str().unwrap().contains("busy"));
@@ -235,10 +320,22 @@ fn malformed_requests_get_4xx() {
         (chat, r#"{"messages":"hi"}"#.into(), 400),
         (chat, r#"{"messages":[]}"#.into(), 400),
         (chat, r#"{"messages":[3]}"#.into(), 400),
-        (chat, r#"{"messages":[{"role":"wizard","content":"x"}]}"#.into(), 400),
+        (
+            chat,
+            r#"{"messages":[{"role":"wizard","content":"x"}]}"#.into(),
+            400,
+        ),
         (chat, r#"{"messages":[{"content":"x"}]}"#.into(), 400),
-        (chat, r#"{"messages":[{"role":"user","content":7}]}"#.into(), 400),
-        (chat, r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#.into(), 400),
+        (
+            chat,
+            r#"{"messages":[{"role":"user","content":7}]}"#.into(),
+            400,
+        ),
+        (
+            chat,
+            r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#.into(),
+            400,
+        ),
         (chat, format!(r#"{{{ok_msgs},"max_tokens":-1}}"#), 400),
         (chat, format!(r#"{{{ok_msgs},"max_tokens":"ten"}}"#), 400),
         (chat, format!(r#"{{{ok_msgs},"max_tokens":1000000}}"#), 400),
@@ -248,14 +345,37 @@ fn malformed_requests_get_4xx() {
         (chat, format!(r#"{{{ok_msgs},"n":0}}"#), 400),
         (chat, format!(r#"{{{ok_msgs},"n":1000}}"#), 400),
         (chat, format!(r#"{{{ok_msgs},"stop":5}}"#), 400),
-        (chat, format!(r#"{{{ok_msgs},"logit_bias":{{"abc":1}}}}"#), 400),
-        (chat, format!(r#"{{{ok_msgs},"logit_bias":{{"99999999":1}}}}"#), 400),
-        (chat, format!(r#"{{{ok_msgs},"logit_bias":{{"5":-1000}}}}"#), 400),
+        (
+            chat,
+            format!(r#"{{{ok_msgs},"logit_bias":{{"abc":1}}}}"#),
+            400,
+        ),
+        (
+            chat,
+            format!(r#"{{{ok_msgs},"logit_bias":{{"99999999":1}}}}"#),
+            400,
+        ),
+        (
+            chat,
+            format!(r#"{{{ok_msgs},"logit_bias":{{"5":-1000}}}}"#),
+            400,
+        ),
         (chat, format!(r#"{{{ok_msgs},"seed":"x"}}"#), 400),
         (chat, format!(r#"{{{ok_msgs},"stream":"yes"}}"#), 400),
-        (chat, format!(r#"{{{ok_msgs},"logprobs":true,"top_logprobs":100}}"#), 400),
+        (
+            chat,
+            format!(r#"{{{ok_msgs},"logprobs":true,"top_logprobs":100}}"#),
+            400,
+        ),
         (chat, format!(r#"{{{ok_msgs},"presence_penalty":9}}"#), 400),
-        (chat, format!(r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#, "word ".repeat(3000)), 400),
+        (
+            chat,
+            format!(
+                r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#,
+                "word ".repeat(3000)
+            ),
+            400,
+        ),
         ("/v1/completions", "{}".into(), 400),
         ("/v1/completions", r#"{"prompt":{"a":1}}"#.into(), 400),
         ("/v1/completions", r#"{"prompt":[1, 99999999]}"#.into(), 400),
@@ -266,9 +386,20 @@ fn malformed_requests_get_4xx() {
     assert!(cases.len() >= 20);
     for (path, body, want) in &cases {
         let (status, text) = s.post_raw(path, body);
-        assert_eq!(status, *want, "{path} {}: {text}", &body[..body.len().min(80)]);
-        let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{path}: error body is not JSON: {text}"));
-        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{text}");
+        assert_eq!(
+            status,
+            *want,
+            "{path} {}: {text}",
+            &body[..body.len().min(80)]
+        );
+        let v: Value = serde_json::from_str(&text)
+            .unwrap_or_else(|_| panic!("{path}: error body is not JSON: {text}"));
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{text}"
+        );
     }
     // A body over the limit is refused from its declared length, before it is read. An
     // HTTP client still sending it may see the connection close under it (the server
@@ -276,37 +407,71 @@ fn malformed_requests_get_4xx() {
     // headers and a first piece, then the answer is read.
     let (status, text) = post_declared(s.base.strip_prefix("http://").unwrap(), chat, 9 << 20);
     assert_eq!(status, 413, "{text}");
-    let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("error body is not JSON: {text}"));
-    assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{text}");
+    let v: Value =
+        serde_json::from_str(&text).unwrap_or_else(|_| panic!("error body is not JSON: {text}"));
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{text}"
+    );
     let (status, _) = s.get("/v1/chat/completions");
     assert_eq!(status, 405);
     assert_eq!(s.get("/health").0, 200, "the server survives");
-    let counted = cases.iter().filter(|c| c.0 != "/tokenize" && c.0 != "/detokenize" && c.0 != "/v1/nowhere").count() + 1;
-    assert_eq!(s.metric("astra_requests_total{outcome=\"invalid\"}") as usize, counted);
+    let counted = cases
+        .iter()
+        .filter(|c| c.0 != "/tokenize" && c.0 != "/detokenize" && c.0 != "/v1/nowhere")
+        .count()
+        + 1;
+    assert_eq!(
+        s.metric("astra_requests_total{outcome=\"invalid\"}") as usize,
+        counted
+    );
 }
 
 /// POSTs headers declaring a JSON body of `len` bytes and sends only its first 64 KiB;
 /// returns the status and body of the answer.
 fn post_declared(addr: &str, path: &str, len: usize) -> (u16, String) {
     let mut conn = TcpStream::connect(addr).unwrap();
-    conn.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
     write!(conn, "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n").unwrap();
     let _ = conn.write_all(&vec![b' '; (64 << 10).min(len)]);
     let mut raw = Vec::new();
     let _ = conn.read_to_end(&mut raw);
     let text = String::from_utf8_lossy(&raw).into_owned();
-    let status = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("no status line: {text:?}"));
-    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {text:?}"));
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_owned();
     (status, body)
 }
 
 #[test]
 fn tokenize_detokenize_models_props_metrics() {
     let Some(s) = Server::start(&[]) else { return };
-    let (status, v) = s.post("/tokenize", &json!({"content": "Hello world", "with_pieces": true}));
+    let (status, v) = s.post(
+        "/tokenize",
+        &json!({"content": "Hello world", "with_pieces": true}),
+    );
     assert_eq!(status, 200);
-    let ids: Vec<u64> = v["tokens"].as_array().unwrap().iter().map(|t| t["id"].as_u64().unwrap()).collect();
-    let pieces: String = v["tokens"].as_array().unwrap().iter().map(|t| t["piece"].as_str().unwrap()).collect();
+    let ids: Vec<u64> = v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].as_u64().unwrap())
+        .collect();
+    let pieces: String = v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["piece"].as_str().unwrap())
+        .collect();
     assert_eq!(pieces, "Hello world");
     let (_, d) = s.post("/detokenize", &json!({"tokens": ids}));
     assert_eq!(d["content"], "Hello world");
@@ -317,7 +482,11 @@ fn tokenize_detokenize_models_props_metrics() {
     assert_eq!(props["default_generation_settings"]["n_ctx"], 2048);
     assert_eq!(props["eos_token"], "<|im_end|>");
     s.chat(&user("Hi", 4));
-    for name in ["astra_time_to_first_token_seconds_count", "astra_inter_token_latency_seconds_count", "astra_request_duration_seconds_count"] {
+    for name in [
+        "astra_time_to_first_token_seconds_count",
+        "astra_inter_token_latency_seconds_count",
+        "astra_request_duration_seconds_count",
+    ] {
         assert!(s.metric(name) >= 1.0, "{name}");
     }
     assert_eq!(s.metric("astra_generated_tokens_total"), 4.0);
@@ -326,12 +495,24 @@ fn tokenize_detokenize_models_props_metrics() {
 
 #[test]
 fn sigterm_finishes_in_flight_requests_then_exits_zero() {
-    let Some(mut s) = Server::start(&[]) else { return };
+    let Some(mut s) = Server::start(&[]) else {
+        return;
+    };
     let base = s.base.clone();
-    let inflight = std::thread::spawn(move || post_to(&base, "/v1/chat/completions", &user("Describe the sea.", 48).to_string()));
+    let inflight = std::thread::spawn(move || {
+        post_to(
+            &base,
+            "/v1/chat/completions",
+            &user("Describe the sea.", 48).to_string(),
+        )
+    });
     std::thread::sleep(Duration::from_millis(300));
     let pid = s.child.id().to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
     let (status, body) = inflight.join().unwrap();
     assert_eq!(status, 200, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();
@@ -342,7 +523,10 @@ fn sigterm_finishes_in_flight_requests_then_exits_zero() {
             assert!(code.success(), "exit status {code}");
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(10), "the server did not exit");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the server did not exit"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -352,16 +536,30 @@ fn sigterm_finishes_in_flight_requests_then_exits_zero() {
 #[test]
 fn official_openai_python_client() {
     let script = format!("{}/tests/openai_client.py", env!("CARGO_MANIFEST_DIR"));
-    let has_client = Command::new("python3").args(["-c", "import openai"]).status().is_ok_and(|s| s.success());
+    let has_client = Command::new("python3")
+        .args(["-c", "import openai"])
+        .status()
+        .is_ok_and(|s| s.success());
     if !has_client {
         let why = "the openai Python package is not importable (scripts/test installs it)";
-        assert!(std::env::var("ASTRA_REQUIRE_OPENAI").map_or(true, |v| v != "1"), "{why}");
+        assert!(
+            std::env::var("ASTRA_REQUIRE_OPENAI").map_or(true, |v| v != "1"),
+            "{why}"
+        );
         eprintln!("SKIPPED: {why}");
         return;
     }
     let Some(s) = Server::start(&[]) else { return };
-    let out = Command::new("python3").arg(&script).arg(&s.base).output().expect("run python3");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(&s.base)
+        .output()
+        .expect("run python3");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(out.status.success(), "{text}");
     assert!(text.contains("all checks passed"), "{text}");
 }

@@ -25,7 +25,11 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, Option<VecDot4Fn>)
     macro_rules! four {
         ($f:ident) => {{
             fn wrapper(w: &[u8], row_bytes: usize, a: [ActRow; 4], out: &mut [[f32; 4]]) {
-                assert_eq!(w.len(), row_bytes * out.len(), "weights are not out.len() rows");
+                assert_eq!(
+                    w.len(),
+                    row_bytes * out.len(),
+                    "weights are not out.len() rows"
+                );
                 let a = a.map(|r| r.bytes);
                 for (row, o) in w.chunks_exact(row_bytes.max(1)).zip(out) {
                     // SAFETY: only handed out when AVX2/FMA/F16C are present (module doc).
@@ -117,7 +121,6 @@ pub(super) unsafe fn prefetch_ahead(w: &[u8], at: usize, len: usize) {
     }
 }
 
-
 #[inline(always)]
 pub(super) unsafe fn load(p: &[i8]) -> __m256i {
     debug_assert!(p.len() >= 32);
@@ -182,7 +185,10 @@ pub(super) unsafe fn srl16(x: __m256i, n: i32) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q4_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
-    for (w, a) in as_blocks::<BlockQ4_0>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
+    for (w, a) in as_blocks::<BlockQ4_0>(w)
+        .iter()
+        .zip(as_blocks::<BlockQ8_0>(a))
+    {
         let qx = _mm256_sub_epi8(nibbles(&w.qs), _mm256_set1_epi8(8));
         let p = _mm256_cvtepi32_ps(dot_i8(qx, load(&a.qs)));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.d, a.d)), p, acc);
@@ -204,8 +210,14 @@ unsafe fn scale_products(wd: F16Le, wm: F16Le, ad: F16Le, as_: F16Le) -> __m128 
 unsafe fn dot_q5_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut mins = _mm_setzero_ps();
-    for (w, a) in as_blocks::<BlockQ5_1>(w).iter().zip(as_blocks::<BlockQ8_1>(a)) {
-        let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(w.qh)), _mm256_set1_epi8(0x10));
+    for (w, a) in as_blocks::<BlockQ5_1>(w)
+        .iter()
+        .zip(as_blocks::<BlockQ8_1>(a))
+    {
+        let high = _mm256_and_si256(
+            bits_to_bytes(u32::from_le_bytes(w.qh)),
+            _mm256_set1_epi8(0x10),
+        );
         let qx = _mm256_or_si256(nibbles(&w.qs), high);
         let p = _mm256_cvtepi32_ps(dot_u8_i8(qx, load(&a.qs)));
         let prods = scale_products(w.d, w.m, a.d, a.s);
@@ -237,8 +249,10 @@ unsafe fn dotn_q4_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
             let sc_hi = _mm256_set1_epi16(sc[2 * j + 1] as i16);
             for r in 0..N {
                 let ab = &a[r][i];
-                let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(&ab.qs[64 * j..])), sc_lo);
-                let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(&ab.qs[64 * j + 32..])), sc_hi);
+                let p_lo =
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(&ab.qs[64 * j..])), sc_lo);
+                let p_hi =
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(&ab.qs[64 * j + 32..])), sc_hi);
                 sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p_lo, p_hi));
             }
         }
@@ -279,15 +293,24 @@ unsafe fn dotn_q6_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
             let quarters = [
                 _mm256_or_si256(_mm256_and_si256(ql0, m4), high(qh, 0, m3)),
                 _mm256_or_si256(_mm256_and_si256(ql1, m4), high(qh, 2, m3)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(qh, 4, m3)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(qh, 6, m3)),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                    high(qh, 4, m3),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                    high(qh, 6, m3),
+                ),
             ];
             for (q_r, q) in quarters.into_iter().enumerate() {
                 let g = 8 * n + 2 * q_r;
                 let sc = scale_pair(wb.scales[g] as i16, wb.scales[g + 1] as i16);
                 for r in 0..N {
                     let y = load(&a[r][i].qs[128 * n + 32 * q_r..]);
-                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), sc));
+                    sumi[r] = _mm256_add_epi32(
+                        sumi[r],
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), sc),
+                    );
                 }
             }
         }
@@ -306,7 +329,10 @@ unsafe fn dotn_q6_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
 unsafe fn dot_iq4_nl_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()));
     let mut acc = _mm256_setzero_ps();
-    for (w, a) in as_blocks::<BlockIq4Nl>(w).iter().zip(as_blocks::<BlockQ8_0>(a)) {
+    for (w, a) in as_blocks::<BlockIq4Nl>(w)
+        .iter()
+        .zip(as_blocks::<BlockQ8_0>(a))
+    {
         let qx = _mm256_shuffle_epi8(table, nibbles(&w.qs));
         let p = _mm256_cvtepi32_ps(dot_i8(qx, load(&a.qs)));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_mul(w.d, a.d)), p, acc);
@@ -353,7 +379,10 @@ unsafe fn dot_q2_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
 unsafe fn dot_q2_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut mins = 0.0f32;
-    for (w, a) in as_blocks::<BlockQ2K>(w).iter().zip(as_blocks::<BlockQ8K>(a)) {
+    for (w, a) in as_blocks::<BlockQ2K>(w)
+        .iter()
+        .zip(as_blocks::<BlockQ8K>(a))
+    {
         let msum: i32 = (0..16).map(|g| (w.scales[g] >> 4) as i32 * a.bsum(g)).sum();
         let mut sumi = _mm256_setzero_si256();
         for half in 0..2 {
@@ -376,7 +405,10 @@ unsafe fn dot_q2_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q3_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
-    for (w, a) in as_blocks::<BlockQ3K>(w).iter().zip(as_blocks::<BlockQ8K>(a)) {
+    for (w, a) in as_blocks::<BlockQ3K>(w)
+        .iter()
+        .zip(as_blocks::<BlockQ8K>(a))
+    {
         let scales = q3k_scales(&w.scales);
         let hbits = load_u8(&w.hmask);
         let mut sumi = _mm256_setzero_si256();
@@ -384,17 +416,23 @@ unsafe fn dot_q3_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
             let q3 = load_u8(&w.qs[32 * half..]);
             for j in 0..4 {
                 let low = _mm256_and_si256(srl16(q3, 2 * j as i32), _mm256_set1_epi8(3));
-                let bit = _mm256_and_si256(srl16(hbits, (4 * half + j) as i32), _mm256_set1_epi8(1));
+                let bit =
+                    _mm256_and_si256(srl16(hbits, (4 * half + j) as i32), _mm256_set1_epi8(1));
                 // 4 where the high bit is clear: the weight is low - 4.
                 let minus = _mm256_slli_epi16(_mm256_xor_si256(bit, _mm256_set1_epi8(1)), 2);
                 let y = load(&a.qs[128 * half + 32 * j..]);
-                let p = _mm256_sub_epi16(_mm256_maddubs_epi16(low, y), _mm256_maddubs_epi16(minus, y));
+                let p =
+                    _mm256_sub_epi16(_mm256_maddubs_epi16(low, y), _mm256_maddubs_epi16(minus, y));
                 let g = 8 * half + 2 * j;
                 let sc = scale_pair(scales[g] as i16, scales[g + 1] as i16);
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sc));
             }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w.d) * a.d()), _mm256_cvtepi32_ps(sumi), acc);
+        acc = _mm256_fmadd_ps(
+            _mm256_set1_ps(f16(w.d) * a.d()),
+            _mm256_cvtepi32_ps(sumi),
+            acc,
+        );
     }
     hsum_f32(acc)
 }
@@ -429,7 +467,10 @@ unsafe fn dot_q5_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     let mut mins = 0.0f32;
     let m4 = _mm256_set1_epi8(0x0F);
     let one = _mm256_set1_epi8(1);
-    for (w, a) in as_blocks::<BlockQ5K>(w).iter().zip(as_blocks::<BlockQ8K>(a)) {
+    for (w, a) in as_blocks::<BlockQ5K>(w)
+        .iter()
+        .zip(as_blocks::<BlockQ8K>(a))
+    {
         let (sc, mins16) = k4_scales_mins(&w.scales);
         let hbits = load_u8(&w.qh);
         let mut sumi = _mm256_setzero_si256();
@@ -442,7 +483,8 @@ unsafe fn dot_q5_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
             let sc_lo = _mm256_set1_epi16(sc[2 * j] as i16);
             let sc_hi = _mm256_set1_epi16(sc[2 * j + 1] as i16);
             let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(&a.qs[64 * j..])), sc_lo);
-            let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(&a.qs[64 * j + 32..])), sc_hi);
+            let p_hi =
+                _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(&a.qs[64 * j + 32..])), sc_hi);
             sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
         }
         let ((wd, wdmin), da) = (f16_pair(w.d, w.dmin), a.d());
@@ -460,7 +502,10 @@ unsafe fn dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q8_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
-    for (w, a) in as_blocks::<BlockQ8K>(w).iter().zip(as_blocks::<BlockQ8K>(a)) {
+    for (w, a) in as_blocks::<BlockQ8K>(w)
+        .iter()
+        .zip(as_blocks::<BlockQ8K>(a))
+    {
         let mut sumi = _mm256_setzero_si256();
         for j in 0..8 {
             sumi = _mm256_add_epi32(sumi, dot_i8(load(&w.qs[32 * j..]), load(&a.qs[32 * j..])));
@@ -474,7 +519,10 @@ unsafe fn dot_q8_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
 unsafe fn dot_iq2_s_q8_k(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let one = _mm256_set1_epi8(1);
-    for (w, a) in as_blocks::<BlockIq2S>(w).iter().zip(as_blocks::<BlockQ8K>(a)) {
+    for (w, a) in as_blocks::<BlockIq2S>(w)
+        .iter()
+        .zip(as_blocks::<BlockQ8K>(a))
+    {
         let mut sumi = _mm256_setzero_si256();
         for ib32 in 0..8 {
             let g = |l: usize| i64::from_le_bytes(iq2s_grid_point(w, ib32, l));
@@ -487,7 +535,11 @@ unsafe fn dot_iq2_s_q8_k(w: &[u8], a: &[u8]) -> f32 {
             let sc = scale_pair(2 * (s & 0xF) as i16 + 1, 2 * (s >> 4) as i16 + 1);
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(qx, y), sc));
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w.d) * a.d() * 0.125), _mm256_cvtepi32_ps(sumi), acc);
+        acc = _mm256_fmadd_ps(
+            _mm256_set1_ps(f16(w.d) * a.d() * 0.125),
+            _mm256_cvtepi32_ps(sumi),
+            acc,
+        );
     }
     hsum_f32(acc)
 }
@@ -516,7 +568,11 @@ unsafe fn dot_floats(
         i += 32;
     }
     while i + 8 <= n {
-        acc[0] = _mm256_fmadd_ps(load_w(wp.add(i * wsize)), _mm256_loadu_ps(ap.add(i)), acc[0]);
+        acc[0] = _mm256_fmadd_ps(
+            load_w(wp.add(i * wsize)),
+            _mm256_loadu_ps(ap.add(i)),
+            acc[0],
+        );
         i += 8;
     }
     let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
@@ -530,12 +586,24 @@ unsafe fn dot_floats(
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_f32_f32(w: &[u8], a: &[u8]) -> f32 {
-    dot_floats(w, a, 4, |p| _mm256_loadu_ps(p.cast()), |b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+    dot_floats(
+        w,
+        a,
+        4,
+        |p| _mm256_loadu_ps(p.cast()),
+        |b| f32::from_le_bytes(b.try_into().expect("4 bytes")),
+    )
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_f16_f32(w: &[u8], a: &[u8]) -> f32 {
-    dot_floats(w, a, 2, |p| _mm256_cvtph_ps(_mm_loadu_si128(p.cast())), |b| F16Le([b[0], b[1]]).get())
+    dot_floats(
+        w,
+        a,
+        2,
+        |p| _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+        |b| F16Le([b[0], b[1]]).get(),
+    )
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -544,7 +612,12 @@ unsafe fn dot_bf16_f32(w: &[u8], a: &[u8]) -> f32 {
         w,
         a,
         2,
-        |p| _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())), 16)),
+        |p| {
+            _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())),
+                16,
+            ))
+        },
         |b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16),
     )
 }

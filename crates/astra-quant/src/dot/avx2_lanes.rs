@@ -24,7 +24,9 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::lanes::{group, lane_entries, tile_rows, Act, LaneFormat, Q4_1Lanes, Q5_0Lanes, Q8_0Lanes};
+use super::lanes::{
+    group, lane_entries, tile_rows, Act, LaneFormat, Q4_1Lanes, Q5_0Lanes, Q8_0Lanes,
+};
 use super::{ActRow, ActType, Packing, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_ROWS};
 use crate::blocks::*;
 use crate::GgmlType;
@@ -46,7 +48,12 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, VecDot1Fn, VecDotT
                 // SAFETY: as for `packed_dot1`.
                 unsafe { tile_dot_packed::<$f>(w, row_bytes, a, out) }
             }
-            let packing = Packing { rows: LANES, pack: pack::<$f>, dot1: packed_dot1, tile: packed_tile };
+            let packing = Packing {
+                rows: LANES,
+                pack: pack::<$f>,
+                dot1: packed_dot1,
+                tile: packed_tile,
+            };
             Some((dot, dot1, tile, packing))
         }};
     }
@@ -108,11 +115,18 @@ fn pack_dwords(codes: [&[u8]; LANES], n: usize, out: &mut [u8]) {
 /// `out` is `w` (whole rows) with each whole group of eight rows packed, block by
 /// block, in the group's place; the rows after the last whole group are copied.
 fn pack<F: Lanes8>(w: &[u8], row_bytes: usize, out: &mut [u8]) {
-    assert!(row_bytes > 0 && w.len().is_multiple_of(row_bytes) && out.len() == w.len(), "packing whole rows");
+    assert!(
+        row_bytes > 0 && w.len().is_multiple_of(row_bytes) && out.len() == w.len(),
+        "packing whole rows"
+    );
     let (span, block) = (LANES * row_bytes, std::mem::size_of::<F::W>());
     let whole = w.len() / span * span;
-    for (g, out) in w[..whole].chunks_exact(span).zip(out[..whole].chunks_exact_mut(span)) {
-        let rows: [&[F::W]; LANES] = std::array::from_fn(|l| as_blocks::<F::W>(&g[l * row_bytes..(l + 1) * row_bytes]));
+    for (g, out) in w[..whole]
+        .chunks_exact(span)
+        .zip(out[..whole].chunks_exact_mut(span))
+    {
+        let rows: [&[F::W]; LANES] =
+            std::array::from_fn(|l| as_blocks::<F::W>(&g[l * row_bytes..(l + 1) * row_bytes]));
         for (b, out) in out.chunks_exact_mut(LANES * block).enumerate() {
             pack_blocks::<F>(std::array::from_fn(|l| &rows[l][b]), out);
         }
@@ -154,7 +168,10 @@ unsafe fn nibble_lanes(qs: [&[u8; 16]; LANES]) -> [__m256i; 8] {
     // p[j]: row j in the low 128-bit half, row j + 4 in the high.
     let mut p = [_mm256_setzero_si256(); 4];
     for (j, p) in p.iter_mut().enumerate() {
-        *p = _mm256_set_m128i(_mm_loadu_si128(qs[j + 4].as_ptr().cast()), _mm_loadu_si128(qs[j].as_ptr().cast()));
+        *p = _mm256_set_m128i(
+            _mm_loadu_si128(qs[j + 4].as_ptr().cast()),
+            _mm_loadu_si128(qs[j].as_ptr().cast()),
+        );
     }
     let t = [
         _mm256_unpacklo_epi32(p[0], p[1]),
@@ -177,7 +194,9 @@ impl Lanes8 for Q4_1Lanes {
     const I16_RUN: usize = 8;
     #[inline(always)]
     unsafe fn lane_codes(rows: &[&[BlockQ4_1]], b: usize) -> [__m256i; 8] {
-        nibble_lanes(std::array::from_fn(|l| &rows.get_unchecked(l).get_unchecked(b).qs))
+        nibble_lanes(std::array::from_fn(|l| {
+            &rows.get_unchecked(l).get_unchecked(b).qs
+        }))
     }
     // Eight scales, eight minimums.
     const PACKED_HEAD: usize = 32;
@@ -203,13 +222,24 @@ impl Lanes8 for Q5_0Lanes {
         // Bit e of a row's qh is its element e's fifth bit: code + 16 where set. Lane
         // l of `qh` holds row l's; vector k takes bits 4k..4k+4 (byte k / 2 of the
         // lane, from bit 4(k % 2)) into bytes 0..4 of the lane.
-        let qh = _mm256_loadu_si256(std::array::from_fn::<u32, LANES, _>(|l| u32::from_le_bytes(block(l).qh)).as_ptr().cast());
-        let dword_base = _mm256_setr_epi8(
-            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+        let qh = _mm256_loadu_si256(
+            std::array::from_fn::<u32, LANES, _>(|l| u32::from_le_bytes(block(l).qh))
+                .as_ptr()
+                .cast(),
         );
-        let (bits_low, bits_high) = (_mm256_set1_epi32(0x0804_0201), _mm256_set1_epi32(0x8040_2010u32 as i32));
+        let dword_base = _mm256_setr_epi8(
+            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8,
+            12, 12, 12, 12,
+        );
+        let (bits_low, bits_high) = (
+            _mm256_set1_epi32(0x0804_0201),
+            _mm256_set1_epi32(0x8040_2010u32 as i32),
+        );
         for (k, c) in codes.iter_mut().enumerate() {
-            let bytes = _mm256_shuffle_epi8(qh, _mm256_add_epi8(dword_base, _mm256_set1_epi8((k / 2) as i8)));
+            let bytes = _mm256_shuffle_epi8(
+                qh,
+                _mm256_add_epi8(dword_base, _mm256_set1_epi8((k / 2) as i8)),
+            );
             let bit = if k % 2 == 0 { bits_low } else { bits_high };
             let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
             *c = _mm256_or_si256(*c, _mm256_and_si256(set, _mm256_set1_epi8(16)));
@@ -289,7 +319,11 @@ impl Lanes8 for Q8_0Lanes {
     const PACKED_HEAD: usize = 16;
     fn pack_rest(blocks: [&BlockQ8_0; LANES], out: &mut [u8]) {
         let codes = blocks.map(|b| b.qs.map(|q| q as u8));
-        pack_dwords(std::array::from_fn(|l| &codes[l][..]), 8, &mut out[Self::PACKED_HEAD..]);
+        pack_dwords(
+            std::array::from_fn(|l| &codes[l][..]),
+            8,
+            &mut out[Self::PACKED_HEAD..],
+        );
     }
     #[inline(always)]
     unsafe fn packed_codes(p: *const u8) -> [__m256i; 8] {
@@ -324,12 +358,32 @@ const _: () = assert!(
 unsafe fn lane_block<F: Lanes8>(rows: &[&[F::W]], b: usize) -> LaneBlock {
     // Both formats start with d (f16); Q4_1 follows it with m. Lane l: row l's first
     // four bytes.
-    let word = |l: usize| std::ptr::from_ref(rows.get_unchecked(l).get_unchecked(b)).cast::<i32>().read_unaligned();
-    let words = _mm256_setr_epi32(word(0), word(1), word(2), word(3), word(4), word(5), word(6), word(7));
+    let word = |l: usize| {
+        std::ptr::from_ref(rows.get_unchecked(l).get_unchecked(b))
+            .cast::<i32>()
+            .read_unaligned()
+    };
+    let words = _mm256_setr_epi32(
+        word(0),
+        word(1),
+        word(2),
+        word(3),
+        word(4),
+        word(5),
+        word(6),
+        word(7),
+    );
     LaneBlock {
         codes: F::lane_codes(rows, b),
-        d: _mm256_cvtph_ps(low_halves(_mm256_and_si256(words, _mm256_set1_epi32(0xFFFF)))),
-        m: if F::SHIFT.is_none() { _mm256_cvtph_ps(low_halves(_mm256_srli_epi32::<16>(words))) } else { _mm256_setzero_ps() },
+        d: _mm256_cvtph_ps(low_halves(_mm256_and_si256(
+            words,
+            _mm256_set1_epi32(0xFFFF),
+        ))),
+        m: if F::SHIFT.is_none() {
+            _mm256_cvtph_ps(low_halves(_mm256_srli_epi32::<16>(words)))
+        } else {
+            _mm256_setzero_ps()
+        },
     }
 }
 
@@ -337,7 +391,9 @@ unsafe fn lane_block<F: Lanes8>(rows: &[&[F::W]], b: usize) -> LaneBlock {
 #[inline(always)]
 unsafe fn low_halves(v: __m256i) -> __m128i {
     // Per 128-bit half: its four values twice; then the halves' first copies together.
-    _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(v, v)))
+    _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(
+        v, v,
+    )))
 }
 
 /// The token's quants 4k..4k+4 of block b, each broadcast to every lane.
@@ -380,12 +436,23 @@ unsafe fn block_sums<F: Lanes8>(x: &LaneBlock, y: &[__m256i; 8], a: Act, b: usiz
 /// The float chains (value, minimum) of eight rows against one token, advanced by
 /// block b whose integer sums are `isum`.
 #[inline(always)]
-unsafe fn step<F: Lanes8>(x: &LaneBlock, isum: __m256i, a: Act, b: usize, acc: &mut __m256, min: &mut __m256) {
+unsafe fn step<F: Lanes8>(
+    x: &LaneBlock,
+    isum: __m256i,
+    a: Act,
+    b: usize,
+    acc: &mut __m256,
+    min: &mut __m256,
+) {
     let (da, sa) = match F::SHIFT {
         Some(_) => (*a.s.add(b), 0.0),
         None => (*a.s.add(2 * b), *a.s.add(2 * b + 1)),
     };
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(x.d, _mm256_set1_ps(da)), *acc);
+    *acc = _mm256_fmadd_ps(
+        _mm256_cvtepi32_ps(isum),
+        _mm256_mul_ps(x.d, _mm256_set1_ps(da)),
+        *acc,
+    );
     if F::SHIFT.is_none() {
         *min = _mm256_fmadd_ps(x.m, _mm256_set1_ps(sa), *min);
     }
@@ -394,7 +461,11 @@ unsafe fn step<F: Lanes8>(x: &LaneBlock, isum: __m256i, a: Act, b: usize, acc: &
 /// The eight results of a pair of chains.
 #[inline(always)]
 unsafe fn finish<F: Lanes8>(acc: __m256, min: __m256) -> [f32; LANES] {
-    let v = if F::SHIFT.is_none() { _mm256_add_ps(acc, min) } else { acc };
+    let v = if F::SHIFT.is_none() {
+        _mm256_add_ps(acc, min)
+    } else {
+        acc
+    };
     std::mem::transmute::<__m256, [f32; LANES]>(v)
 }
 
@@ -405,7 +476,11 @@ unsafe fn packed_block<F: Lanes8>(p: *const u8) -> LaneBlock {
     LaneBlock {
         codes: F::packed_codes(p),
         d: _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
-        m: if F::SHIFT.is_none() { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast())) } else { _mm256_setzero_ps() },
+        m: if F::SHIFT.is_none() {
+            _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast()))
+        } else {
+            _mm256_setzero_ps()
+        },
     }
 }
 
@@ -442,8 +517,16 @@ impl<F: Lanes8> Blocks<F> for Packed {
 /// each group decoded as it streams past (from packed groups where `PACKED`, the last
 /// rows, short of a group, as stored) while the next one is prefetched.
 #[inline(always)]
-unsafe fn dot1_groups<F: Lanes8, const PACKED: bool>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
-    assert!(row_bytes > 0 && w.len() == row_bytes * out.len(), "weights are not out.len() rows");
+unsafe fn dot1_groups<F: Lanes8, const PACKED: bool>(
+    w: &[u8],
+    row_bytes: usize,
+    a: ActRow<'_>,
+    out: &mut [f32],
+) {
+    assert!(
+        row_bytes > 0 && w.len() == row_bytes * out.len(),
+        "weights are not out.len() rows"
+    );
     let blocks = row_bytes / std::mem::size_of::<F::W>();
     let act = Act::new::<F>(&a, blocks);
     // The next group's bytes are asked for a block's share at a time.
@@ -452,7 +535,12 @@ unsafe fn dot1_groups<F: Lanes8, const PACKED: bool>(w: &[u8], row_bytes: usize,
     for (g, out) in out.chunks_mut(LANES).enumerate() {
         let next = (g + 1) * span;
         let v = if PACKED && out.len() == LANES {
-            group_dot::<F, _>(&Packed(w.as_ptr().add(g * span)), act, blocks, (w, next, per_block))
+            group_dot::<F, _>(
+                &Packed(w.as_ptr().add(g * span)),
+                act,
+                blocks,
+                (w, next, per_block),
+            )
         } else {
             let rows = group::<F::W, LANES>(w, row_bytes, g * LANES, out.len());
             group_dot::<F, _>(&Stored(rows), act, blocks, (w, next, per_block))
@@ -464,7 +552,12 @@ unsafe fn dot1_groups<F: Lanes8, const PACKED: bool>(w: &[u8], row_bytes: usize,
 /// One group's eight results against one token, asking for `(w, at, per_block)`:
 /// `per_block` bytes of `w` from `at + b · per_block` as block b is read.
 #[inline(always)]
-unsafe fn group_dot<F: Lanes8, S: Blocks<F>>(src: &S, act: Act, blocks: usize, (w, at, per_block): (&[u8], usize, usize)) -> [f32; LANES] {
+unsafe fn group_dot<F: Lanes8, S: Blocks<F>>(
+    src: &S,
+    act: Act,
+    blocks: usize,
+    (w, at, per_block): (&[u8], usize, usize),
+) -> [f32; LANES] {
     let (mut acc, mut min) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     for b in 0..blocks {
         super::avx2::prefetch_ahead(w, at + b * per_block, per_block);
@@ -497,18 +590,37 @@ thread_local! {
 /// half is a whole group), then every token runs both halves' chains over the tile,
 /// each block's broadcasts shared by the two.
 #[inline(always)]
-unsafe fn tile_groups<F: Lanes8, const PACKED: bool>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], out: &mut [[f32; TILE_ROWS]]) {
+unsafe fn tile_groups<F: Lanes8, const PACKED: bool>(
+    w: &[u8],
+    row_bytes: usize,
+    a: &[ActRow<'_>],
+    out: &mut [[f32; TILE_ROWS]],
+) {
     let (rows, blocks) = tile_rows::<F::W>(w, row_bytes, a.len(), out.len());
     let n = w.len() / row_bytes;
     // Taken out of the thread-local rather than used in a closure: a closure would not
     // inherit this function's target features.
     let mut tile = TILE.take();
     tile.clear();
-    let (first, second) = (Stored(rows[..LANES].try_into().expect("eight")), Stored(rows[LANES..].try_into().expect("eight")));
-    let (p_first, p_second) = (Packed(w.as_ptr()), Packed(w.as_ptr().wrapping_add(LANES * row_bytes)));
+    let (first, second) = (
+        Stored(rows[..LANES].try_into().expect("eight")),
+        Stored(rows[LANES..].try_into().expect("eight")),
+    );
+    let (p_first, p_second) = (
+        Packed(w.as_ptr()),
+        Packed(w.as_ptr().wrapping_add(LANES * row_bytes)),
+    );
     for b in 0..blocks {
-        let x0 = if PACKED && n >= LANES { Blocks::<F>::block(&p_first, b) } else { Blocks::<F>::block(&first, b) };
-        let x1 = if PACKED && n == TILE_ROWS { Blocks::<F>::block(&p_second, b) } else { Blocks::<F>::block(&second, b) };
+        let x0 = if PACKED && n >= LANES {
+            Blocks::<F>::block(&p_first, b)
+        } else {
+            Blocks::<F>::block(&first, b)
+        };
+        let x1 = if PACKED && n == TILE_ROWS {
+            Blocks::<F>::block(&p_second, b)
+        } else {
+            Blocks::<F>::block(&second, b)
+        };
         tile.push([x0, x1]);
     }
     for (a, out) in a.iter().zip(out.iter_mut()) {
@@ -530,13 +642,23 @@ unsafe fn tile_groups<F: Lanes8, const PACKED: bool>(w: &[u8], row_bytes: usize,
 
 /// The batch tile over rows as stored.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_dot<F: Lanes8>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], out: &mut [[f32; TILE_ROWS]]) {
+unsafe fn tile_dot<F: Lanes8>(
+    w: &[u8],
+    row_bytes: usize,
+    a: &[ActRow<'_>],
+    out: &mut [[f32; TILE_ROWS]],
+) {
     tile_groups::<F, false>(w, row_bytes, a, out)
 }
 
 /// The batch tile over packed rows (`w` begins at a group).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_dot_packed<F: Lanes8>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], out: &mut [[f32; TILE_ROWS]]) {
+unsafe fn tile_dot_packed<F: Lanes8>(
+    w: &[u8],
+    row_bytes: usize,
+    a: &[ActRow<'_>],
+    out: &mut [[f32; TILE_ROWS]],
+) {
     tile_groups::<F, true>(w, row_bytes, a, out)
 }
 
@@ -554,11 +676,19 @@ mod tests {
             eprintln!("skipped: this machine has no AVX2");
             return;
         }
-        for (ty, act) in [(GgmlType::Q4_1, ActType::Q8_1), (GgmlType::Q5_0, ActType::Q8_0), (GgmlType::Q8_0, ActType::Q8_0)] {
+        for (ty, act) in [
+            (GgmlType::Q4_1, ActType::Q8_1),
+            (GgmlType::Q5_0, ActType::Q8_0),
+            (GgmlType::Q8_0, ActType::Q8_0),
+        ] {
             let (dot, dot1, tile, packing) = kernels(ty).unwrap();
             match ty {
-                GgmlType::Q4_1 => check_kernels::<Q4_1Lanes>(ty, act, (dot, dot1, tile), Some(packing)),
-                GgmlType::Q5_0 => check_kernels::<Q5_0Lanes>(ty, act, (dot, dot1, tile), Some(packing)),
+                GgmlType::Q4_1 => {
+                    check_kernels::<Q4_1Lanes>(ty, act, (dot, dot1, tile), Some(packing))
+                }
+                GgmlType::Q5_0 => {
+                    check_kernels::<Q5_0Lanes>(ty, act, (dot, dot1, tile), Some(packing))
+                }
                 _ => check_kernels::<Q8_0Lanes>(ty, act, (dot, dot1, tile), Some(packing)),
             }
         }
@@ -573,7 +703,11 @@ mod tests {
             eprintln!("skipped: this machine has no AVX2");
             return;
         }
-        for (ty, act) in [(GgmlType::Q5_0, ActType::Q8_0), (GgmlType::Q4_1, ActType::Q8_1), (GgmlType::Q8_0, ActType::Q8_0)] {
+        for (ty, act) in [
+            (GgmlType::Q5_0, ActType::Q8_0),
+            (GgmlType::Q4_1, ActType::Q8_1),
+            (GgmlType::Q8_0, ActType::Q8_0),
+        ] {
             let (_, dot1, _, packing) = kernels(ty).unwrap();
             let cols = 64;
             // Every quant byte 0xFF (every nibble 15, every fifth bit set) or, for Q8_0,
@@ -598,7 +732,9 @@ mod tests {
                 (packing.pack)(&weights, row_bytes, &mut packed);
                 let (mut got, mut got_packed) = ([0.0f32; 8], [0.0f32; 8]);
                 super::super::with_act_row(act, &q, |a| dot1(&weights, row_bytes, a, &mut got));
-                super::super::with_act_row(act, &q, |a| (packing.dot1)(&packed, row_bytes, a, &mut got_packed));
+                super::super::with_act_row(act, &q, |a| {
+                    (packing.dot1)(&packed, row_bytes, a, &mut got_packed)
+                });
                 let want: Vec<f32> = (0..8)
                     .map(|r| {
                         let w = &weights[r * row_bytes..(r + 1) * row_bytes];

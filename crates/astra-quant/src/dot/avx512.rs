@@ -26,7 +26,9 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::lanes::{group, lane_entries, tile_rows, Act, LaneFormat, Q4_1Lanes, Q5_0Lanes, Q8_0Lanes};
+use super::lanes::{
+    group, lane_entries, tile_rows, Act, LaneFormat, Q4_1Lanes, Q5_0Lanes, Q8_0Lanes,
+};
 use super::{ActRow, ActType, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_ROWS};
 use crate::blocks::*;
 use crate::GgmlType;
@@ -44,7 +46,10 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<LaneKernels> {
     macro_rules! entries {
         ($f:ty, $act:expr) => {{
             let (dot, dot1, tile) = lane_entries!(rows_dot1, tile_dot, $f, $act);
-            LaneKernels { single: Some((dot, dot1)), tile }
+            LaneKernels {
+                single: Some((dot, dot1)),
+                tile,
+            }
         }};
     }
     macro_rules! k_tile {
@@ -53,7 +58,10 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<LaneKernels> {
                 // SAFETY: as for `dot1` above.
                 unsafe { k_tile_dot::<$f>(w, row_bytes, a, out) }
             }
-            LaneKernels { single: None, tile: tile as VecDotTileFn }
+            LaneKernels {
+                single: None,
+                tile: tile as VecDotTileFn,
+            }
         }};
     }
     match weights {
@@ -80,9 +88,15 @@ pub(crate) trait Lanes16: LaneFormat {
 /// nibbles, its high nibbles, then block 1's.
 #[inline(always)]
 unsafe fn nibbles2(qs0: &[u8; 16], qs1: &[u8; 16]) -> __m512i {
-    let x = _mm256_set_m128i(_mm_loadu_si128(qs1.as_ptr().cast()), _mm_loadu_si128(qs0.as_ptr().cast()));
+    let x = _mm256_set_m128i(
+        _mm_loadu_si128(qs1.as_ptr().cast()),
+        _mm_loadu_si128(qs0.as_ptr().cast()),
+    );
     let y = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(x), _mm256_srli_epi16::<4>(x));
-    _mm512_and_si512(_mm512_shuffle_i64x2::<0b11_01_10_00>(y, y), _mm512_set1_epi8(0x0F))
+    _mm512_and_si512(
+        _mm512_shuffle_i64x2::<0b11_01_10_00>(y, y),
+        _mm512_set1_epi8(0x0F),
+    )
 }
 
 impl Lanes16 for Q4_1Lanes {
@@ -178,7 +192,11 @@ unsafe fn lane_block<F: Lanes16>(rows: &[&[F::W]; TILE_ROWS], b: usize) -> LaneB
     LaneBlock {
         codes: transpose(p),
         d: _mm512_cvtph_ps(_mm256_loadu_si256(d.as_ptr().cast())),
-        m: if F::SHIFT.is_none() { _mm512_cvtph_ps(_mm256_loadu_si256(m.as_ptr().cast())) } else { _mm512_setzero_ps() },
+        m: if F::SHIFT.is_none() {
+            _mm512_cvtph_ps(_mm256_loadu_si256(m.as_ptr().cast()))
+        } else {
+            _mm512_setzero_ps()
+        },
     }
 }
 
@@ -197,14 +215,25 @@ unsafe fn step<F: Lanes16>(x: &LaneBlock, a: Act, b: usize, acc: &mut __m512, mi
     }
     let q = a.q.add(32 * b).cast::<i32>();
     for k in 0..8 {
-        isum[k % 4] = _mm512_dpbusd_epi32(isum[k % 4], x.codes[k], _mm512_set1_epi32(q.add(k).read_unaligned()));
+        isum[k % 4] = _mm512_dpbusd_epi32(
+            isum[k % 4],
+            x.codes[k],
+            _mm512_set1_epi32(q.add(k).read_unaligned()),
+        );
     }
-    let isum = _mm512_add_epi32(_mm512_add_epi32(isum[0], isum[1]), _mm512_add_epi32(isum[2], isum[3]));
+    let isum = _mm512_add_epi32(
+        _mm512_add_epi32(isum[0], isum[1]),
+        _mm512_add_epi32(isum[2], isum[3]),
+    );
     let (da, sa) = match F::SHIFT {
         Some(_) => (*a.s.add(b), 0.0),
         None => (*a.s.add(2 * b), *a.s.add(2 * b + 1)),
     };
-    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(x.d, _mm512_set1_ps(da)), *acc);
+    *acc = _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(isum),
+        _mm512_mul_ps(x.d, _mm512_set1_ps(da)),
+        *acc,
+    );
     if F::SHIFT.is_none() {
         *min = _mm512_fmadd_ps(x.m, _mm512_set1_ps(sa), *min);
     }
@@ -213,7 +242,11 @@ unsafe fn step<F: Lanes16>(x: &LaneBlock, a: Act, b: usize, acc: &mut __m512, mi
 /// The 16 results of a pair of chains.
 #[inline(always)]
 unsafe fn finish<F: Lanes16>(acc: __m512, min: __m512) -> [f32; TILE_ROWS] {
-    let v = if F::SHIFT.is_none() { _mm512_add_ps(acc, min) } else { acc };
+    let v = if F::SHIFT.is_none() {
+        _mm512_add_ps(acc, min)
+    } else {
+        acc
+    };
     std::mem::transmute::<__m512, [f32; TILE_ROWS]>(v)
 }
 
@@ -221,7 +254,10 @@ unsafe fn finish<F: Lanes16>(acc: __m512, min: __m512) -> [f32; TILE_ROWS] {
 /// group transposed as it streams past while the next one is prefetched.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn rows_dot1<F: Lanes16>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
-    assert!(row_bytes > 0 && w.len() == row_bytes * out.len(), "weights are not out.len() rows");
+    assert!(
+        row_bytes > 0 && w.len() == row_bytes * out.len(),
+        "weights are not out.len() rows"
+    );
     let blocks = row_bytes / std::mem::size_of::<F::W>();
     let act = Act::new::<F>(&a, blocks);
     let span = TILE_ROWS * row_bytes;
@@ -245,7 +281,12 @@ thread_local! {
 /// `out[t][i] = K·(row i of w, a[t])` for the (at most 16) rows of `w`: the rows are
 /// transposed once, then every token runs its chains over the tile.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile_dot<F: Lanes16>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], out: &mut [[f32; TILE_ROWS]]) {
+unsafe fn tile_dot<F: Lanes16>(
+    w: &[u8],
+    row_bytes: usize,
+    a: &[ActRow<'_>],
+    out: &mut [[f32; TILE_ROWS]],
+) {
     let (rows, blocks) = tile_rows::<F::W>(w, row_bytes, a.len(), out.len());
     // Taken out of the thread-local rather than used in a closure: a closure would not
     // inherit this function's target features.
@@ -314,7 +355,10 @@ unsafe fn pieces(rows: &[&[u8]; TILE_ROWS], at: usize) -> [__m512i; 8] {
     let mut p = [_mm512_setzero_si512(); 8];
     for (j, pj) in p.iter_mut().enumerate() {
         let lo = _mm512_castsi256_si512(_mm256_loadu_si256(rows[j][at..at + 32].as_ptr().cast()));
-        *pj = _mm512_inserti64x4::<1>(lo, _mm256_loadu_si256(rows[j + 8][at..at + 32].as_ptr().cast()));
+        *pj = _mm512_inserti64x4::<1>(
+            lo,
+            _mm256_loadu_si256(rows[j + 8][at..at + 32].as_ptr().cast()),
+        );
     }
     p
 }
@@ -350,7 +394,11 @@ unsafe fn scaled_sums<const K: usize>(x: &KLaneBlock, q: *const i32, groups: usi
         let mut s = _mm512_setzero_si512();
         for k in 0..K {
             let codes = x.codes[g * K / 8][(g * K) % 8 + k];
-            s = _mm512_dpbusd_epi32(s, codes, _mm512_set1_epi32(q.add(g * K + k).read_unaligned()));
+            s = _mm512_dpbusd_epi32(
+                s,
+                codes,
+                _mm512_set1_epi32(q.add(g * K + k).read_unaligned()),
+            );
         }
         t = _mm512_add_epi32(t, _mm512_mullo_epi32(s, x.scales[g]));
     }
@@ -378,7 +426,8 @@ impl KLaneFormat for Q4KLanes {
             x.codes[2 * c + 1] = transpose(high);
         }
         for g in 0..8 {
-            let sm: [(u8, u8); TILE_ROWS] = std::array::from_fn(|l| scale_min_k4(g, &blocks[l].scales));
+            let sm: [(u8, u8); TILE_ROWS] =
+                std::array::from_fn(|l| scale_min_k4(g, &blocks[l].scales));
             x.scales[g] = lanes_i32(sm.map(|(sc, _)| sc as i32));
             x.pairs[g] = lanes_i32(sm.map(|(_, m)| m as i32 | (m as i32) << 16));
         }
@@ -388,7 +437,10 @@ impl KLaneFormat for Q4KLanes {
     }
     #[inline(always)]
     unsafe fn sums(x: &KLaneBlock, a: &BlockQ8K) -> (__m512i, __m512i) {
-        (scaled_sums::<8>(x, a.qs.as_ptr().cast(), 8), pair_sums(&x.pairs, a))
+        (
+            scaled_sums::<8>(x, a.qs.as_ptr().cast(), 8),
+            pair_sums(&x.pairs, a),
+        )
     }
 }
 
@@ -403,14 +455,25 @@ impl KLaneFormat for Q6KLanes {
         let mut x: KLaneBlock = std::mem::zeroed();
         let (m4, m3) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(3));
         for n in 0..2 {
-            let (ql0, ql1, qh) = (pieces(&ql, 64 * n), pieces(&ql, 64 * n + 32), pieces(&qh, 32 * n));
+            let (ql0, ql1, qh) = (
+                pieces(&ql, 64 * n),
+                pieces(&ql, 64 * n + 32),
+                pieces(&qh, 32 * n),
+            );
             // Quarter q of this half: four low bits from ql, two high bits from qh at 2q.
             for q in 0..4 {
                 let mut p = [_mm512_setzero_si512(); 8];
                 for j in 0..8 {
                     let low = if q % 2 == 0 { ql0[j] } else { ql1[j] };
-                    let low = if q < 2 { low } else { _mm512_srli_epi16::<4>(low) };
-                    let high = _mm512_and_si512(_mm512_srl_epi16(qh[j], _mm_cvtsi32_si128(2 * q as i32)), m3);
+                    let low = if q < 2 {
+                        low
+                    } else {
+                        _mm512_srli_epi16::<4>(low)
+                    };
+                    let high = _mm512_and_si512(
+                        _mm512_srl_epi16(qh[j], _mm_cvtsi32_si128(2 * q as i32)),
+                        m3,
+                    );
                     p[j] = _mm512_or_si512(_mm512_and_si512(low, m4), _mm512_slli_epi16::<4>(high));
                 }
                 x.codes[4 * n + q] = transpose(p);
@@ -420,7 +483,9 @@ impl KLaneFormat for Q6KLanes {
             x.scales[g] = lanes_i32(blocks.map(|b| b.scales[g] as i32));
         }
         for j in 0..8 {
-            x.pairs[j] = lanes_i32(blocks.map(|b| (b.scales[2 * j] as i16 as u16 as i32) | (b.scales[2 * j + 1] as i32) << 16));
+            x.pairs[j] = lanes_i32(blocks.map(|b| {
+                (b.scales[2 * j] as i16 as u16 as i32) | (b.scales[2 * j + 1] as i32) << 16
+            }));
         }
         x.d = lanes_f16(blocks.map(|b| u16::from_le_bytes(b.d.0)));
         x
@@ -429,7 +494,10 @@ impl KLaneFormat for Q6KLanes {
     unsafe fn sums(x: &KLaneBlock, a: &BlockQ8K) -> (__m512i, __m512i) {
         // Σ sc·(q − 32)·a = Σ sc·q·a − 32 · Σ sc·(16-element sums of a).
         let t = scaled_sums::<4>(x, a.qs.as_ptr().cast(), 16);
-        (_mm512_sub_epi32(t, _mm512_slli_epi32::<5>(pair_sums(&x.pairs, a))), _mm512_setzero_si512())
+        (
+            _mm512_sub_epi32(t, _mm512_slli_epi32::<5>(pair_sums(&x.pairs, a))),
+            _mm512_setzero_si512(),
+        )
     }
 }
 
@@ -440,7 +508,12 @@ thread_local! {
 
 /// As [`tile_dot`] for a [`KLaneFormat`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn k_tile_dot<F: KLaneFormat>(w: &[u8], row_bytes: usize, a: &[ActRow<'_>], out: &mut [[f32; TILE_ROWS]]) {
+unsafe fn k_tile_dot<F: KLaneFormat>(
+    w: &[u8],
+    row_bytes: usize,
+    a: &[ActRow<'_>],
+    out: &mut [[f32; TILE_ROWS]],
+) {
     let (rows, blocks) = tile_rows::<F::W>(w, row_bytes, a.len(), out.len());
     let mut tile = K_TILE.take();
     tile.clear();
@@ -502,7 +575,10 @@ mod tests {
                     for g in 0..8 {
                         let (sc, mn) = scale_min_k4(g, &x.scales);
                         let q = |e: usize| (x.qs[32 * (g / 2) + e] >> (4 * (g % 2))) & 0x0F;
-                        t += sc as i32 * (0..32).map(|e| q(e) as i32 * a.qs[32 * g + e] as i32).sum::<i32>();
+                        t += sc as i32
+                            * (0..32)
+                                .map(|e| q(e) as i32 * a.qs[32 * g + e] as i32)
+                                .sum::<i32>();
                         m += mn as i32 * (a.bsum(2 * g) + a.bsum(2 * g + 1));
                     }
                     acc = (t as f32).mul_add(f16(x.d) * a.d(), acc);
@@ -514,7 +590,8 @@ mod tests {
                     let mut t = 0i32;
                     for e in 0..256 {
                         let (n, quarter, l) = (e / 128, e % 128 / 32, e % 32);
-                        let low = (x.ql[64 * n + 32 * (quarter % 2) + l] >> (4 * (quarter / 2))) & 0x0F;
+                        let low =
+                            (x.ql[64 * n + 32 * (quarter % 2) + l] >> (4 * (quarter / 2))) & 0x0F;
                         let high = (x.qh[32 * n + l] >> (2 * quarter)) & 3;
                         let q = (low | high << 4) as i32 - 32;
                         t += x.scales[e / 16] as i32 * q * a.qs[e] as i32;
@@ -543,19 +620,35 @@ mod tests {
                 let row_bytes = weights.len() / rows;
                 let mut rng = SplitMix::new(8);
                 let x: Vec<f32> = (0..3 * cols).map(|_| rng.activation()).collect();
-                let quantized = crate::matmul::QuantizedActivations::new(ActType::Q8K, &x, cols).unwrap();
-                let acts: Vec<ActRow> = (0..quantized.tokens).map(|t| quantized.act_row(t)).collect();
+                let quantized =
+                    crate::matmul::QuantizedActivations::new(ActType::Q8K, &x, cols).unwrap();
+                let acts: Vec<ActRow> = (0..quantized.tokens)
+                    .map(|t| quantized.act_row(t))
+                    .collect();
                 let tokens: Vec<&[u8]> = acts.iter().map(|a| a.bytes).collect();
                 for first in (0..rows).step_by(TILE_ROWS) {
                     let n = TILE_ROWS.min(rows - first);
                     let mut out = vec![[0.0f32; TILE_ROWS]; acts.len()];
-                    tile(&weights[first * row_bytes..(first + n) * row_bytes], row_bytes, &acts, &mut out);
+                    tile(
+                        &weights[first * row_bytes..(first + n) * row_bytes],
+                        row_bytes,
+                        &acts,
+                        &mut out,
+                    );
                     for (t, (a, got)) in tokens.iter().zip(&out).enumerate() {
                         for (r, got) in (first..first + n).zip(got) {
                             let w = &weights[r * row_bytes..(r + 1) * row_bytes];
                             let want = k_reference(ty, w, a);
-                            assert_eq!(single(w, a).to_bits(), want.to_bits(), "{ty} {rows}x{cols} row {r} token {t} (AVX2)");
-                            assert_eq!(got.to_bits(), want.to_bits(), "{ty} {rows}x{cols} row {r} token {t} (tile)");
+                            assert_eq!(
+                                single(w, a).to_bits(),
+                                want.to_bits(),
+                                "{ty} {rows}x{cols} row {r} token {t} (AVX2)"
+                            );
+                            assert_eq!(
+                                got.to_bits(),
+                                want.to_bits(),
+                                "{ty} {rows}x{cols} row {r} token {t} (tile)"
+                            );
                         }
                     }
                 }

@@ -58,7 +58,13 @@ fn lanes(acc: &mut [f32; 8], d: f32, codes: &[i32; 32], qs: &[i8; 32]) {
 /// The 32 codes of a block of nibbles: low nibbles are elements 0..16, high 16..32.
 #[inline(always)]
 fn nibbles(qs: &[u8; 16]) -> [i32; 32] {
-    std::array::from_fn(|e| if e < 16 { (qs[e] & 0xF) as i32 } else { (qs[e - 16] >> 4) as i32 })
+    std::array::from_fn(|e| {
+        if e < 16 {
+            (qs[e] & 0xF) as i32
+        } else {
+            (qs[e - 16] >> 4) as i32
+        }
+    })
 }
 
 /// `ggml_vec_dot_q4_1_q8_1` (AVX2).
@@ -76,7 +82,12 @@ pub fn dot_q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
 pub fn dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = [0.0f32; 8];
     for (w, a) in pairs::<BlockQ8_0, BlockQ8_0>(w, a) {
-        lanes(&mut acc, w.d.get() * a.d.get(), &w.qs.map(|q| q as i32), &a.qs);
+        lanes(
+            &mut acc,
+            w.d.get() * a.d.get(),
+            &w.qs.map(|q| q as i32),
+            &a.qs,
+        );
     }
     hsum8(acc)
 }
@@ -88,7 +99,8 @@ pub fn dot_q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     for (w, a) in pairs::<BlockQ5_0, BlockQ8_0>(w, a) {
         let qh = u32::from_le_bytes(w.qh);
         let codes = nibbles(&w.qs);
-        let codes: [i32; 32] = std::array::from_fn(|e| (codes[e] | (((qh >> e) & 1) << 4) as i32) - 16);
+        let codes: [i32; 32] =
+            std::array::from_fn(|e| (codes[e] | (((qh >> e) & 1) << 4) as i32) - 16);
         lanes(&mut acc, w.d.get() * a.d.get(), &codes, &a.qs);
     }
     hsum8(acc)
@@ -111,7 +123,9 @@ pub fn dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
             lane[p / 4] += w.scales[k / 16] as i32 * code * a.qs[k] as i32;
         }
         for (l, v) in lane.iter_mut().enumerate() {
-            *v -= 32 * (a.bsum(2 * l) * w.scales[2 * l] as i32 + a.bsum(2 * l + 1) * w.scales[2 * l + 1] as i32);
+            *v -= 32
+                * (a.bsum(2 * l) * w.scales[2 * l] as i32
+                    + a.bsum(2 * l + 1) * w.scales[2 * l + 1] as i32);
         }
         let d = a.d() * w.d.get();
         for (acc, &v) in acc.iter_mut().zip(&lane) {
@@ -131,7 +145,11 @@ fn q4_k_sums(w: &BlockQ4K, a: &BlockQ8K, groups: std::ops::Range<usize>) -> (i32
         let shift = 4 * (j % 2) as u32;
         let bytes = &w.qs[32 * (j / 2)..][..32];
         let qs = &a.qs[32 * j..][..32];
-        let codes: i32 = bytes.iter().zip(qs).map(|(&b, &q)| ((b >> shift) & 0xF) as i32 * q as i32).sum();
+        let codes: i32 = bytes
+            .iter()
+            .zip(qs)
+            .map(|(&b, &q)| ((b >> shift) & 0xF) as i32 * q as i32)
+            .sum();
         isum += sc as i32 * codes;
         imin += m as i32 * (a.bsum(2 * j) + a.bsum(2 * j + 1));
     }
@@ -200,7 +218,11 @@ pub mod avx2 {
     /// codes in -128..=127 against quants in -127..=127 (what ggml's quantizers make).
     #[inline(always)]
     unsafe fn lanes(acc: __m256, d: f32, codes: __m256i, qs: __m256i) -> __m256 {
-        _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(dot_i8(codes, qs)), acc)
+        _mm256_fmadd_ps(
+            _mm256_set1_ps(d),
+            _mm256_cvtepi32_ps(dot_i8(codes, qs)),
+            acc,
+        )
     }
 
     #[inline(always)]
@@ -235,8 +257,16 @@ pub mod avx2 {
         for (w, a) in pairs::<BlockQ5_0, BlockQ8_0>(w, a) {
             // ggml's `bytes_from_bits_32`: 0xF0 OR-ed into each nibble whose fifth bit is
             // clear is the code less 16.
-            let fill = _mm256_andnot_si256(bits_to_bytes(u32::from_le_bytes(w.qh)), _mm256_set1_epi8(0xF0u8 as i8));
-            acc = lanes(acc, w.d.get() * a.d.get(), _mm256_or_si256(nibbles(&w.qs), fill), load(&a.qs));
+            let fill = _mm256_andnot_si256(
+                bits_to_bytes(u32::from_le_bytes(w.qh)),
+                _mm256_set1_epi8(0xF0u8 as i8),
+            );
+            acc = lanes(
+                acc,
+                w.d.get() * a.d.get(),
+                _mm256_or_si256(nibbles(&w.qs), fill),
+                load(&a.qs),
+            );
         }
         finish(acc)
     }
@@ -248,22 +278,33 @@ pub mod avx2 {
         for (w, a) in pairs::<BlockQ6K, BlockQ8K>(w, a) {
             let mut sums = _mm256_setzero_si256();
             for n in 0..2 {
-                let (ql, qh) = ([load_u8(&w.ql[64 * n..]), load_u8(&w.ql[64 * n + 32..])], load_u8(&w.qh[32 * n..]));
+                let (ql, qh) = (
+                    [load_u8(&w.ql[64 * n..]), load_u8(&w.ql[64 * n + 32..])],
+                    load_u8(&w.qh[32 * n..]),
+                );
                 for r in 0..4 {
                     // Codes 128n + 32r + 0..32: low bits from a nibble of ql, high from qh.
                     let low = _mm256_and_si256(srl16(ql[r % 2], 4 * (r / 2) as i32), low4);
                     let high = _mm256_and_si256(srl16(qh, 2 * r as i32), low2);
                     let codes = _mm256_or_si256(low, _mm256_slli_epi16::<4>(high));
                     let base = 128 * n + 32 * r;
-                    let scales = scale_pair(w.scales[base / 16] as i16, w.scales[base / 16 + 1] as i16);
-                    sums = _mm256_add_epi32(sums, _mm256_madd_epi16(scales, _mm256_maddubs_epi16(codes, load(&a.qs[base..]))));
+                    let scales =
+                        scale_pair(w.scales[base / 16] as i16, w.scales[base / 16 + 1] as i16);
+                    sums = _mm256_add_epi32(
+                        sums,
+                        _mm256_madd_epi16(scales, _mm256_maddubs_epi16(codes, load(&a.qs[base..]))),
+                    );
                 }
             }
             // The codes' offset of 32, from the activations' 16-sums.
             let scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(w.scales.as_ptr().cast()));
             let offset = _mm256_madd_epi16(load_u8(a.bsums.as_flattened()), scales);
             sums = _mm256_sub_epi32(sums, _mm256_slli_epi32::<5>(offset));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(a.d() * w.d.get()), _mm256_cvtepi32_ps(sums), acc);
+            acc = _mm256_fmadd_ps(
+                _mm256_set1_ps(a.d() * w.d.get()),
+                _mm256_cvtepi32_ps(sums),
+                acc,
+            );
         }
         finish(acc)
     }
@@ -318,18 +359,30 @@ mod tests {
         let kernel = |ty, isa, in_fours: bool| {
             let k = Kernels::ggml(ty, isa).unwrap();
             assert_eq!(k.isa, isa);
-            if in_fours { k.dot_in_fours.unwrap() } else { k.dot }
+            if in_fours {
+                k.dot_in_fours.unwrap()
+            } else {
+                k.dot
+            }
         };
         for (ty, in_fours, reference) in cases {
             let dot = kernel(ty, Isa::Scalar, in_fours);
             let wq = match ty {
                 // No quantizer for the K-quants here: random codes, small f16 scales.
                 GgmlType::Q4_K | GgmlType::Q6_K => {
-                    let mut bytes: Vec<u8> = (0..crate::row_bytes(ty, n).unwrap()).map(|_| (next().to_bits() >> 7) as u8).collect();
+                    let mut bytes: Vec<u8> = (0..crate::row_bytes(ty, n).unwrap())
+                        .map(|_| (next().to_bits() >> 7) as u8)
+                        .collect();
                     for b in bytes.chunks_exact_mut(crate::row_bytes(ty, QK_K).unwrap()) {
-                        let scales = if ty == GgmlType::Q4_K { 0..4 } else { b.len() - 2..b.len() };
+                        let scales = if ty == GgmlType::Q4_K {
+                            0..4
+                        } else {
+                            b.len() - 2..b.len()
+                        };
                         for at in scales.step_by(2) {
-                            b[at..at + 2].copy_from_slice(&half::f16::from_f32(0.01 + 0.01 * next().abs()).to_le_bytes());
+                            b[at..at + 2].copy_from_slice(
+                                &half::f16::from_f32(0.01 + 0.01 * next().abs()).to_le_bytes(),
+                            );
                         }
                     }
                     bytes
@@ -346,11 +399,18 @@ mod tests {
             act.quantize(&x, &mut aq);
             let magnitude: f32 = w.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
             let (got, want) = (dot(&wq, &aq), reference(&wq, &aq));
-            assert!((got - want).abs() <= 1e-6 * magnitude, "{ty:?}: {got} vs {want}");
+            assert!(
+                (got - want).abs() <= 1e-6 * magnitude,
+                "{ty:?}: {got} vs {want}"
+            );
             assert_ne!(got, 0.0);
             if avx2 {
                 let simd = kernel(ty, Isa::Avx2, in_fours);
-                assert_eq!(simd(&wq, &aq).to_bits(), got.to_bits(), "{ty:?}: the AVX2 kernel's bits");
+                assert_eq!(
+                    simd(&wq, &aq).to_bits(),
+                    got.to_bits(),
+                    "{ty:?}: the AVX2 kernel's bits"
+                );
             }
         }
     }

@@ -15,9 +15,9 @@
 use super::{ActRow, TILE_ROWS};
 #[cfg(test)]
 use super::{ActType, Packing, VecDot1Fn, VecDotFn, VecDotTileFn};
+use crate::blocks::*;
 #[cfg(test)]
 use crate::GgmlType;
-use crate::blocks::*;
 
 /// A weight format of 32-element blocks that the lane kernels take.
 pub(crate) trait LaneFormat {
@@ -64,7 +64,13 @@ pub(crate) struct Q8_0Lanes;
 /// A block's nibbles in element order (scalar).
 #[cfg(test)]
 fn nibbles(qs: &[u8; 16]) -> [u8; 32] {
-    std::array::from_fn(|j| if j < 16 { qs[j] & 0x0F } else { qs[j - 16] >> 4 })
+    std::array::from_fn(|j| {
+        if j < 16 {
+            qs[j] & 0x0F
+        } else {
+            qs[j - 16] >> 4
+        }
+    })
 }
 
 impl LaneFormat for Q4_1Lanes {
@@ -123,19 +129,32 @@ pub(crate) struct Act {
 
 impl Act {
     pub fn new<F: LaneFormat>(a: &ActRow, blocks: usize) -> Act {
-        let scales = if F::SHIFT.is_none() { 2 * blocks } else { blocks };
+        let scales = if F::SHIFT.is_none() {
+            2 * blocks
+        } else {
+            blocks
+        };
         let sums = if F::SHIFT.is_none() { 0 } else { blocks };
         assert!(
             a.quants.len() == 32 * blocks && a.scales.len() == scales && a.neg_sums.len() == sums,
             "activation row does not match the weights"
         );
-        Act { q: a.quants.as_ptr(), s: a.scales.as_ptr(), neg: a.neg_sums.as_ptr() }
+        Act {
+            q: a.quants.as_ptr(),
+            s: a.scales.as_ptr(),
+            neg: a.neg_sums.as_ptr(),
+        }
     }
 }
 
 /// The N rows starting at row `first` of `w`, the last one repeated past `n` rows.
 #[inline(always)]
-pub(crate) fn group<W: Block, const N: usize>(w: &[u8], row_bytes: usize, first: usize, n: usize) -> [&[W]; N] {
+pub(crate) fn group<W: Block, const N: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    first: usize,
+    n: usize,
+) -> [&[W]; N] {
     std::array::from_fn(|l| {
         let r = first + l.min(n - 1);
         as_blocks::<W>(&w[r * row_bytes..(r + 1) * row_bytes])
@@ -144,11 +163,22 @@ pub(crate) fn group<W: Block, const N: usize>(w: &[u8], row_bytes: usize, first:
 
 /// The rows of a tile (`w`: 1..=16 rows of `row_bytes`, as [`group`] gives them) and
 /// their blocks per row, checked against a batch of `tokens` and its outputs.
-pub(crate) fn tile_rows<W: Block>(w: &[u8], row_bytes: usize, tokens: usize, outs: usize) -> ([&[W]; TILE_ROWS], usize) {
+pub(crate) fn tile_rows<W: Block>(
+    w: &[u8],
+    row_bytes: usize,
+    tokens: usize,
+    outs: usize,
+) -> ([&[W]; TILE_ROWS], usize) {
     let n = w.len() / row_bytes.max(1);
-    assert!(row_bytes > 0 && w.len() == row_bytes * n && (1..=TILE_ROWS).contains(&n), "weights are not 1..=16 rows");
+    assert!(
+        row_bytes > 0 && w.len() == row_bytes * n && (1..=TILE_ROWS).contains(&n),
+        "weights are not 1..=16 rows"
+    );
     assert_eq!(tokens, outs, "one output row per token");
-    (group::<W, TILE_ROWS>(w, row_bytes, 0, n), row_bytes / std::mem::size_of::<W>())
+    (
+        group::<W, TILE_ROWS>(w, row_bytes, 0, n),
+        row_bytes / std::mem::size_of::<W>(),
+    )
 }
 
 /// The kernels' arithmetic in scalar code, for one row and one token: what they must
@@ -159,7 +189,11 @@ pub(crate) fn reference<F: LaneFormat>(w: &[u8], a: &ActRow) -> f32 {
     let (mut acc, mut min) = (0.0f32, 0.0f32);
     for (b, block) in blocks.iter().enumerate() {
         let codes = F::codes(block);
-        let mut isum: i32 = codes.iter().zip(&a.quants[32 * b..32 * b + 32]).map(|(&c, &q)| c as i32 * q as i32).sum();
+        let mut isum: i32 = codes
+            .iter()
+            .zip(&a.quants[32 * b..32 * b + 32])
+            .map(|(&c, &q)| c as i32 * q as i32)
+            .sum();
         let d = half::f16::from_bits(F::d(block)).to_f32();
         let da = match F::SHIFT {
             Some(shift) => {
@@ -167,7 +201,9 @@ pub(crate) fn reference<F: LaneFormat>(w: &[u8], a: &ActRow) -> f32 {
                 a.scales[b]
             }
             None => {
-                min = half::f16::from_bits(F::m(block)).to_f32().mul_add(a.scales[2 * b + 1], min);
+                min = half::f16::from_bits(F::m(block))
+                    .to_f32()
+                    .mul_add(a.scales[2 * b + 1], min);
                 a.scales[2 * b]
             }
         };
@@ -198,10 +234,18 @@ pub(crate) fn check_kernels<F: LaneFormat>(
         let mut rng = SplitMix::new(6);
         let x: Vec<f32> = (0..5 * cols).map(|_| rng.activation()).collect();
         let quantized = QuantizedActivations::new(act, &x, cols).unwrap();
-        let acts: Vec<ActRow> = (0..quantized.tokens).map(|t| quantized.act_row(t)).collect();
+        let acts: Vec<ActRow> = (0..quantized.tokens)
+            .map(|t| quantized.act_row(t))
+            .collect();
         let want: Vec<Vec<u32>> = acts
             .iter()
-            .map(|a| (0..rows).map(|r| reference::<F>(&weights[r * row_bytes..(r + 1) * row_bytes], a).to_bits()).collect())
+            .map(|a| {
+                (0..rows)
+                    .map(|r| {
+                        reference::<F>(&weights[r * row_bytes..(r + 1) * row_bytes], a).to_bits()
+                    })
+                    .collect()
+            })
             .collect();
         let packed = packing.map(|p| {
             let mut out = vec![0u8; weights.len()];
@@ -216,9 +260,15 @@ pub(crate) fn check_kernels<F: LaneFormat>(
             for &(name, w, dot1, _) in &variants {
                 let mut got1 = vec![0.0f32; rows];
                 dot1(w, row_bytes, *a, &mut got1);
-                assert_eq!(got1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), *want, "{ty} {rows}x{cols} token {t} (decode, {name})");
+                assert_eq!(
+                    got1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    *want,
+                    "{ty} {rows}x{cols} token {t} (decode, {name})"
+                );
             }
-            let single: Vec<u32> = (0..rows).map(|r| dot(&weights[r * row_bytes..(r + 1) * row_bytes], a.bytes).to_bits()).collect();
+            let single: Vec<u32> = (0..rows)
+                .map(|r| dot(&weights[r * row_bytes..(r + 1) * row_bytes], a.bytes).to_bits())
+                .collect();
             assert_eq!(single, *want, "{ty} {rows}x{cols} token {t} (one row)");
         }
         // Every token of the batch at once, tile by tile.
@@ -226,10 +276,19 @@ pub(crate) fn check_kernels<F: LaneFormat>(
             for first in (0..rows).step_by(TILE_ROWS) {
                 let n = TILE_ROWS.min(rows - first);
                 let mut out = vec![[0.0f32; TILE_ROWS]; acts.len()];
-                tile(&w[first * row_bytes..(first + n) * row_bytes], row_bytes, &acts, &mut out);
+                tile(
+                    &w[first * row_bytes..(first + n) * row_bytes],
+                    row_bytes,
+                    &acts,
+                    &mut out,
+                );
                 for (t, got) in out.iter().enumerate() {
                     let got: Vec<u32> = got[..n].iter().map(|v| v.to_bits()).collect();
-                    assert_eq!(got, want[t][first..first + n], "{ty} {rows}x{cols} rows {first}.. token {t} (tile, {name})");
+                    assert_eq!(
+                        got,
+                        want[t][first..first + n],
+                        "{ty} {rows}x{cols} rows {first}.. token {t} (tile, {name})"
+                    );
                 }
             }
         }

@@ -19,15 +19,15 @@ macro_rules! avx2_dot_fn {
     }};
 }
 
-pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
-pub mod avx512;
-#[cfg(target_arch = "x86_64")]
 pub mod avx2_lanes;
-pub(crate) mod lanes;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
 pub mod ggml_x86;
+pub(crate) mod lanes;
+pub mod scalar;
 
 use std::sync::OnceLock;
 
@@ -113,7 +113,9 @@ impl ActType {
         use crate::blocks::{as_blocks, BlockQ8_1};
         match self {
             ActType::Q8_0 => out.extend(as_blocks::<BlockQ8_0>(row).iter().map(|b| b.d.get())),
-            ActType::Q8_1 => as_blocks::<BlockQ8_1>(row).iter().for_each(|b| out.extend([b.d.get(), b.s.get()])),
+            ActType::Q8_1 => as_blocks::<BlockQ8_1>(row)
+                .iter()
+                .for_each(|b| out.extend([b.d.get(), b.s.get()])),
             ActType::Q8K | ActType::F32 => {}
         }
     }
@@ -123,8 +125,12 @@ impl ActType {
     pub fn row_quants(self, row: &[u8], out: &mut Vec<i8>) {
         use crate::blocks::{as_blocks, BlockQ8_1};
         match self {
-            ActType::Q8_0 => as_blocks::<BlockQ8_0>(row).iter().for_each(|b| out.extend_from_slice(&b.qs)),
-            ActType::Q8_1 => as_blocks::<BlockQ8_1>(row).iter().for_each(|b| out.extend_from_slice(&b.qs)),
+            ActType::Q8_0 => as_blocks::<BlockQ8_0>(row)
+                .iter()
+                .for_each(|b| out.extend_from_slice(&b.qs)),
+            ActType::Q8_1 => as_blocks::<BlockQ8_1>(row)
+                .iter()
+                .for_each(|b| out.extend_from_slice(&b.qs)),
             ActType::Q8K | ActType::F32 => {}
         }
     }
@@ -133,7 +139,11 @@ impl ActType {
     pub fn row_neg_sums(self, row: &[u8], out: &mut Vec<i32>) {
         use crate::blocks::as_blocks;
         if self == ActType::Q8_0 {
-            out.extend(as_blocks::<BlockQ8_0>(row).iter().map(|b| -b.qs.iter().map(|&q| q as i32).sum::<i32>()));
+            out.extend(
+                as_blocks::<BlockQ8_0>(row)
+                    .iter()
+                    .map(|b| -b.qs.iter().map(|&q| q as i32).sum::<i32>()),
+            );
         }
     }
 
@@ -143,7 +153,9 @@ impl ActType {
         use crate::blocks::as_blocks_mut;
         match self {
             ActType::Q8_0 => crate::quantize::quantize_q8_0(x, as_blocks_mut::<BlockQ8_0>(out)),
-            ActType::Q8_1 => crate::quantize::quantize_q8_1(x, as_blocks_mut::<crate::blocks::BlockQ8_1>(out)),
+            ActType::Q8_1 => {
+                crate::quantize::quantize_q8_1(x, as_blocks_mut::<crate::blocks::BlockQ8_1>(out))
+            }
             ActType::Q8K => crate::quantize::quantize_q8_k(x, as_blocks_mut::<BlockQ8K>(out)),
             ActType::F32 => crate::quantize::quantize_f32(x, out),
         }
@@ -157,9 +169,13 @@ pub(crate) fn with_act_row<R>(act: ActType, row: &[u8], f: impl FnOnce(ActRow) -
     act.row_scales(row, &mut scales);
     act.row_quants(row, &mut quants);
     act.row_neg_sums(row, &mut sums);
-    f(ActRow { bytes: row, scales: &scales, quants: &quants, neg_sums: &sums })
+    f(ActRow {
+        bytes: row,
+        scales: &scales,
+        quants: &quants,
+        neg_sums: &sums,
+    })
 }
-
 
 /// An instruction set with kernels here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -187,7 +203,9 @@ impl Isa {
     }
 
     pub fn from_name(name: &str) -> Option<Isa> {
-        Self::ALL.into_iter().find(|i| i.name().eq_ignore_ascii_case(name))
+        Self::ALL
+            .into_iter()
+            .find(|i| i.name().eq_ignore_ascii_case(name))
     }
 
     /// Whether this machine can run the set's kernels.
@@ -223,12 +241,17 @@ impl Isa {
     pub fn selected() -> Isa {
         static SELECTED: OnceLock<Isa> = OnceLock::new();
         *SELECTED.get_or_init(|| {
-            let best = *Self::available_sets().last().expect("scalar is always available");
+            let best = *Self::available_sets()
+                .last()
+                .expect("scalar is always available");
             match std::env::var("ASTRA_ISA") {
                 Ok(name) => match Isa::from_name(&name).filter(|i| i.available()) {
                     Some(isa) => isa,
                     None => {
-                        eprintln!("warning: ASTRA_ISA={name} is not available here; using {}", best.name());
+                        eprintln!(
+                            "warning: ASTRA_ISA={name} is not available here; using {}",
+                            best.name()
+                        );
                         best
                     }
                 },
@@ -283,29 +306,75 @@ impl Kernels {
     /// Kernels for `weights` on `isa`, which must be available.
     pub fn new(weights: GgmlType, isa: Isa) -> Result<Kernels, QuantError> {
         let act = ActType::for_weights(weights)?;
-        assert!(isa.available(), "{} kernels requested on a machine without {}", isa.name(), isa.name());
-        let scalar = Kernels { weights, act, isa: Isa::Scalar, dot: scalar_dot_fn(weights)?, dot1: None, dot4: None, tile: None, packing: None, dot_in_fours: None };
+        assert!(
+            isa.available(),
+            "{} kernels requested on a machine without {}",
+            isa.name(),
+            isa.name()
+        );
+        let scalar = Kernels {
+            weights,
+            act,
+            isa: Isa::Scalar,
+            dot: scalar_dot_fn(weights)?,
+            dot1: None,
+            dot4: None,
+            tile: None,
+            packing: None,
+            dot_in_fours: None,
+        };
         Ok(match isa {
             Isa::Scalar => scalar,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni if avx512::kernels(weights).is_some() => {
                 let own = avx512::kernels(weights).expect("just checked");
                 // Batches run the tile; single tokens AVX-512's entry points or AVX2's.
-                let base = Kernels { isa, dot4: None, tile: Some(own.tile), packing: None, ..Kernels::new(weights, Isa::Avx2)? };
+                let base = Kernels {
+                    isa,
+                    dot4: None,
+                    tile: Some(own.tile),
+                    packing: None,
+                    ..Kernels::new(weights, Isa::Avx2)?
+                };
                 match own.single {
-                    Some((dot, dot1)) => Kernels { dot, dot1: Some(dot1), ..base },
+                    Some((dot, dot1)) => Kernels {
+                        dot,
+                        dot1: Some(dot1),
+                        ..base
+                    },
                     None => base,
                 }
             }
             // Q4_1, Q5_0 and Q8_0 run in lanes: the arithmetic of AVX-512's lanes, bit for bit.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512Vnni if avx2_lanes::kernels(weights).is_some() => {
-                let (dot, dot1, tile, packing) = avx2_lanes::kernels(weights).expect("just checked");
-                Kernels { weights, act, isa: Isa::Avx2, dot, dot1: Some(dot1), dot4: None, tile: Some(tile), packing: Some(packing), dot_in_fours: None }
+                let (dot, dot1, tile, packing) =
+                    avx2_lanes::kernels(weights).expect("just checked");
+                Kernels {
+                    weights,
+                    act,
+                    isa: Isa::Avx2,
+                    dot,
+                    dot1: Some(dot1),
+                    dot4: None,
+                    tile: Some(tile),
+                    packing: Some(packing),
+                    dot_in_fours: None,
+                }
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512Vnni => match avx2::kernels(weights) {
-                Some((dot, dot4)) => Kernels { weights, act, isa: Isa::Avx2, dot, dot1: None, dot4, tile: None, packing: None, dot_in_fours: None },
+                Some((dot, dot4)) => Kernels {
+                    weights,
+                    act,
+                    isa: Isa::Avx2,
+                    dot,
+                    dot1: None,
+                    dot4,
+                    tile: None,
+                    packing: None,
+                    dot_in_fours: None,
+                },
                 None => scalar,
             },
             #[cfg(not(target_arch = "x86_64"))]
@@ -321,14 +390,32 @@ impl Kernels {
     /// statement. The same bits either way.
     pub fn ggml(weights: GgmlType, isa: Isa) -> Result<Kernels, QuantError> {
         let act = ActType::for_weights(weights)?;
-        assert!(isa.available(), "{} kernels requested on a machine without {}", isa.name(), isa.name());
+        assert!(
+            isa.available(),
+            "{} kernels requested on a machine without {}",
+            isa.name(),
+            isa.name()
+        );
         let portable = ggml_x86::kernels(weights).ok_or(QuantError::Unsupported(weights))?;
         let (isa, (dot, dot_in_fours)) = match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512Vnni => (Isa::Avx2, ggml_x86::avx2::kernels(weights).unwrap_or(portable)),
+            Isa::Avx2 | Isa::Avx512Vnni => (
+                Isa::Avx2,
+                ggml_x86::avx2::kernels(weights).unwrap_or(portable),
+            ),
             _ => (Isa::Scalar, portable),
         };
-        Ok(Kernels { weights, act, isa, dot, dot1: None, dot4: None, tile: None, packing: None, dot_in_fours })
+        Ok(Kernels {
+            weights,
+            act,
+            isa,
+            dot,
+            dot1: None,
+            dot4: None,
+            tile: None,
+            packing: None,
+            dot_in_fours,
+        })
     }
 
     /// Kernels for `weights` on [`Isa::selected`].

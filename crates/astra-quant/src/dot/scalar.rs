@@ -57,7 +57,11 @@ pub fn dot_q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let mut sum = 0.0f32;
     for (w, a) in pairs::<BlockQ5_0, BlockQ8_0>(w, a) {
         let codes = q5_codes(&w.qs, w.qh);
-        let isum: i32 = codes.iter().zip(&a.qs).map(|(&q, &y)| (q - 16) * y as i32).sum();
+        let isum: i32 = codes
+            .iter()
+            .zip(&a.qs)
+            .map(|(&q, &y)| (q - 16) * y as i32)
+            .sum();
         sum += isum as f32 * (w.d.get() * a.d.get());
     }
     sum
@@ -77,7 +81,11 @@ pub fn dot_q5_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
 pub fn dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let mut sum = 0.0f32;
     for (w, a) in pairs::<BlockQ8_0, BlockQ8_0>(w, a) {
-        let isum: i32 = w.qs.iter().zip(&a.qs).map(|(&x, &y)| x as i32 * y as i32).sum();
+        let isum: i32 =
+            w.qs.iter()
+                .zip(&a.qs)
+                .map(|(&x, &y)| x as i32 * y as i32)
+                .sum();
         sum += isum as f32 * (w.d.get() * a.d.get());
     }
     sum
@@ -125,7 +133,11 @@ pub fn dot_q2_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
             let (half, shift, part) = (g / 8, 2 * ((g % 8) / 2), g % 2);
             let q = &w.qs[32 * half + 16 * part..][..16];
             let y = &a.qs[16 * g..16 * g + 16];
-            let gsum: i32 = q.iter().zip(y).map(|(&q, &y)| ((q >> shift) & 3) as i32 * y as i32).sum();
+            let gsum: i32 = q
+                .iter()
+                .zip(y)
+                .map(|(&q, &y)| ((q >> shift) & 3) as i32 * y as i32)
+                .sum();
             isum += (w.scales[g] & 0xF) as i32 * gsum;
             msum += (w.scales[g] >> 4) as i32 * a.bsum(g);
         }
@@ -164,7 +176,9 @@ fn k4_block_sums(scales: &[u8; 12], a: &BlockQ8K, code: impl Fn(usize) -> i32) -
     let (mut isum, mut msum) = (0i32, 0i32);
     for g in 0..8 {
         let (sc, m) = scale_min_k4(g, scales);
-        let gsum: i32 = (0..32).map(|l| code(32 * g + l) * a.qs[32 * g + l] as i32).sum();
+        let gsum: i32 = (0..32)
+            .map(|l| code(32 * g + l) * a.qs[32 * g + l] as i32)
+            .sum();
         isum += sc as i32 * gsum;
         msum += m as i32 * (a.bsum(2 * g) + a.bsum(2 * g + 1));
     }
@@ -177,7 +191,11 @@ pub fn dot_q4_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
         // Weight k: byte 32 * (k / 64) + k % 32, low nibble when (k / 32) is even.
         let code = |k: usize| {
             let byte = w.qs[32 * (k / 64) + k % 32];
-            (if (k / 32).is_multiple_of(2) { byte & 0xF } else { byte >> 4 }) as i32
+            (if (k / 32).is_multiple_of(2) {
+                byte & 0xF
+            } else {
+                byte >> 4
+            }) as i32
         };
         let (isum, msum) = k4_block_sums(&w.scales, a, code);
         let da = a.d();
@@ -192,7 +210,11 @@ pub fn dot_q5_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
         // As Q4_K, with the fifth bit of weight k at bit k / 32 of qh[k % 32].
         let code = |k: usize| {
             let byte = w.qs[32 * (k / 64) + k % 32];
-            let low = if (k / 32).is_multiple_of(2) { byte & 0xF } else { byte >> 4 };
+            let low = if (k / 32).is_multiple_of(2) {
+                byte & 0xF
+            } else {
+                byte >> 4
+            };
             (low | (((w.qh[k % 32] >> (k / 32)) & 1) << 4)) as i32
         };
         let (isum, msum) = k4_block_sums(&w.scales, a, code);
@@ -223,7 +245,11 @@ pub fn dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
 pub fn dot_q8_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     let mut sum = 0.0f32;
     for (w, a) in pairs::<BlockQ8K, BlockQ8K>(w, a) {
-        let isum: i32 = w.qs.iter().zip(&a.qs).map(|(&x, &y)| x as i32 * y as i32).sum();
+        let isum: i32 =
+            w.qs.iter()
+                .zip(&a.qs)
+                .map(|(&x, &y)| x as i32 * y as i32)
+                .sum();
         sum += isum as f32 * (w.d() * a.d());
     }
     sum
@@ -279,7 +305,8 @@ fn dot_floats(w: &[u8], a: &[u8], wsize: usize, weight: impl Fn(&[u8]) -> f32) -
         }
         i += 8;
     }
-    let lanes: [f32; 8] = std::array::from_fn(|l| (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]));
+    let lanes: [f32; 8] =
+        std::array::from_fn(|l| (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]));
     let mut tail = 0.0f32;
     for j in i..n {
         tail += x(j) * y(j);
@@ -296,7 +323,9 @@ pub(crate) fn hsum8(v: [f32; 8]) -> f32 {
 }
 
 pub fn dot_f32_f32(w: &[u8], a: &[u8]) -> f32 {
-    dot_floats(w, a, 4, |b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+    dot_floats(w, a, 4, |b| {
+        f32::from_le_bytes(b.try_into().expect("4 bytes"))
+    })
 }
 
 pub fn dot_f16_f32(w: &[u8], a: &[u8]) -> f32 {
@@ -304,5 +333,7 @@ pub fn dot_f16_f32(w: &[u8], a: &[u8]) -> f32 {
 }
 
 pub fn dot_bf16_f32(w: &[u8], a: &[u8]) -> f32 {
-    dot_floats(w, a, 2, |b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
+    dot_floats(w, a, 2, |b| {
+        f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)
+    })
 }

@@ -70,14 +70,19 @@ impl BackendArgs {
             ArithmeticArg::Astra => Arithmetic::Astra,
             ArithmeticArg::Ggml => Arithmetic::Ggml,
         };
-        CpuBackend::with_kv_type(threads, self.kv_type.into()).with_arithmetic(arithmetic).map_err(|e| e.to_string())
+        CpuBackend::with_kv_type(threads, self.kv_type.into())
+            .with_arithmetic(arithmetic)
+            .map_err(|e| e.to_string())
     }
 
     /// Whether the options go together (the CUDA backend's cache is f16 only;
     /// llama.cpp's arithmetic is a CPU one, over an f16 cache).
     pub fn check(&self) -> Result<(), String> {
         if self.backend == BackendKind::Cuda && self.kv_type != KvTypeArg::F16 {
-            return Err("--kv-type f32 is for the CPU backend: the CUDA backend keeps its KV cache in f16".into());
+            return Err(
+                "--kv-type f32 is for the CPU backend: the CUDA backend keeps its KV cache in f16"
+                    .into(),
+            );
         }
         if self.arithmetic == ArithmeticArg::Ggml {
             if self.backend == BackendKind::Cuda {
@@ -93,7 +98,11 @@ impl BackendArgs {
     /// The CUDA backend as chosen, on GPU 0.
     pub fn cuda(&self) -> Result<CudaBackend, String> {
         self.check()?;
-        let mode = if self.deterministic { Mode::Deterministic } else { Mode::Fast };
+        let mode = if self.deterministic {
+            Mode::Deterministic
+        } else {
+            Mode::Fast
+        };
         CudaBackend::new(0, mode).map_err(|e| e.to_string())
     }
 }
@@ -104,9 +113,17 @@ pub trait OnModel {
 }
 
 /// Loads the model at `path` on the chosen backend and runs `body` on it.
-pub fn with_model(choice: BackendArgs, path: &Path, threads: usize, body: impl OnModel) -> Result<()> {
+pub fn with_model(
+    choice: BackendArgs,
+    path: &Path,
+    threads: usize,
+    body: impl OnModel,
+) -> Result<()> {
     match choice.backend {
-        BackendKind::Cpu => body.run(Model::load_on(choice.cpu(threads).map_err(|e| anyhow!(e))?, path)?),
+        BackendKind::Cpu => body.run(Model::load_on(
+            choice.cpu(threads).map_err(|e| anyhow!(e))?,
+            path,
+        )?),
         BackendKind::Cuda => {
             let backend = choice.cuda().map_err(|e| anyhow!(e))?;
             body.run(Model::load_on(backend, path)?)

@@ -47,7 +47,11 @@ pub struct Args {
 
 fn mean_sd(v: &[f64]) -> (f64, f64) {
     let mean = v.iter().sum::<f64>() / v.len() as f64;
-    let var = if v.len() > 1 { v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (v.len() - 1) as f64 } else { 0.0 };
+    let var = if v.len() > 1 {
+        v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (v.len() - 1) as f64
+    } else {
+        0.0
+    };
     (mean, var.sqrt())
 }
 
@@ -73,7 +77,16 @@ pub fn run(args: Args) -> Result<()> {
     }
     let path = astra_models::resolve(&args.model)?;
     let threads = args.threads.unwrap_or_else(super::run::default_threads);
-    with_model(args.backend, &path.clone(), threads, Bench { args, path, threads })
+    with_model(
+        args.backend,
+        &path.clone(),
+        threads,
+        Bench {
+            args,
+            path,
+            threads,
+        },
+    )
 }
 
 struct Bench {
@@ -84,15 +97,28 @@ struct Bench {
 
 impl OnModel for Bench {
     fn run<B: Backend>(self, model: Arc<Model<B>>) -> Result<()> {
-        let Bench { args, path, threads } = self;
+        let Bench {
+            args,
+            path,
+            threads,
+        } = self;
         bench(&args, &path, threads, &model)
     }
 }
 
-fn bench<B: Backend>(args: &Args, path: &std::path::Path, threads: usize, model: &Model<B>) -> Result<()> {
+fn bench<B: Backend>(
+    args: &Args,
+    path: &std::path::Path,
+    threads: usize,
+    model: &Model<B>,
+) -> Result<()> {
     let longest = args.n_prompt.max(args.n_gen);
     if args.depth.saturating_add(longest) > model.cfg.ctx_train {
-        bail!("--depth {} plus the longest test ({longest} tokens) exceeds the model's context of {}", args.depth, model.cfg.ctx_train);
+        bail!(
+            "--depth {} plus the longest test ({longest} tokens) exceeds the model's context of {}",
+            args.depth,
+            model.cfg.ctx_train
+        );
     }
     let ctx = (args.depth + longest + 1).min(model.cfg.ctx_train);
     let vocab = model.cfg.n_vocab;
@@ -100,7 +126,11 @@ fn bench<B: Backend>(args: &Args, path: &std::path::Path, threads: usize, model:
     let session = |seed: u64| -> Result<_> {
         let mut s = model.session(ctx)?;
         if args.depth > 0 {
-            model.forward(&mut s, &tokens(args.depth, vocab, seed ^ 0x5eed), args.depth - 1)?;
+            model.forward(
+                &mut s,
+                &tokens(args.depth, vocab, seed ^ 0x5eed),
+                args.depth - 1,
+            )?;
         }
         Ok(s)
     };
@@ -114,12 +144,23 @@ fn bench<B: Backend>(args: &Args, path: &std::path::Path, threads: usize, model:
     };
     let run_tg = |seed: u64| -> Result<f64> {
         let n = args.sequences as u64;
-        let streams: Vec<Vec<u32>> = (0..n).map(|i| tokens(args.n_gen, vocab, seed * n + i)).collect();
-        let mut sessions = (0..n).map(|i| session(seed * n + i)).collect::<Result<Vec<_>>>()?;
+        let streams: Vec<Vec<u32>> = (0..n)
+            .map(|i| tokens(args.n_gen, vocab, seed * n + i))
+            .collect();
+        let mut sessions = (0..n)
+            .map(|i| session(seed * n + i))
+            .collect::<Result<Vec<_>>>()?;
         let t = Instant::now();
         for i in 0..args.n_gen {
-            let mut steps: Vec<Step<'_, B>> =
-                sessions.iter_mut().zip(&streams).map(|(session, toks)| Step { session, tokens: &toks[i..i + 1], logits_from: 0 }).collect();
+            let mut steps: Vec<Step<'_, B>> = sessions
+                .iter_mut()
+                .zip(&streams)
+                .map(|(session, toks)| Step {
+                    session,
+                    tokens: &toks[i..i + 1],
+                    logits_from: 0,
+                })
+                .collect();
             model.forward_many(&mut steps)?;
         }
         Ok((args.n_gen * args.sequences) as f64 / t.elapsed().as_secs_f64())
@@ -138,10 +179,21 @@ fn bench<B: Backend>(args: &Args, path: &std::path::Path, threads: usize, model:
         }
     }
     let size_mib = model.file.len() as f64 / (1024.0 * 1024.0);
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     if args.json {
-        let (ppm, pps) = if pp.is_empty() { (0.0, 0.0) } else { mean_sd(&pp) };
-        let (tgm, tgs) = if tg.is_empty() { (0.0, 0.0) } else { mean_sd(&tg) };
+        let (ppm, pps) = if pp.is_empty() {
+            (0.0, 0.0)
+        } else {
+            mean_sd(&pp)
+        };
+        let (tgm, tgs) = if tg.is_empty() {
+            (0.0, 0.0)
+        } else {
+            mean_sd(&tg)
+        };
         println!(
             "{}",
             json!({
@@ -156,15 +208,28 @@ fn bench<B: Backend>(args: &Args, path: &std::path::Path, threads: usize, model:
     }
     println!("| model | size | backend | threads | test | t/s |");
     println!("| ----- | ---: | ------- | ------: | ---: | --: |");
-    let at = if args.depth > 0 { format!(" @ d{}", args.depth) } else { String::new() };
-    let together = if args.sequences > 1 { format!(" × {}", args.sequences) } else { String::new() };
-    for (test, samples) in [(format!("pp{}{at}", args.n_prompt), &pp), (format!("tg{}{together}{at}", args.n_gen), &tg)] {
+    let at = if args.depth > 0 {
+        format!(" @ d{}", args.depth)
+    } else {
+        String::new()
+    };
+    let together = if args.sequences > 1 {
+        format!(" × {}", args.sequences)
+    } else {
+        String::new()
+    };
+    for (test, samples) in [
+        (format!("pp{}{at}", args.n_prompt), &pp),
+        (format!("tg{}{together}{at}", args.n_gen), &tg),
+    ] {
         if samples.is_empty() {
             continue;
         }
         let (m, sd) = mean_sd(samples);
         let backend = model.backend.name().to_uppercase();
-        println!("| {name} | {size_mib:.1} MiB | {backend} | {threads} | {test} | {m:.2} ± {sd:.2} |");
+        println!(
+            "| {name} | {size_mib:.1} MiB | {backend} | {threads} | {test} | {m:.2} ± {sd:.2} |"
+        );
     }
     Ok(())
 }

@@ -60,18 +60,30 @@ impl<'a> Report<'a> {
             tally.tensors += 1;
             tally.bytes += t.size;
         }
-        Report { file, architecture, hyperparameters, types }
+        Report {
+            file,
+            architecture,
+            hyperparameters,
+            types,
+        }
     }
 
     fn block_count(&self) -> Option<u64> {
         let arch = self.architecture?;
-        self.file.metadata().u64(&format!("{arch}.block_count")).ok()
+        self.file
+            .metadata()
+            .u64(&format!("{arch}.block_count"))
+            .ok()
     }
 
     fn print(&self) {
         let h = self.file.header();
         let md = self.file.metadata();
-        println!("file:          {} ({})", self.file.path().display(), human_bytes(self.file.len()));
+        println!(
+            "file:          {} ({})",
+            self.file.path().display(),
+            human_bytes(self.file.len())
+        );
         println!(
             "format:        GGUF v{}, alignment {}, {} metadata keys, {} tensors",
             h.version,
@@ -79,7 +91,10 @@ impl<'a> Report<'a> {
             md.len(),
             self.file.tensors().len()
         );
-        println!("architecture:  {}", self.architecture.unwrap_or("(not set)"));
+        println!(
+            "architecture:  {}",
+            self.architecture.unwrap_or("(not set)")
+        );
         if let Ok(name) = md.str("general.name") {
             println!("name:          {name}");
         }
@@ -98,19 +113,32 @@ impl<'a> Report<'a> {
         println!("\n| type    | tensors |        bytes |");
         println!("|---------|--------:|-------------:|");
         for (ty, tally) in &self.types {
-            println!("| {:<7} | {:>7} | {:>12} |", ty.name(), tally.tensors, tally.bytes);
+            println!(
+                "| {:<7} | {:>7} | {:>12} |",
+                ty.name(),
+                tally.tensors,
+                tally.bytes
+            );
         }
     }
 
     fn to_json(&self) -> serde_json::Value {
         let h = self.file.header();
         let md = self.file.metadata();
-        let hyper: Map<String, serde_json::Value> =
-            self.hyperparameters.iter().map(|(k, v)| (k.clone(), value_json(v))).collect();
+        let hyper: Map<String, serde_json::Value> = self
+            .hyperparameters
+            .iter()
+            .map(|(k, v)| (k.clone(), value_json(v)))
+            .collect();
         let types: Map<String, serde_json::Value> = self
             .types
             .iter()
-            .map(|(t, tally)| (t.name().to_owned(), json!({"tensors": tally.tensors, "bytes": tally.bytes})))
+            .map(|(t, tally)| {
+                (
+                    t.name().to_owned(),
+                    json!({"tensors": tally.tensors, "bytes": tally.bytes}),
+                )
+            })
             .collect();
         json!({
             "path": self.file.path(),

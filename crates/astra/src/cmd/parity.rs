@@ -66,14 +66,27 @@ fn backend_ops(baselines: &Baselines<'_>) -> Result<()> {
     let cpu = astra_engine::CpuBackend::new(super::run::default_threads());
     let dir = std::env::temp_dir().join(format!("astra-parity-{}", std::process::id()));
     let (mut failed, mut total) = (0, 0);
-    for (mode, mode_name) in [(astra_cuda::Mode::Deterministic, "deterministic"), (astra_cuda::Mode::Fast, "default")] {
+    for (mode, mode_name) in [
+        (astra_cuda::Mode::Deterministic, "deterministic"),
+        (astra_cuda::Mode::Fast, "default"),
+    ] {
         let cuda = astra_cuda::CudaBackend::new(0, mode).map_err(|e| anyhow::anyhow!("{e}"))?;
         let before = cuda.gemm_products();
         let reports = astra_engine::backend_parity::compare(&cpu, &cuda, &dir)?;
         // The products that went through cuBLAS are those of the larger batch.
         let through_gemm = cuda.gemm_products() > before;
-        let bound = |op: &str| if through_gemm && op.ends_with(" tokens") { GEMM_BOUND } else { BACKEND_BOUND };
-        println!("{} against {}", astra_engine::Backend::describe(&cuda), astra_engine::Backend::describe(&cpu));
+        let bound = |op: &str| {
+            if through_gemm && op.ends_with(" tokens") {
+                GEMM_BOUND
+            } else {
+                BACKEND_BOUND
+            }
+        };
+        println!(
+            "{} against {}",
+            astra_engine::Backend::describe(&cuda),
+            astra_engine::Backend::describe(&cpu)
+        );
         println!("| op | rel L2 | max abs | bound | result |");
         println!("|----|-------:|--------:|------:|--------|");
         for (i, r) in reports.iter().enumerate() {
@@ -81,10 +94,23 @@ fn backend_ops(baselines: &Baselines<'_>) -> Result<()> {
             if r.rel_l2.is_nan() || r.rel_l2 > bound(&r.op) {
                 problems.push("out of bound".to_owned());
             }
-            problems.extend(baselines.check(&format!("cuda-{mode_name}-{i:03}-{}", slug(&r.op)), &r.outputs)?);
+            problems.extend(baselines.check(
+                &format!("cuda-{mode_name}-{i:03}-{}", slug(&r.op)),
+                &r.outputs,
+            )?);
             failed += usize::from(!problems.is_empty());
-            let result = if problems.is_empty() { "ok".to_owned() } else { format!("FAIL: {}", problems.join("; ")) };
-            println!("| {} | {:.3e} | {:.3e} | {:.0e} | {result} |", r.op, r.rel_l2, r.max_abs, bound(&r.op));
+            let result = if problems.is_empty() {
+                "ok".to_owned()
+            } else {
+                format!("FAIL: {}", problems.join("; "))
+            };
+            println!(
+                "| {} | {:.3e} | {:.3e} | {:.0e} | {result} |",
+                r.op,
+                r.rel_l2,
+                r.max_abs,
+                bound(&r.op)
+            );
         }
         total += reports.len();
         println!();
@@ -105,8 +131,11 @@ pub fn run(args: Args) -> Result<()> {
 }
 
 fn selected_isas(name: Option<&str>) -> Result<Vec<Isa>> {
-    let Some(name) = name else { return Ok(Isa::available_sets()) };
-    let isa = Isa::from_name(name).with_context(|| format!("unknown instruction set {name:?} (scalar, avx2, avx512vnni)"))?;
+    let Some(name) = name else {
+        return Ok(Isa::available_sets());
+    };
+    let isa = Isa::from_name(name)
+        .with_context(|| format!("unknown instruction set {name:?} (scalar, avx2, avx512vnni)"))?;
     if !isa.available() {
         bail!("this CPU cannot run {} kernels", isa.name());
     }
@@ -117,7 +146,8 @@ fn selected_types(names: &[String]) -> Result<Vec<GgmlType>> {
     names
         .iter()
         .map(|n| {
-            let ty = GgmlType::from_name(n).with_context(|| format!("unknown tensor type {n:?}"))?;
+            let ty =
+                GgmlType::from_name(n).with_context(|| format!("unknown tensor type {n:?}"))?;
             if !astra_quant::SUPPORTED_TYPES.contains(&ty) {
                 bail!("{ty} has no CPU kernels");
             }
@@ -161,18 +191,34 @@ impl Baselines<'_> {
         let now: Vec<u8> = outputs.iter().flat_map(|v| v.to_le_bytes()).collect();
         let file = format!("{name}.bin");
         if let Some(dir) = self.save {
-            std::fs::write(dir.join(&file), &now).with_context(|| format!("writing {}", dir.join(&file).display()))?;
+            std::fs::write(dir.join(&file), &now)
+                .with_context(|| format!("writing {}", dir.join(&file).display()))?;
         }
-        let Some(dir) = self.bitwise else { return Ok(None) };
+        let Some(dir) = self.bitwise else {
+            return Ok(None);
+        };
         let path = dir.join(&file);
         let Ok(saved) = std::fs::read(&path) else {
             return Ok(Some(format!("no baseline at {}", path.display())));
         };
         if saved.len() != now.len() {
-            return Ok(Some(format!("baseline has {} outputs, this build {}", saved.len() / 4, now.len() / 4)));
+            return Ok(Some(format!(
+                "baseline has {} outputs, this build {}",
+                saved.len() / 4,
+                now.len() / 4
+            )));
         }
-        let differing = saved.chunks_exact(4).zip(now.chunks_exact(4)).filter(|(a, b)| a != b).count();
-        Ok((differing > 0).then(|| format!("{differing} of {} outputs differ in some bit", now.len() / 4)))
+        let differing = saved
+            .chunks_exact(4)
+            .zip(now.chunks_exact(4))
+            .filter(|(a, b)| a != b)
+            .count();
+        Ok((differing > 0).then(|| {
+            format!(
+                "{differing} of {} outputs differ in some bit",
+                now.len() / 4
+            )
+        }))
     }
 }
 
@@ -206,10 +252,20 @@ fn kernels(args: KernelArgs) -> Result<()> {
             problems.extend(baselines.check(&r.name(), &r.outputs)?);
             total += 1;
             failed += usize::from(!problems.is_empty());
-            let result = if problems.is_empty() { "ok".to_owned() } else { format!("FAIL: {}", problems.join("; ")) };
+            let result = if problems.is_empty() {
+                "ok".to_owned()
+            } else {
+                format!("FAIL: {}", problems.join("; "))
+            };
             println!(
                 "| {:<6} | {:<6} | {:>5} × {:<5} | {:>12.3e} | {:>9.2e} | {:>9.2e} | {result} |",
-                ty.name(), isa.name(), cols, rows, r.rel_l2, r.bound, r.vs_scalar
+                ty.name(),
+                isa.name(),
+                cols,
+                rows,
+                r.rel_l2,
+                r.bound,
+                r.vs_scalar
             );
         }
     }
@@ -226,8 +282,14 @@ mod tests {
 
     #[test]
     fn op_names_become_file_names() {
-        assert_eq!(slug("decode attention, matmul Q4_1, post-norm, add"), "decode_attention_matmul_Q4_1_post_norm_add");
-        assert_eq!(slug("feed-forward Q6_K gate/up, Q4_1 down, SwiGLU"), "feed_forward_Q6_K_gate_up_Q4_1_down_SwiGLU");
+        assert_eq!(
+            slug("decode attention, matmul Q4_1, post-norm, add"),
+            "decode_attention_matmul_Q4_1_post_norm_add"
+        );
+        assert_eq!(
+            slug("feed-forward Q6_K gate/up, Q4_1 down, SwiGLU"),
+            "feed_forward_Q6_K_gate_up_Q4_1_down_SwiGLU"
+        );
     }
 
     /// A saved baseline compares equal to the same outputs and names what differs.
@@ -238,8 +300,18 @@ mod tests {
         assert_eq!(save.check("case", &[1.0, -0.0, 3.5]).unwrap(), None);
         let compare = Baselines::new(None, Some(dir.path())).unwrap();
         assert_eq!(compare.check("case", &[1.0, -0.0, 3.5]).unwrap(), None);
-        assert_eq!(compare.check("case", &[1.0, 0.0, 3.5]).unwrap().as_deref(), Some("1 of 3 outputs differ in some bit"));
-        assert_eq!(compare.check("case", &[1.0]).unwrap().as_deref(), Some("baseline has 3 outputs, this build 1"));
-        assert!(compare.check("other", &[1.0]).unwrap().unwrap().starts_with("no baseline at "));
+        assert_eq!(
+            compare.check("case", &[1.0, 0.0, 3.5]).unwrap().as_deref(),
+            Some("1 of 3 outputs differ in some bit")
+        );
+        assert_eq!(
+            compare.check("case", &[1.0]).unwrap().as_deref(),
+            Some("baseline has 3 outputs, this build 1")
+        );
+        assert!(compare
+            .check("other", &[1.0])
+            .unwrap()
+            .unwrap()
+            .starts_with("no baseline at "));
     }
 }

@@ -53,7 +53,12 @@ pub fn layers(args: LayerArgs) -> Result<()> {
     if args.n_predict > 4096 {
         bail!("-n must be at most 4096");
     }
-    let other_isa = Isa::from_name(&args.isa).with_context(|| format!("unknown instruction set {:?} (scalar, avx2, avx512vnni)", args.isa))?;
+    let other_isa = Isa::from_name(&args.isa).with_context(|| {
+        format!(
+            "unknown instruction set {:?} (scalar, avx2, avx512vnni)",
+            args.isa
+        )
+    })?;
     if !other_isa.available() {
         bail!("this CPU cannot run {} kernels", other_isa.name());
     }
@@ -64,7 +69,11 @@ pub fn layers(args: LayerArgs) -> Result<()> {
     let text = super::run::prompt_text(&cpu, &tok, &args.prompt, args.chat)?;
     let ids = tok.encode(&text, EncodeOptions::default());
     if ids.is_empty() || ids.len() > astra_engine::MAX_BATCH {
-        bail!("the prompt has {} tokens; a trace takes 1 to {}", ids.len(), astra_engine::MAX_BATCH);
+        bail!(
+            "the prompt has {} tokens; a trace takes 1 to {}",
+            ids.len(),
+            astra_engine::MAX_BATCH
+        );
     }
     println!("reference: {}", cpu.backend.describe());
     let reference = run_on(&cpu, "cpu", &ids, args.n_predict)?;
@@ -72,14 +81,29 @@ pub fn layers(args: LayerArgs) -> Result<()> {
     let mut others = Vec::new();
     if other_isa != Isa::selected() {
         let model = Model::load_on(CpuBackend::new(threads).with_isa(other_isa), &path)?;
-        println!("against cpu {}: {}", other_isa.name(), model.backend.describe());
-        others.push(run_on(&model, &format!("cpu {}", other_isa.name()), &ids, args.n_predict)?);
+        println!(
+            "against cpu {}: {}",
+            other_isa.name(),
+            model.backend.describe()
+        );
+        others.push(run_on(
+            &model,
+            &format!("cpu {}", other_isa.name()),
+            &ids,
+            args.n_predict,
+        )?);
     }
     match astra_cuda::unavailable_reason() {
         Some(why) => println!("not against cuda: {why}"),
         None => {
-            for (mode, name) in [(Mode::Deterministic, "cuda deterministic"), (Mode::Fast, "cuda default")] {
-                let model = Model::load_on(CudaBackend::new(0, mode).map_err(|e| anyhow!("{e}"))?, &path)?;
+            for (mode, name) in [
+                (Mode::Deterministic, "cuda deterministic"),
+                (Mode::Fast, "cuda default"),
+            ] {
+                let model = Model::load_on(
+                    CudaBackend::new(0, mode).map_err(|e| anyhow!("{e}"))?,
+                    &path,
+                )?;
                 println!("against {name}: {}", model.backend.describe());
                 others.push(run_on(&model, name, &ids, args.n_predict)?);
             }
@@ -103,13 +127,24 @@ fn run_on<B: Backend>(model: &Model<B>, name: &str, ids: &[u32], n: usize) -> Re
     while greedy.len() < n && session.n_past() < ctx {
         let id = argmax(&logits);
         greedy.push(id);
-        steps.push(std::mem::replace(&mut logits, model.forward(&mut session, &[id], 0)?));
+        steps.push(std::mem::replace(
+            &mut logits,
+            model.forward(&mut session, &[id], 0)?,
+        ));
     }
-    Ok(Run { name: name.to_owned(), trace, greedy, steps })
+    Ok(Run {
+        name: name.to_owned(),
+        trace,
+        greedy,
+        steps,
+    })
 }
 
 fn report(path: &Path, tok: &Tokenizer, prompt_tokens: usize, cpu: &Run, others: &[Run]) {
-    println!("{}: {prompt_tokens} prompt tokens, one batch; each against the reference", path.display());
+    println!(
+        "{}: {prompt_tokens} prompt tokens, one batch; each against the reference",
+        path.display()
+    );
     print!("| stage |");
     for o in others {
         print!(" {} rel L2 | max abs |", o.name);
@@ -142,14 +177,21 @@ fn report(path: &Path, tok: &Tokenizer, prompt_tokens: usize, cpu: &Run, others:
         let p = softmax(first);
         let mut order: Vec<usize> = (0..p.len()).collect();
         order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
-        let top: Vec<String> = order[..5.min(order.len())].iter().map(|&i| format!("{} {:.4}", piece(i as u32), p[i].ln())).collect();
+        let top: Vec<String> = order[..5.min(order.len())]
+            .iter()
+            .map(|&i| format!("{} {:.4}", piece(i as u32), p[i].ln()))
+            .collect();
         println!("  {}: {}", r.name, top.join(", "));
     }
     println!("\ngreedy, {} tokens:", cpu.greedy.len());
     for o in others {
         match cpu.greedy.iter().zip(&o.greedy).position(|(a, b)| a != b) {
             None if o.greedy.len() == cpu.greedy.len() => println!("  {}: identical", o.name),
-            None => println!("  {}: {} tokens, the same as far as they go", o.name, o.greedy.len()),
+            None => println!(
+                "  {}: {} tokens, the same as far as they go",
+                o.name,
+                o.greedy.len()
+            ),
             Some(at) => {
                 // How close the CPU's own choice was there: its top two log-probabilities.
                 let p = softmax(&cpu.steps[at]);

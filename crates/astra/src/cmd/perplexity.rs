@@ -29,9 +29,18 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<()> {
     let path = astra_models::resolve(&args.model)?;
-    let text = std::fs::read_to_string(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("reading {}", args.file.display()))?;
     let threads = args.threads.unwrap_or_else(super::run::default_threads);
-    with_model(args.backend, &path, threads, Scoring { ctx: args.ctx, text })
+    with_model(
+        args.backend,
+        &path,
+        threads,
+        Scoring {
+            ctx: args.ctx,
+            text,
+        },
+    )
 }
 
 /// The text to score, and the chunk size.
@@ -51,12 +60,24 @@ fn score<B: Backend>(args: Scoring, model: &Model<B>) -> Result<()> {
     let tok = Tokenizer::from_metadata(model.file.metadata())?;
     // As llama-perplexity: one trailing newline is not part of the text.
     let text = text.strip_suffix('\n').unwrap_or(&text);
-    let tokens = tok.encode(text, EncodeOptions { add_special: true, parse_special: false });
+    let tokens = tok.encode(
+        text,
+        EncodeOptions {
+            add_special: true,
+            parse_special: false,
+        },
+    );
     let bos = if tok.vocab().add_bos { tok.bos() } else { None };
-    eprintln!("{} tokens, {} chunks of {}", tokens.len(), tokens.len() / args.ctx.max(1), args.ctx);
-    let r = astra_engine::perplexity::perplexity(model, &tokens, args.ctx, bos, |done, total, ppl| {
-        eprintln!("[{done}/{total}] {ppl:.4}");
-    })?;
+    eprintln!(
+        "{} tokens, {} chunks of {}",
+        tokens.len(),
+        tokens.len() / args.ctx.max(1),
+        args.ctx
+    );
+    let r =
+        astra_engine::perplexity::perplexity(model, &tokens, args.ctx, bos, |done, total, ppl| {
+            eprintln!("[{done}/{total}] {ppl:.4}");
+        })?;
     println!("Final estimate: PPL = {:.4} +/- {:.5}", r.ppl, r.error);
     Ok(())
 }

@@ -19,8 +19,17 @@ pub fn run(args: Args) -> Result<()> {
     if args.list {
         for m in astra_models::KNOWN_MODELS {
             let path = astra_models::cached_path(m);
-            let state = if path.is_file() { "cached" } else { "not cached" };
-            println!("{:<14} {:<50} {state}: {}", m.name, m.description, path.display());
+            let state = if path.is_file() {
+                "cached"
+            } else {
+                "not cached"
+            };
+            println!(
+                "{:<14} {:<50} {state}: {}",
+                m.name,
+                m.description,
+                path.display()
+            );
         }
         return Ok(());
     }

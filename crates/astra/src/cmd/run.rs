@@ -73,12 +73,20 @@ impl OnModel for Args {
 }
 
 /// `text`, or, with `chat`, `text` as a user message in the model's chat template.
-pub fn prompt_text<B: Backend>(model: &Model<B>, tok: &Tokenizer, text: &str, chat: bool) -> Result<String> {
+pub fn prompt_text<B: Backend>(
+    model: &Model<B>,
+    tok: &Tokenizer,
+    text: &str,
+    chat: bool,
+) -> Result<String> {
     if !chat {
         return Ok(text.to_owned());
     }
     let template = ChatTemplate::for_model(model.file.metadata(), tok)?;
-    Ok(template.prompt(&[ChatMessage::new("user", text.to_owned())], tok.vocab().add_bos)?)
+    Ok(template.prompt(
+        &[ChatMessage::new("user", text.to_owned())],
+        tok.vocab().add_bos,
+    )?)
 }
 
 fn generate<B: Backend>(args: &Args, model: &Model<B>) -> Result<()> {
@@ -90,7 +98,11 @@ fn generate<B: Backend>(args: &Args, model: &Model<B>) -> Result<()> {
         bail!("the prompt is empty");
     }
     if ids.len() + args.n_predict > ctx {
-        bail!("{} prompt tokens + {} to generate exceed the context of {ctx} (raise --ctx)", ids.len(), args.n_predict);
+        bail!(
+            "{} prompt tokens + {} to generate exceed the context of {ctx} (raise --ctx)",
+            ids.len(),
+            args.n_predict
+        );
     }
     let mut sampler = Sampler::new(SamplerConfig {
         temperature: args.temp,
@@ -141,14 +153,22 @@ fn generate<B: Backend>(args: &Args, model: &Model<B>) -> Result<()> {
     };
     text.push_str(&tail);
     let decode_s = t1.elapsed().as_secs_f64();
-    let decode_tps = if decode_s > 0.0 { generated.len() as f64 / decode_s } else { 0.0 };
+    let decode_tps = if decode_s > 0.0 {
+        generated.len() as f64 / decode_s
+    } else {
+        0.0
+    };
     if args.json {
         let timings = json!({
             "prompt_tokens": ids.len(), "prefill_ms": prefill_ms,
             "prefill_tokens_per_s": ids.len() as f64 / (prefill_ms / 1e3),
             "decoded_tokens": generated.len(), "decode_ms": decode_s * 1e3, "decode_tokens_per_s": decode_tps,
         });
-        writeln!(out, "{}", json!({"tokens": generated, "text": text, "timings": timings}))?;
+        writeln!(
+            out,
+            "{}",
+            json!({"tokens": generated, "text": text, "timings": timings})
+        )?;
     } else {
         writeln!(out, "{tail}")?;
         eprintln!(

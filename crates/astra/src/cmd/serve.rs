@@ -92,7 +92,8 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 pub fn run(args: Args) -> Result<()> {
     let path = astra_models::resolve(&args.model)?;
     let model_name = if path.exists() && std::path::Path::new(&args.model).exists() {
-        path.file_stem().map_or_else(|| args.model.clone(), |s| s.to_string_lossy().into_owned())
+        path.file_stem()
+            .map_or_else(|| args.model.clone(), |s| s.to_string_lossy().into_owned())
     } else {
         args.model.clone()
     };

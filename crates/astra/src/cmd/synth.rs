@@ -28,13 +28,20 @@ pub fn run(args: Args) -> Result<()> {
     let shape = astra_synth::shape(&args.like)?;
     if let Some(arch) = &args.arch {
         if arch != shape.arch {
-            bail!("--like {} is a {} shape, not {arch}", shape.name, shape.arch);
+            bail!(
+                "--like {} is a {} shape, not {arch}",
+                shape.name,
+                shape.arch
+            );
         }
     }
-    let ty = GgmlType::from_name(&args.ty).with_context(|| format!("unknown tensor type {:?}", args.ty))?;
+    let ty = GgmlType::from_name(&args.ty)
+        .with_context(|| format!("unknown tensor type {:?}", args.ty))?;
     let t0 = std::time::Instant::now();
     astra_synth::write(shape, ty, args.seed, &args.output)?;
-    let bytes = std::fs::metadata(&args.output).map(|m| m.len()).unwrap_or(0);
+    let bytes = std::fs::metadata(&args.output)
+        .map(|m| m.len())
+        .unwrap_or(0);
     eprintln!(
         "wrote {} ({} {}, {:.1} GiB) in {:.1} s",
         args.output.display(),

@@ -32,10 +32,15 @@ pub struct Args {
 pub fn run(args: Args) -> Result<()> {
     let text = match (&args.file, args.text) {
         (Some(path), _) => {
-            let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            let bytes =
+                std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
             match String::from_utf8(bytes) {
                 Ok(s) => s,
-                Err(e) => bail!("{} is not UTF-8 text (invalid byte at offset {})", path.display(), e.utf8_error().valid_up_to()),
+                Err(e) => bail!(
+                    "{} is not UTF-8 text (invalid byte at offset {})",
+                    path.display(),
+                    e.utf8_error().valid_up_to()
+                ),
             }
         }
         (None, Some(text)) => text,
@@ -43,7 +48,13 @@ pub fn run(args: Args) -> Result<()> {
     };
     let file = GgufFile::open(astra_models::resolve(&args.model)?)?;
     let tok = Tokenizer::from_metadata(file.metadata())?;
-    let ids = tok.encode(&text, EncodeOptions { add_special: !args.no_bos, parse_special: !args.no_special });
+    let ids = tok.encode(
+        &text,
+        EncodeOptions {
+            add_special: !args.no_bos,
+            parse_special: !args.no_special,
+        },
+    );
     let out = if args.pieces {
         json!(ids
             .iter()

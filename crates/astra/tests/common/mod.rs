@@ -26,7 +26,16 @@ impl Server {
     pub fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Option<Server> {
         let model = astra_models::model_for_test("smollm2-135m")?;
         let mut child = Command::new(env!("CARGO_BIN_EXE_astra"))
-            .args(["serve", "--port", "0", "--threads", "2", "--ctx", "2048", "--model"])
+            .args([
+                "serve",
+                "--port",
+                "0",
+                "--threads",
+                "2",
+                "--ctx",
+                "2048",
+                "--model",
+            ])
             .arg(&model)
             .args(extra)
             .envs(env.iter().copied())
@@ -44,10 +53,17 @@ impl Server {
         });
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         let line = lines.next().expect("a first line").unwrap();
-        let addr = line.strip_prefix("astra: listening on ").unwrap_or_else(|| panic!("unexpected first line {line:?}")).to_owned();
+        let addr = line
+            .strip_prefix("astra: listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .to_owned();
         // Keep draining stdout so the server never blocks on it.
         std::thread::spawn(move || for _ in lines {});
-        let server = Server { child, base: addr, log };
+        let server = Server {
+            child,
+            base: addr,
+            log,
+        };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let (status, _) = server.get("/health");
@@ -61,11 +77,17 @@ impl Server {
     }
 
     pub fn agent() -> ureq::Agent {
-        ureq::Agent::config_builder().http_status_as_error(false).build().into()
+        ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .build()
+            .into()
     }
 
     pub fn get(&self, path: &str) -> (u16, String) {
-        let mut r = Self::agent().get(&format!("{}{path}", self.base)).call().expect("GET");
+        let mut r = Self::agent()
+            .get(&format!("{}{path}", self.base))
+            .call()
+            .expect("GET");
         (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
     }
 
@@ -75,7 +97,10 @@ impl Server {
 
     pub fn post(&self, path: &str, body: &Value) -> (u16, Value) {
         let (status, text) = self.post_raw(path, &body.to_string());
-        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}")))
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}")),
+        )
     }
 
     /// A successful chat completion.
@@ -87,7 +112,13 @@ impl Server {
 
     /// Lines of the server's log containing `text`.
     pub fn log_lines(&self, text: &str) -> Vec<String> {
-        self.log.lock().unwrap().iter().filter(|l| l.contains(text)).cloned().collect()
+        self.log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.contains(text))
+            .cloned()
+            .collect()
     }
 
     /// Lines of the server's log containing `text`, waiting up to 10 s for a first one
@@ -106,7 +137,10 @@ impl Server {
     pub fn metric(&self, name: &str) -> f64 {
         let (_, text) = self.get("/metrics");
         text.lines()
-            .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.trim().parse().ok()))
+            .find_map(|l| {
+                l.strip_prefix(name)
+                    .and_then(|rest| rest.trim().parse().ok())
+            })
             .unwrap_or_else(|| panic!("metric {name} missing"))
     }
 }
@@ -125,7 +159,14 @@ pub fn post_to(base: &str, path: &str, body: &str) -> (u16, String) {
         .header("content-type", "application/json")
         .send(body)
         .expect("POST");
-    (r.status().as_u16(), r.body_mut().with_config().limit(64 << 20).read_to_string().unwrap())
+    (
+        r.status().as_u16(),
+        r.body_mut()
+            .with_config()
+            .limit(64 << 20)
+            .read_to_string()
+            .unwrap(),
+    )
 }
 
 pub fn content(v: &Value) -> &str {
@@ -138,6 +179,8 @@ pub fn user(text: &str, max_tokens: usize) -> Value {
 
 /// Reads a streamed response's `data:` payloads.
 pub fn sse_events(text: &str) -> Vec<String> {
-    text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).map(str::to_owned).collect()
+    text.split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .map(str::to_owned)
+        .collect()
 }
-
