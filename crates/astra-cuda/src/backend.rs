@@ -161,7 +161,7 @@ struct MatvecKernels {
     one: CudaFunction,
     three: CudaFunction,
     /// The same with eight tokens per warp, for batches; none for Q4_1, whose
-    /// eight-token kernel measured slower than one token per warp.
+    /// eight-token kernel was tried and measured slower (commit 6f4ffab).
     batch: Option<(CudaFunction, CudaFunction)>,
     /// A decode row's gate and up products, gated and quantized for the down product;
     /// Q4_1 only (astra.cu says why).
@@ -230,9 +230,7 @@ impl HeldKernels {
     /// The kernel and launch for matrices of `matrix_rows` rows (each CTA's rows of one
     /// of them) of `nb` blocks and `tokens` tokens, and the rows each CTA runs down: as
     /// many CTAs as the SMs run at once, or whole waves of them. (Rows spread over the
-    /// waves rather than a last part-filled one: 8B shape, H200, tg64 476.9–481.2 →
-    /// 482.5–486.7 tok/s, measured with at most 64 rows a CTA, when the 128,256-row
-    /// output matrix took four waves.)
+    /// waves rather than a last part-filled one measured faster, commit 3725071.)
     fn launch(
         &self,
         matrix_rows: [usize; 3],
@@ -296,6 +294,9 @@ pub struct CudaBackend {
     capturing: AtomicBool,
     /// Something during the capture could not be recorded; the capture is dropped.
     capture_failed: AtomicBool,
+    /// The first failed operation since the last [`Backend::check`] (sticky, as the
+    /// device's own errors are): the step it happened in fails, not the process.
+    failure: Mutex<Option<String>>,
     /// Decode steps run by replaying a recorded graph.
     replays: AtomicU64,
     /// Batched products through cuBLAS; `None` when deterministic, or without cuBLAS.
@@ -369,16 +370,14 @@ pub struct GpuKv {
 }
 
 /// Up to how many sequences' decode rows run as their own recorded steps, one after
-/// another, rather than as one batch (whose launches are not recorded). Measured on an
-/// H200 (`astra bench -s N`, tokens/s in all, batch against separate steps): two
-/// sequences, smollm2 shape 915 → 1,644, gemma3 1,160 → 1,490, 8B 411 → 414; three,
-/// smollm2 1,388 → 1,567, gemma3 580 → 1,498, but 8B 501 → 407; from four or eight on
-/// the batch is faster for smollm2 and the 8B (gemma3's batch stays slower, a cost of
-/// its batch path not yet found).
+/// another, rather than as one batch (whose launches are not recorded): the most at which
+/// separate steps measured faster on every shape (commit dc69ed3). To retune,
+/// compare `astra bench -s N` with `ASTRA_CUDA_SEPARATE_DECODE` set around it.
 const SEPARATE_DECODE_STEPS: usize = 2;
 
-/// The most CTAs a head's decode attention spreads its chunks over (smollm2 shape,
-/// tg128 at depth 1,000: 8 CTAs 1,096–1,100 tok/s, 16 1,193–1,202, 32 1,241–1,270).
+/// The most CTAs a head's decode attention spreads its chunks over: the fastest of the
+/// values tried (commit 57aea41); to retune, time decode deep in a conversation
+/// (`astra bench -d N`) with other values.
 const SPLIT_CTAS: usize = 32;
 
 /// Threads per attention CTA for heads of `head_dim`: 1, 2 or 4 per key of a chunk,
@@ -487,6 +486,7 @@ impl CudaBackend {
             k_graph,
             capturing: AtomicBool::new(false),
             capture_failed: AtomicBool::new(false),
+            failure: Mutex::new(None),
             replays: AtomicU64::new(0),
             gemm,
             dequantized: Mutex::new(None),
@@ -502,8 +502,15 @@ impl CudaBackend {
         })
     }
 
-    fn upload<T: cudarc::driver::DeviceRepr>(&self, v: &[T]) -> CudaSlice<T> {
-        self.stream.clone_htod(v).expect("CUDA upload")
+    fn upload<T: cudarc::driver::DeviceRepr>(&self, v: &[T]) -> Result<CudaSlice<T>, EngineError> {
+        self.stream.clone_htod(v).map_err(gpu_err("upload"))
+    }
+
+    /// Records the failure of an operation that returns nothing: the first one is kept
+    /// for [`Backend::check`].
+    fn fail(&self, what: &str, e: impl std::fmt::Display) {
+        let mut first = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        first.get_or_insert_with(|| format!("CUDA: {what}: {e}"));
     }
 
     /// `scratch` with room for `rows` rows of `width` values quantized for `act`, grown
@@ -523,8 +530,13 @@ impl CudaBackend {
                 return None;
             }
             // SAFETY: every byte read is first written by a quantization kernel.
-            scratch.buf =
-                Some(unsafe { self.stream.alloc::<u8>(need.max(1 << 16)) }.expect("CUDA alloc"));
+            match unsafe { self.stream.alloc::<u8>(need.max(1 << 16)) } {
+                Ok(buf) => scratch.buf = Some(buf),
+                Err(e) => {
+                    self.fail("allocating activation scratch", e);
+                    return None;
+                }
+            }
             self.scratch_generation.fetch_add(1, Ordering::Relaxed);
         }
         scratch.buf.as_mut()
@@ -887,8 +899,10 @@ impl CudaBackend {
             let slice = (gemm::SLICE_BYTES / (4 * w.cols)).clamp(1, w.rows);
             if scratch.as_ref().is_none_or(|b| b.len() < slice * w.cols) {
                 // SAFETY: every value read is first written by `dequantize`.
-                *scratch =
-                    Some(unsafe { self.stream.alloc::<f32>(slice * w.cols) }.expect("CUDA alloc"));
+                match unsafe { self.stream.alloc::<f32>(slice * w.cols) } {
+                    Ok(buf) => *scratch = Some(buf),
+                    Err(e) => return self.fail("allocating dequantized weights", e),
+                }
             }
             let dq = scratch.as_mut().expect("allocated above");
             let accumulate = add_to.is_some();
@@ -920,7 +934,9 @@ impl CudaBackend {
                     w.rows,
                     accumulate,
                 );
-                done.unwrap_or_else(|e| panic!("CUDA: {e}"));
+                if let Err(e) = done {
+                    return self.fail("cuBLAS product", e);
+                }
             }
             self.gemm_products.fetch_add(1, Ordering::Relaxed);
         }
@@ -1019,7 +1035,7 @@ impl CudaBackend {
         let result = unsafe { b.launch(cfg, dependent) };
         if let Err(e) = result {
             if !self.capturing.load(Ordering::Relaxed) {
-                panic!("CUDA launch: {e}");
+                return self.fail("kernel launch", e);
             }
             self.capture_failed.store(true, Ordering::Relaxed);
         }
@@ -1176,7 +1192,7 @@ impl Backend for CudaBackend {
             ty: m.ty,
             rows: m.rows,
             cols: m.cols,
-            act: m.kernels.act,
+            act: ActType::for_weights(m.ty).map_err(|e| EngineError::Invalid(e.to_string()))?,
         })
     }
 
@@ -1186,24 +1202,36 @@ impl Backend for CudaBackend {
             .map_err(gpu_err("uploading a vector"))
     }
 
-    fn tensor(&self, rows: usize, width: usize) -> GpuTensor {
+    fn tensor(&self, rows: usize, width: usize) -> Result<GpuTensor, EngineError> {
         debug_assert!(
             !self.capturing.load(Ordering::Relaxed),
             "no allocation while recording"
         );
+        let n = rows
+            .checked_mul(width)
+            .ok_or_else(|| EngineError::Invalid(format!("a tensor of {rows} × {width}")))?;
         let buf = self
             .stream
-            .alloc_zeros::<f32>((rows * width).max(1))
-            .expect("CUDA alloc");
-        GpuTensor { buf, rows, width }
+            .alloc_zeros::<f32>(n.max(1))
+            .map_err(gpu_err("allocating a tensor"))?;
+        Ok(GpuTensor { buf, rows, width })
     }
 
-    fn tensor_from(&self, data: &[f32], width: usize) -> GpuTensor {
-        GpuTensor {
-            buf: self.upload(data),
+    fn tensor_from(&self, data: &[f32], width: usize) -> Result<GpuTensor, EngineError> {
+        Ok(GpuTensor {
+            buf: self.upload(data)?,
             rows: data.len() / width.max(1),
             width,
-        }
+        })
+    }
+
+    fn check(&self) -> Result<(), EngineError> {
+        let failure = self
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        failure.map_or(Ok(()), |f| Err(EngineError::Backend(f)))
     }
 
     fn kv_cache(&self, layout: &KvLayout) -> Result<GpuKv, EngineError> {
@@ -1270,15 +1298,18 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn read(&self, t: &GpuTensor) -> Vec<f32> {
+    fn read(&self, t: &GpuTensor) -> Result<Vec<f32>, EngineError> {
         let n = t.rows * t.width;
         let Some(staging) = &self.staging else {
-            let mut v = self.stream.clone_dtoh(&t.buf).expect("CUDA download");
-            self.stream.synchronize().expect("CUDA synchronize");
+            let mut v = self
+                .stream
+                .clone_dtoh(&t.buf)
+                .map_err(gpu_err("download"))?;
+            self.stream.synchronize().map_err(gpu_err("synchronize"))?;
             v.truncate(n);
-            return v;
+            return Ok(v);
         };
-        let mut staging = staging.lock().expect("staging lock");
+        let mut staging = staging.lock().unwrap_or_else(|p| p.into_inner());
         if staging.as_ref().is_none_or(|p| p.len() < n) {
             // Plain page-locked memory (not write-combined: the host reads it).
             // SAFETY: only the first `n` values are read, after the copy into them.
@@ -1287,22 +1318,22 @@ impl Backend for CudaBackend {
                     .context()
                     .alloc_pinned_with_flags::<f32>(n.max(1 << 16), 0)
             };
-            *staging = Some(p.expect("CUDA page-locked allocation"));
+            *staging = Some(p.map_err(gpu_err("page-locked allocation"))?);
         }
         let p = staging
             .as_mut()
             .expect("allocated above")
             .as_mut_ptr()
-            .expect("CUDA page-locked memory");
+            .map_err(gpu_err("page-locked memory"))?;
         // SAFETY: the allocation holds at least `n` values, and nothing else uses it
         // while the lock is held. (A copy takes its length from the host slice, so it is
         // cut to the tensor's.)
         let host = unsafe { std::slice::from_raw_parts_mut(p, n) };
         self.stream
             .memcpy_dtoh(&t.buf.slice(0..n), host)
-            .expect("CUDA download");
-        self.stream.synchronize().expect("CUDA synchronize");
-        host.to_vec()
+            .map_err(gpu_err("download"))?;
+        self.stream.synchronize().map_err(gpu_err("synchronize"))?;
+        Ok(host.to_vec())
     }
 
     fn embed(
@@ -1337,10 +1368,10 @@ impl Backend for CudaBackend {
         self.launch(b, cfg);
     }
 
-    fn gather(&self, x: &GpuTensor, rows: &[usize]) -> GpuTensor {
-        let mut out = self.tensor(rows.len(), x.width);
+    fn gather(&self, x: &GpuTensor, rows: &[usize]) -> Result<GpuTensor, EngineError> {
+        let mut out = self.tensor(rows.len(), x.width)?;
         let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let idx = self.upload(&idx);
+        let idx = self.upload(&idx)?;
         let width = x.width as i32;
         let cfg = LaunchConfig {
             grid_dim: ((x.width as u32).div_ceil(THREADS), rows.len() as u32, 1),
@@ -1350,7 +1381,7 @@ impl Backend for CudaBackend {
         let mut b = Args::new(&self.k().gather, &self.stream);
         b.arg(&x.buf).arg(&idx).out(&mut out.buf).arg(&width);
         self.launch(b, cfg);
-        out
+        Ok(out)
     }
 
     fn rms_norm(&self, x: &GpuTensor, w: &CudaSlice<f32>, eps: f32, out: &mut GpuTensor) {
@@ -1521,12 +1552,14 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn ids(&self, v: &[u32]) -> CudaSlice<u32> {
+    fn ids(&self, v: &[u32]) -> Result<CudaSlice<u32>, EngineError> {
         self.upload(v)
     }
 
     fn write_ids(&self, dst: &mut CudaSlice<u32>, v: &[u32]) {
-        self.stream.memcpy_htod(v, dst).expect("CUDA upload");
+        if let Err(e) = self.stream.memcpy_htod(v, dst) {
+            self.fail("writing token ids", e);
+        }
     }
 
     fn rope(&self, x: &mut GpuTensor, head_dim: usize, pos: &CudaSlice<u32>, r: Rope) {
@@ -1623,19 +1656,25 @@ impl Backend for CudaBackend {
         }
         let generation = self.scratch_generation.load(Ordering::Relaxed);
         // Thread-local: other threads' calls (memory queries) stay legal meanwhile.
-        self.stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .expect("CUDA capture");
+        let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        if let Err(e) = self.stream.begin_capture(mode) {
+            self.fail("beginning a capture", e);
+            launches();
+            return None;
+        }
         self.capturing.store(true, Ordering::Relaxed);
         launches();
         self.capturing.store(false, Ordering::Relaxed);
         let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
         let failed = self.capture_failed.swap(false, Ordering::Relaxed);
         match graph {
-            Ok(Some(graph)) if !failed => {
-                graph.launch().expect("CUDA graph launch");
-                Some(StepGraph { graph, generation })
-            }
+            Ok(Some(graph)) if !failed => match graph.launch() {
+                Ok(()) => Some(StepGraph { graph, generation }),
+                Err(e) => {
+                    self.fail("launching a recorded step", e);
+                    None
+                }
+            },
             // Nothing ran: run it as plain launches.
             _ => {
                 launches();
@@ -1656,7 +1695,9 @@ impl Backend for CudaBackend {
         if self.scratch_generation.load(Ordering::Relaxed) != g.generation {
             return false;
         }
-        g.graph.launch().expect("CUDA graph launch");
+        if let Err(e) = g.graph.launch() {
+            self.fail("replaying a recorded step", e);
+        }
         self.replays.fetch_add(1, Ordering::Relaxed);
         true
     }
@@ -1716,7 +1757,7 @@ mod tests {
         let x: Vec<f32> = (0..3 * cols)
             .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32))
             .collect();
-        let t = gpu.tensor_from(&x, cols);
+        let t = gpu.tensor_from(&x, cols).unwrap();
         for act in [ActType::Q8_0, ActType::Q8_1, ActType::Q8K] {
             let mut scratch = Scratch { buf: None };
             assert!(gpu.quantize(&Input::Rows(&t), act, &mut scratch));

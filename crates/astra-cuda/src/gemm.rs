@@ -14,10 +14,9 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 /// Batches with fewer tokens than this take the per-token kernels, which read each
 /// weight once for up to eight tokens: cheaper than dequantizing the whole matrix to
-/// f32 for small batches. Measured on an H200 (prefill tokens/s, kernels against
-/// cuBLAS): 32 tokens 12,136 / 7,791 (smollm2 shape), 13,010 / 8,622 (gemma3 shape),
-/// 849 / 829 (llama3-8b shape); 64 tokens 15,490 / 12,250, 18,334 / 21,910, 896 / 1,656;
-/// 128 tokens 18,027 / 25,095, 22,286 / 38,963, 907 / 3,139.
+/// f32 for small batches. The crossover was measured on an H200 (prefill of three shapes,
+/// kernels against cuBLAS, commit fddf9ab); to retune, compare `astra bench -p N --backend cuda` with
+/// `ASTRA_CUDA_GEMM=0` and without it.
 pub const MIN_TOKENS: usize = 64;
 
 /// Most bytes of dequantized weights held at once: larger matrices (a vocabulary's

@@ -215,3 +215,32 @@ fn smollm2_shape_batches_stay_close_to_deterministic() {
 fn gemma3_shape_batches_stay_close_to_deterministic() {
     batched_products_stay_close("gemma3-270m", astra_gguf::GgmlType::Q4_K, 5e-2, 1.0);
 }
+
+/// A device failure is an error, never a panic, and the backend serves the next step:
+/// an allocation far beyond the device's memory fails with the driver's error, and a
+/// forward pass afterwards gives the same logits as before it.
+#[test]
+fn a_device_failure_is_an_error_and_the_next_step_runs() {
+    use astra_engine::Backend;
+    let Some((_dir, model)) = gpu_model("smollm2-135m", astra_gguf::GgmlType::Q4_1, Mode::Fast)
+    else {
+        return;
+    };
+    let prompt: Vec<u32> = (0..40u32).map(|i| (i * 7919) % 20000 + 300).collect();
+    let run = || {
+        let mut s = model.session(256).unwrap();
+        bits(&model.forward(&mut s, &prompt, 0).unwrap())
+    };
+    let before = run();
+    // 2^52 bytes of f32: no device has them.
+    let err = match model.backend.tensor(1 << 40, 1 << 10) {
+        Ok(_) => panic!("a 4 PiB tensor was allocated"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("CUDA"), "{err}");
+    assert!(
+        model.backend.check().is_ok(),
+        "an allocation's error is its own"
+    );
+    assert_eq!(run(), before);
+}

@@ -461,12 +461,10 @@ mod tests {
             ctx_train: 4096,
             rms_eps: 1e-6,
             rope_base: 1e6,
-            rope_base_local: 1e4,
             rope_dim: 32,
-            rope_neox: true,
+            embed_scale: None,
             sliding_window: Some(window),
             layer_local: vec![true, false],
-            embed_scale: None,
             attn_scale: 1.0,
         }
     }

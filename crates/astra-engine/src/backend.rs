@@ -211,21 +211,30 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<Self::Matrix, EngineError>;
     fn vector(&self, v: &[f32]) -> Result<Self::Vector, EngineError>;
     /// A zeroed `rows × width` tensor.
-    fn tensor(&self, rows: usize, width: usize) -> Self::Tensor;
+    fn tensor(&self, rows: usize, width: usize) -> Result<Self::Tensor, EngineError>;
     /// A tensor of `data.len() / width` rows holding `data`.
-    fn tensor_from(&self, data: &[f32], width: usize) -> Self::Tensor;
+    fn tensor_from(&self, data: &[f32], width: usize) -> Result<Self::Tensor, EngineError>;
     /// A zeroed KV cache of `layout`.
     fn kv_cache(&self, layout: &KvLayout) -> Result<Self::KvCache, EngineError>;
     /// What this backend's KV caches store.
     fn kv_type(&self) -> KvType {
         KvType::F16
     }
-    /// The whole tensor, on the host.
-    fn read(&self, t: &Self::Tensor) -> Vec<f32>;
+    /// The whole tensor, on the host, once every launch before it has run: the point
+    /// where a failure of those launches is reported ([`Backend::check`]).
+    fn read(&self, t: &Self::Tensor) -> Result<Vec<f32>, EngineError>;
     /// The whole tensor, on the host, the tensor no longer needed: where it is in host
     /// memory already, handed over rather than copied.
-    fn into_host(&self, t: Self::Tensor) -> Vec<f32> {
+    fn into_host(&self, t: Self::Tensor) -> Result<Vec<f32>, EngineError> {
         self.read(&t)
+    }
+
+    /// The first failure of an operation since the last call, cleared: a device error,
+    /// or a worker task that panicked. Operations other than allocations and reads
+    /// return nothing; one that fails records its error here (later ones may then skip
+    /// their work), and the caller checks once per step and fails that step.
+    fn check(&self) -> Result<(), EngineError> {
+        Ok(())
     }
 
     /// `out[i] = dequantize(table row tokens[i]) · scale`.
@@ -237,7 +246,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         out: &mut Self::Tensor,
     );
     /// A tensor of the given rows of `x`, in that order.
-    fn gather(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+    fn gather(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor, EngineError>;
     /// `out = rms_norm(x) · w` for each row.
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Vector, eps: f32, out: &mut Self::Tensor);
     /// RMSNorm in place of each group of `w`'s length: whole rows, or each head.
@@ -246,7 +255,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// where their kernels take the same activation format.
     fn matmul(&self, x: &Self::Tensor, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]);
     /// `v` on the device.
-    fn ids(&self, v: &[u32]) -> Self::Ids;
+    fn ids(&self, v: &[u32]) -> Result<Self::Ids, EngineError>;
     /// Overwrites `dst` (of `v`'s length) with `v`, in order with the launches around it.
     fn write_ids(&self, dst: &mut Self::Ids, v: &[u32]);
     /// RoPE of each `head_dim` head of row `i` at position `positions[i]`.

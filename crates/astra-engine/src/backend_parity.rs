@@ -129,12 +129,10 @@ fn attention_config_with(head_dim: usize, n_head_kv: usize) -> Config {
         ctx_train: 4096,
         rms_eps: 1e-6,
         rope_base: 1e6,
-        rope_base_local: 1e4,
         rope_dim: head_dim,
-        rope_neox: true,
+        embed_scale: None,
         sliding_window: Some(40),
         layer_local: vec![true, false],
-        embed_scale: None,
         attn_scale: 1.0,
     }
 }
@@ -211,36 +209,36 @@ pub fn compare<A: Backend, B: Backend>(
         ya,
         yb,
     } = Inputs::new(a, b, tokens, &mut rng)?;
-    let (mut na, mut nb) = (a.tensor(tokens, COLS), b.tensor(tokens, COLS));
+    let (mut na, mut nb) = (a.tensor(tokens, COLS)?, b.tensor(tokens, COLS)?);
     a.rms_norm(&xa, &wa, 1e-6, &mut na);
     b.rms_norm(&xb, &wb, 1e-6, &mut nb);
-    out.push(report("rms_norm", &a.read(&na), &b.read(&nb)));
+    out.push(report("rms_norm", &a.read(&na)?, &b.read(&nb)?));
     let hv = rng.vec(64);
     let (ha, hb) = (a.vector(&hv)?, b.vector(&hv)?);
-    let (mut ga, mut gb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+    let (mut ga, mut gb) = (a.tensor_from(&x, COLS)?, b.tensor_from(&x, COLS)?);
     a.rms_norm_groups(&mut ga, &ha, 1e-6);
     b.rms_norm_groups(&mut gb, &hb, 1e-6);
-    out.push(report("rms_norm per head", &a.read(&ga), &b.read(&gb)));
+    out.push(report("rms_norm per head", &a.read(&ga)?, &b.read(&gb)?));
     for neox in [false, true] {
-        let (mut ra, mut rb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+        let (mut ra, mut rb) = (a.tensor_from(&x, COLS)?, b.tensor_from(&x, COLS)?);
         let rope = Rope {
             dims: 64,
             base: 10000.0,
             neox,
         };
-        a.rope(&mut ra, 64, &a.ids(&[0, 7, 1000]), rope);
-        b.rope(&mut rb, 64, &b.ids(&[0, 7, 1000]), rope);
+        a.rope(&mut ra, 64, &a.ids(&[0, 7, 1000])?, rope);
+        b.rope(&mut rb, 64, &b.ids(&[0, 7, 1000])?, rope);
         out.push(report(
             if neox { "rope neox" } else { "rope" },
-            &a.read(&ra),
-            &b.read(&rb),
+            &a.read(&ra)?,
+            &b.read(&rb)?,
         ));
     }
     for act in [Activation::Silu, Activation::GeluTanh] {
-        let (mut pa, mut pb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+        let (mut pa, mut pb) = (a.tensor_from(&x, COLS)?, b.tensor_from(&x, COLS)?);
         a.glu(&mut pa, &ya, act);
         b.glu(&mut pb, &yb, act);
-        out.push(report(format!("glu {act:?}"), &a.read(&pa), &b.read(&pb)));
+        out.push(report(format!("glu {act:?}"), &a.read(&pa)?, &b.read(&pb)?));
     }
     out.extend(compare_prepare_attention(
         a,
@@ -249,19 +247,19 @@ pub fn compare<A: Backend, B: Backend>(
         &file,
         &mut rng,
     )?);
-    let (mut oa, mut ob) = (a.tensor_from(&y, COLS), b.tensor_from(&y, COLS));
-    let (mut sa, mut sb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+    let (mut oa, mut ob) = (a.tensor_from(&y, COLS)?, b.tensor_from(&y, COLS)?);
+    let (mut sa, mut sb) = (a.tensor_from(&x, COLS)?, b.tensor_from(&x, COLS)?);
     a.norm_add(&mut oa, &wa, 1e-6, &mut sa);
     b.norm_add(&mut ob, &wb, 1e-6, &mut sb);
-    out.push(report("rms_norm, add", &a.read(&sa), &b.read(&sb)));
-    let (mut sa, mut sb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+    out.push(report("rms_norm, add", &a.read(&sa)?, &b.read(&sb)?));
+    let (mut sa, mut sb) = (a.tensor_from(&x, COLS)?, b.tensor_from(&x, COLS)?);
     a.add(&mut sa, &ya);
     b.add(&mut sb, &yb);
     a.scale(&mut sa, 0.37);
     b.scale(&mut sb, 0.37);
-    out.push(report("add, scale", &a.read(&sa), &b.read(&sb)));
-    let (ta, tb) = (a.gather(&xa, &[2, 0]), b.gather(&xb, &[2, 0]));
-    out.push(report("gather", &a.read(&ta), &b.read(&tb)));
+    out.push(report("add, scale", &a.read(&sa)?, &b.read(&sb)?));
+    let (ta, tb) = (a.gather(&xa, &[2, 0])?, b.gather(&xb, &[2, 0])?);
+    out.push(report("gather", &a.read(&ta)?, &b.read(&tb)?));
     // Heads of 64, 128 and 256 elements (one, two and four CUDA threads per key), two or
     // four query heads to a KV head.
     for (head_dim, n_head_kv) in [(64, 2), (128, 2), (256, 2), (256, 1)] {
@@ -289,11 +287,11 @@ struct Inputs<A: Backend, B: Backend> {
 impl<A: Backend, B: Backend> Inputs<A, B> {
     fn new(a: &A, b: &B, tokens: usize, rng: &mut Rng) -> Result<Self, EngineError> {
         let x = rng.vec(tokens * COLS);
-        let (xa, xb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+        let (xa, xb) = (a.tensor_from(&x, COLS)?, b.tensor_from(&x, COLS)?);
         let wv = rng.vec(COLS);
         let (wa, wb) = (a.vector(&wv)?, b.vector(&wv)?);
         let y = rng.vec(tokens * COLS);
-        let (ya, yb) = (a.tensor_from(&y, COLS), b.tensor_from(&y, COLS));
+        let (ya, yb) = (a.tensor_from(&y, COLS)?, b.tensor_from(&y, COLS)?);
         Ok(Inputs {
             x,
             y,
@@ -338,15 +336,15 @@ fn compare_products<A: Backend, B: Backend>(
     for ty in TYPES {
         let m = MatRef::locate(file, &format!("w.{}", ty.name()))?;
         let (ma, mb) = (a.matrix(file, &m)?, b.matrix(file, &m)?);
-        let (mut oa, mut ob) = (a.tensor(tokens, ROWS), b.tensor(tokens, ROWS));
+        let (mut oa, mut ob) = (a.tensor(tokens, ROWS)?, b.tensor(tokens, ROWS)?);
         a.matmul(&xa, &mut [(&ma, &mut oa)]);
         b.matmul(&xb, &mut [(&mb, &mut ob)]);
         out.push(report(
             format!("matmul {}{batch}", ty.name()),
-            &a.read(&oa),
-            &b.read(&ob),
+            &a.read(&oa)?,
+            &b.read(&ob)?,
         ));
-        let (mut sa, mut sb) = (a.tensor(tokens, COLS), b.tensor(tokens, COLS));
+        let (mut sa, mut sb) = (a.tensor(tokens, COLS)?, b.tensor(tokens, COLS)?);
         a.product(
             Input::Normed {
                 x: &xa,
@@ -369,13 +367,13 @@ fn compare_products<A: Backend, B: Backend>(
         );
         out.push(report(
             format!("rms_norm, matmul {}{batch}", ty.name()),
-            &a.read(&oa),
-            &b.read(&ob),
+            &a.read(&oa)?,
+            &b.read(&ob)?,
         ));
-        let (mut ga, mut gb) = (a.tensor_from(&x, COLS), b.tensor_from(&x, COLS));
+        let (mut ga, mut gb) = (a.tensor_from(&x, COLS)?, b.tensor_from(&x, COLS)?);
         let (mut ra, mut rb) = (
-            a.tensor_from(&residual, ROWS),
-            b.tensor_from(&residual, ROWS),
+            a.tensor_from(&residual, ROWS)?,
+            b.tensor_from(&residual, ROWS)?,
         );
         a.product(
             Input::Glu {
@@ -397,19 +395,19 @@ fn compare_products<A: Backend, B: Backend>(
         );
         out.push(report(
             format!("glu, matmul {}, add{batch}", ty.name()),
-            &a.read(&ra),
-            &b.read(&rb),
+            &a.read(&ra)?,
+            &b.read(&rb)?,
         ));
         // The embedding lookup of the same matrix, once.
         if first {
             let ids = [0u32, 5, ROWS as u32 - 1];
-            let (mut ea, mut eb) = (a.tensor(3, COLS), b.tensor(3, COLS));
-            a.embed(&ma, &a.ids(&ids), Some(1.5), &mut ea);
-            b.embed(&mb, &b.ids(&ids), Some(1.5), &mut eb);
+            let (mut ea, mut eb) = (a.tensor(3, COLS)?, b.tensor(3, COLS)?);
+            a.embed(&ma, &a.ids(&ids)?, Some(1.5), &mut ea);
+            b.embed(&mb, &b.ids(&ids)?, Some(1.5), &mut eb);
             out.push(report(
                 format!("embed {}", ty.name()),
-                &a.read(&ea),
-                &b.read(&eb),
+                &a.read(&ea)?,
+                &b.read(&eb)?,
             ));
         }
     }
@@ -431,8 +429,8 @@ fn compare_wide_products<A: Backend, B: Backend>(
         let (ma, mb) = (a.matrix(file, &m)?, b.matrix(file, &m)?);
         for tokens in [1, BATCHES[0]] {
             let x = rng.vec(tokens * cols);
-            let (xa, xb) = (a.tensor_from(&x, cols), b.tensor_from(&x, cols));
-            let (mut oa, mut ob) = (a.tensor(tokens, WIDE_ROWS), b.tensor(tokens, WIDE_ROWS));
+            let (xa, xb) = (a.tensor_from(&x, cols)?, b.tensor_from(&x, cols)?);
+            let (mut oa, mut ob) = (a.tensor(tokens, WIDE_ROWS)?, b.tensor(tokens, WIDE_ROWS)?);
             a.matmul(&xa, &mut [(&ma, &mut oa)]);
             b.matmul(&xb, &mut [(&mb, &mut ob)]);
             out.push(report(
@@ -440,18 +438,18 @@ fn compare_wide_products<A: Backend, B: Backend>(
                     "matmul {}, {blocks} blocks a row, {tokens} tokens",
                     ty.name()
                 ),
-                &a.read(&oa),
-                &b.read(&ob),
+                &a.read(&oa)?,
+                &b.read(&ob)?,
             ));
         }
         let ids = [1u32, WIDE_ROWS as u32 - 1];
-        let (mut ea, mut eb) = (a.tensor(ids.len(), cols), b.tensor(ids.len(), cols));
-        a.embed(&ma, &a.ids(&ids), None, &mut ea);
-        b.embed(&mb, &b.ids(&ids), None, &mut eb);
+        let (mut ea, mut eb) = (a.tensor(ids.len(), cols)?, b.tensor(ids.len(), cols)?);
+        a.embed(&ma, &a.ids(&ids)?, None, &mut ea);
+        b.embed(&mb, &b.ids(&ids)?, None, &mut eb);
         out.push(report(
             format!("embed {}, {blocks} blocks a row", ty.name()),
-            &a.read(&ea),
-            &b.read(&eb),
+            &a.read(&ea)?,
+            &b.read(&eb)?,
         ));
     }
     Ok(out)
@@ -509,9 +507,9 @@ fn compare_feed_forward<A: Backend, B: Backend>(
                     Activation::Silu
                 };
                 let want =
-                    feed_forward_row(a, &x, &na, [&ga, &ua, &da], rows, act, post.then_some(&pa));
+                    feed_forward_row(a, &x, &na, [&ga, &ua, &da], rows, act, post.then_some(&pa))?;
                 let got =
-                    feed_forward_row(b, &x, &nb, [&gb, &ub, &db], rows, act, post.then_some(&pb));
+                    feed_forward_row(b, &x, &nb, [&gb, &ub, &db], rows, act, post.then_some(&pb))?;
                 let post = if post {
                     ", GeGLU, post-norm"
                 } else {
@@ -542,13 +540,13 @@ fn feed_forward_row<B: Backend>(
     rows: usize,
     act: Activation,
     post_norm: Option<&B::Vector>,
-) -> Vec<f32> {
+) -> Result<Vec<f32>, EngineError> {
     let (mut xt, mut normed, mut gate_rows, mut up_rows, mut out) = (
-        be.tensor_from(x, COLS),
-        be.tensor(1, COLS),
-        be.tensor(1, rows),
-        be.tensor(1, rows),
-        be.tensor(1, COLS),
+        be.tensor_from(x, COLS)?,
+        be.tensor(1, COLS)?,
+        be.tensor(1, rows)?,
+        be.tensor(1, rows)?,
+        be.tensor(1, COLS)?,
     );
     let (gate_rows, up_rows) = (&mut gate_rows, &mut up_rows);
     be.feed_forward(FeedForward {
@@ -582,10 +580,10 @@ fn compare_prepare_attention<A: Backend, B: Backend>(
     let layout = KvLayout::new(&cfg, 64, 8);
     let (mut ca, mut cb) = (a.kv_cache(&layout)?, b.kv_cache(&layout)?);
     let (q, k, v) = (rng.vec(n * qd), rng.vec(n * kd), rng.vec(n * kd));
-    let (mut qa, mut qb) = (a.tensor_from(&q, qd), b.tensor_from(&q, qd));
-    let (mut ka, mut kb) = (a.tensor_from(&k, kd), b.tensor_from(&k, kd));
-    let (va, vb) = (a.tensor_from(&v, kd), b.tensor_from(&v, kd));
-    let (pa, pb) = (a.ids(&[0, 1, 2]), b.ids(&[0, 1, 2]));
+    let (mut qa, mut qb) = (a.tensor_from(&q, qd)?, b.tensor_from(&q, qd)?);
+    let (mut ka, mut kb) = (a.tensor_from(&k, kd)?, b.tensor_from(&k, kd)?);
+    let (va, vb) = (a.tensor_from(&v, kd)?, b.tensor_from(&v, kd)?);
+    let (pa, pb) = (a.ids(&[0, 1, 2])?, b.ids(&[0, 1, 2])?);
     let rope = Rope {
         dims: 64,
         base: 10000.0,
@@ -634,10 +632,10 @@ fn compare_prepare_attention<A: Backend, B: Backend>(
         &heads_b,
     );
     let mut out = vec![
-        report("prepare attention, queries", &a.read(&qa), &b.read(&qb)),
-        report("prepare attention, keys", &a.read(&ka), &b.read(&kb)),
+        report("prepare attention, queries", &a.read(&qa)?, &b.read(&qb)?),
+        report("prepare attention, keys", &a.read(&ka)?, &b.read(&kb)?),
     ];
-    let (mut oa, mut ob) = (a.tensor(n, qd), b.tensor(n, qd));
+    let (mut oa, mut ob) = (a.tensor(n, qd)?, b.tensor(n, qd)?);
     a.attention(
         Attend {
             layer: 1,
@@ -668,16 +666,16 @@ fn compare_prepare_attention<A: Backend, B: Backend>(
     );
     out.push(report(
         "prepare attention, stored keys and values",
-        &a.read(&oa),
-        &b.read(&ob),
+        &a.read(&oa)?,
+        &b.read(&ob)?,
     ));
     // One more position decoded, its attention straight into an output projection
     // (added to a residual).
     let (q, k, v) = (rng.vec(qd), rng.vec(kd), rng.vec(kd));
-    let (mut qa, mut qb) = (a.tensor_from(&q, qd), b.tensor_from(&q, qd));
-    let (mut ka, mut kb) = (a.tensor_from(&k, kd), b.tensor_from(&k, kd));
-    let (va, vb) = (a.tensor_from(&v, kd), b.tensor_from(&v, kd));
-    let (pa, pb) = (a.ids(&[3]), b.ids(&[3]));
+    let (mut qa, mut qb) = (a.tensor_from(&q, qd)?, b.tensor_from(&q, qd)?);
+    let (mut ka, mut kb) = (a.tensor_from(&k, kd)?, b.tensor_from(&k, kd)?);
+    let (va, vb) = (a.tensor_from(&v, kd)?, b.tensor_from(&v, kd)?);
+    let (pa, pb) = (a.ids(&[3])?, b.ids(&[3])?);
     a.prepare_attention(
         1,
         &mut [SeqRows {
@@ -708,11 +706,11 @@ fn compare_prepare_attention<A: Backend, B: Backend>(
     for ty in ATTENTION_OUT_TYPES {
         let m = MatRef::locate(file, &format!("wo.{}", ty.name()))?;
         let (ma, mb) = (a.matrix(file, &m)?, b.matrix(file, &m)?);
-        let (mut ta, mut tb) = (a.tensor(1, qd), b.tensor(1, qd));
-        let (mut oa, mut ob) = (a.tensor(1, ROWS), b.tensor(1, ROWS));
+        let (mut ta, mut tb) = (a.tensor(1, qd)?, b.tensor(1, qd)?);
+        let (mut oa, mut ob) = (a.tensor(1, ROWS)?, b.tensor(1, ROWS)?);
         let (mut ra, mut rb) = (
-            a.tensor_from(&residual, ROWS),
-            b.tensor_from(&residual, ROWS),
+            a.tensor_from(&residual, ROWS)?,
+            b.tensor_from(&residual, ROWS)?,
         );
         let seq_a = &mut [SeqRows {
             kv: &mut ca,
@@ -752,8 +750,8 @@ fn compare_prepare_attention<A: Backend, B: Backend>(
         );
         out.push(report(
             format!("attention, matmul {}, add", ty.name()),
-            &a.read(&ra),
-            &b.read(&rb),
+            &a.read(&ra)?,
+            &b.read(&rb)?,
         ));
     }
     Ok(out)
@@ -779,18 +777,18 @@ fn compare_attention<A: Backend, B: Backend>(
         let (q, k, v) = (rng.vec(n * qd), rng.vec(n * kd), rng.vec(n * kd));
         for layer in 0..2 {
             let (qa, kta, va) = (
-                a.tensor_from(&q, qd),
-                a.tensor_from(&k, kd),
-                a.tensor_from(&v, kd),
+                a.tensor_from(&q, qd)?,
+                a.tensor_from(&k, kd)?,
+                a.tensor_from(&v, kd)?,
             );
             let (qb, ktb, vb) = (
-                b.tensor_from(&q, qd),
-                b.tensor_from(&k, kd),
-                b.tensor_from(&v, kd),
+                b.tensor_from(&q, qd)?,
+                b.tensor_from(&k, kd)?,
+                b.tensor_from(&v, kd)?,
             );
-            let (mut oa, mut ob) = (a.tensor(n, qd), b.tensor(n, qd));
+            let (mut oa, mut ob) = (a.tensor(n, qd)?, b.tensor(n, qd)?);
             let positions: Vec<u32> = (pos as u32..(pos + n) as u32).collect();
-            let (pa, pb) = (a.ids(&positions), b.ids(&positions));
+            let (pa, pb) = (a.ids(&positions)?, b.ids(&positions)?);
             a.kv_store(
                 layer,
                 &mut [SeqRows {
@@ -845,8 +843,8 @@ fn compare_attention<A: Backend, B: Backend>(
             let shape = format!("head {head_dim}, {} per KV head", cfg.n_head / n_head_kv);
             out.push(report(
                 format!("attention {kind}, {shape}, {n} at {pos}"),
-                &a.read(&oa),
-                &b.read(&ob),
+                &a.read(&oa)?,
+                &b.read(&ob)?,
             ));
         }
         pos += n;

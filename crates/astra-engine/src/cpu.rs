@@ -1,16 +1,17 @@
 //! The CPU backend: tensors in host memory, weights read in place from the memory-mapped
-//! file by the SIMD quantized kernels, work spread over the engine's thread pool.
+//! file by the SIMD quantized kernels, work spread over the engine's thread pool. Whose
+//! rounding it follows ([`Arithmetic`]) is a table of row operations chosen once.
 
 use std::sync::Arc;
 
-use astra_gguf::GgufFile;
+use astra_gguf::{GgmlType, GgufFile};
 use astra_quant::matmul::{matmul_many_on, MatmulJob, Parallel, QuantMatrix, QuantizedActivations};
 use astra_quant::{Isa, Kernels};
 
-use crate::attention::{KvCache, KvLayout, KvType};
+use crate::attention::{AttnLayer, KvCache, KvLayout, KvType};
 use crate::backend::{Activation, Attend, Backend, Rope, SeqRows};
 use crate::ggml_ops;
-use crate::ops::{add_inplace, rms_norm, rms_norm_inplace, rope};
+use crate::ops::add_inplace;
 use crate::pool::Pool;
 use crate::weights::MatRef;
 use crate::EngineError;
@@ -37,12 +38,71 @@ pub enum Arithmetic {
     Ggml,
 }
 
-impl Arithmetic {
-    pub fn name(self) -> &'static str {
-        match self {
-            Arithmetic::Astra => "astra",
-            Arithmetic::Ggml => "ggml",
+/// The operations whose rounding an [`Arithmetic`] decides, one table per arithmetic:
+/// the backend reads its table and never asks which arithmetic it follows.
+struct RowOps {
+    name: &'static str,
+    /// The matrix kernels for a weight type on an instruction set.
+    kernels: fn(GgmlType, Isa) -> Result<Kernels, EngineError>,
+    rms_norm: fn(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]),
+    rms_norm_inplace: fn(x: &mut [f32], w: &[f32], eps: f32),
+    rope: fn(head: &mut [f32], pos: usize, dims: usize, base: f32, neox: bool),
+    /// `gate = act(gate) · up` over rows of `width`.
+    glu: fn(gate: &mut [f32], up: &[f32], width: usize, act: Activation),
+    /// One sequence's queries at positions `n_past..` over a layer of its cache.
+    attend: fn(&CpuBackend, &AttnLayer<'_>, q: &[f32], n_past: usize, out: &mut [f32]),
+}
+
+/// astra's arithmetic ([`crate::ops`], [`AttnLayer::attend`]).
+static ASTRA: RowOps = RowOps {
+    name: "astra",
+    kernels: |ty, isa| Kernels::new(ty, isa).map_err(|e| EngineError::Invalid(e.to_string())),
+    rms_norm: crate::ops::rms_norm,
+    rms_norm_inplace: crate::ops::rms_norm_inplace,
+    rope: crate::ops::rope,
+    glu: |gate, up, _, act| crate::ops::glu(gate, up, act == Activation::GeluTanh),
+    attend: |be, layer, q, n_past, out| layer.attend(&be.pool, q, n_past, out),
+};
+
+/// llama.cpp's arithmetic ([`crate::ggml_ops`], [`AttnLayer::attend_ggml`]).
+static GGML: RowOps = RowOps {
+    name: "ggml",
+    kernels: |ty, isa| {
+        Kernels::ggml(ty, isa).map_err(|_| {
+            EngineError::Invalid(format!(
+                "llama.cpp's arithmetic is here for Q4_1, Q5_0, Q8_0, Q4_K and Q6_K \
+                 matrices, not {ty:?}"
+            ))
+        })
+    },
+    rms_norm: ggml_ops::rms_norm,
+    rms_norm_inplace: ggml_ops::rms_norm_inplace,
+    rope: ggml_ops::rope,
+    // ggml gates a row at a time: its vector loops restart at each row.
+    glu: |gate, up, width, act| {
+        let f = match act {
+            Activation::Silu => ggml_ops::swiglu,
+            Activation::GeluTanh => ggml_ops::geglu,
+        };
+        for (g, u) in gate.chunks_exact_mut(width).zip(up.chunks_exact(width)) {
+            f(g, u)
         }
+    },
+    attend: |be, layer, q, n_past, out| {
+        layer.attend_ggml(&be.pool, q, n_past, out, be.threads(), be.isa)
+    },
+};
+
+impl Arithmetic {
+    fn ops(self) -> &'static RowOps {
+        match self {
+            Arithmetic::Astra => &ASTRA,
+            Arithmetic::Ggml => &GGML,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        self.ops().name
     }
 
     pub fn from_name(name: &str) -> Option<Arithmetic> {
@@ -90,6 +150,15 @@ impl CpuBackend {
     pub fn threads(&self) -> usize {
         self.pool.threads()
     }
+
+    /// The worker pool the backend's operations run on.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    fn ops(&self) -> &'static RowOps {
+        self.arithmetic.ops()
+    }
 }
 
 /// `rows × width` f32 activations, row-major.
@@ -114,6 +183,8 @@ impl CpuTensor {
 pub struct CpuMatrix {
     file: Arc<GgufFile>,
     m: MatRef,
+    /// The kernels that read it, chosen at load for the backend's arithmetic and ISA.
+    kernels: Kernels,
     packed: Option<memmap2::MmapMut>,
 }
 
@@ -129,12 +200,11 @@ impl CpuMatrix {
 }
 
 /// `w` packed for `kernels` in memory of its own, where they pack its rows: an
-/// anonymous map, huge pages advised (on the two small models, loading and decode
-/// measured the same with and without the advice).
+/// anonymous map, huge pages advised.
 fn packed_copy(
     par: &dyn Parallel,
     w: &QuantMatrix,
-    kernels: &astra_quant::Kernels,
+    kernels: &Kernels,
 ) -> Result<Option<memmap2::MmapMut>, EngineError> {
     if kernels.packing.is_none() || w.bytes().is_empty() {
         return Ok(None);
@@ -160,32 +230,21 @@ impl Backend for CpuBackend {
     }
 
     fn describe(&self) -> String {
+        let (threads, kv) = (self.threads(), self.kv.name());
         match self.arithmetic {
             Arithmetic::Astra => format!(
-                "cpu ({} threads, {}, {} KV cache)",
-                self.threads(),
-                self.isa.name(),
-                self.kv.name()
+                "cpu ({threads} threads, {}, {kv} KV cache)",
+                self.isa.name()
             ),
-            Arithmetic::Ggml => format!(
-                "cpu ({} threads, llama.cpp's arithmetic, {} KV cache)",
-                self.threads(),
-                self.kv.name()
-            ),
+            Arithmetic::Ggml => {
+                format!("cpu ({threads} threads, llama.cpp's arithmetic, {kv} KV cache)")
+            }
         }
     }
 
     fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<CpuMatrix, EngineError> {
-        let kernels = match self.arithmetic {
-            Arithmetic::Astra => Kernels::new(m.ty, self.isa).map_err(|e| EngineError::Invalid(e.to_string()))?,
-            Arithmetic::Ggml => Kernels::ggml(m.ty, self.isa).map_err(|_| {
-                EngineError::Invalid(format!("llama.cpp's arithmetic is here for Q4_1, Q5_0, Q8_0, Q4_K and Q6_K matrices, not {:?}", m.ty))
-            })?,
-        };
-        let mut m = m.clone();
-        m.kernels = kernels;
-        let m = &m;
-        let packed = packed_copy(&self.pool, &m.view(file), &m.kernels)?;
+        let kernels = (self.ops().kernels)(m.ty, self.isa)?;
+        let packed = packed_copy(&self.pool, &m.view(file), &kernels)?;
         if packed.is_some() {
             // The file's copy is read again only for embedding rows, a few at a time.
             file.release(m.byte_range());
@@ -193,6 +252,7 @@ impl Backend for CpuBackend {
         Ok(CpuMatrix {
             file: Arc::clone(file),
             m: m.clone(),
+            kernels,
             packed,
         })
     }
@@ -201,18 +261,18 @@ impl Backend for CpuBackend {
         Ok(v.to_vec())
     }
 
-    fn tensor(&self, rows: usize, width: usize) -> CpuTensor {
-        CpuTensor {
+    fn tensor(&self, rows: usize, width: usize) -> Result<CpuTensor, EngineError> {
+        Ok(CpuTensor {
             data: vec![0.0; rows * width],
             width,
-        }
+        })
     }
 
-    fn tensor_from(&self, data: &[f32], width: usize) -> CpuTensor {
-        CpuTensor {
+    fn tensor_from(&self, data: &[f32], width: usize) -> Result<CpuTensor, EngineError> {
+        Ok(CpuTensor {
             data: data.to_vec(),
             width,
-        }
+        })
     }
 
     fn kv_cache(&self, layout: &KvLayout) -> Result<KvCache, EngineError> {
@@ -223,12 +283,21 @@ impl Backend for CpuBackend {
         self.kv
     }
 
-    fn read(&self, t: &CpuTensor) -> Vec<f32> {
-        t.data.clone()
+    fn read(&self, t: &CpuTensor) -> Result<Vec<f32>, EngineError> {
+        Ok(t.data.clone())
     }
 
-    fn into_host(&self, t: CpuTensor) -> Vec<f32> {
-        t.data
+    fn into_host(&self, t: CpuTensor) -> Result<Vec<f32>, EngineError> {
+        Ok(t.data)
+    }
+
+    fn check(&self) -> Result<(), EngineError> {
+        match self.pool.take_panic() {
+            None => Ok(()),
+            Some(message) => Err(EngineError::Backend(format!(
+                "a CPU worker task panicked: {message}"
+            ))),
+        }
     }
 
     fn embed(&self, table: &CpuMatrix, tokens: &Vec<u32>, scale: Option<f32>, out: &mut CpuTensor) {
@@ -241,33 +310,27 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn gather(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
+    fn gather(&self, x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor, EngineError> {
         let w = x.width;
-        CpuTensor {
+        Ok(CpuTensor {
             data: rows
                 .iter()
                 .flat_map(|&r| &x.data[r * w..(r + 1) * w])
                 .copied()
                 .collect(),
             width: w,
-        }
+        })
     }
 
     fn rms_norm(&self, x: &CpuTensor, w: &Vec<f32>, eps: f32, out: &mut CpuTensor) {
-        let norm = match self.arithmetic {
-            Arithmetic::Astra => rms_norm,
-            Arithmetic::Ggml => ggml_ops::rms_norm,
-        };
+        let norm = self.ops().rms_norm;
         for (o, x) in out.rows_mut().zip(x.rows()) {
             norm(x, w, eps, o);
         }
     }
 
     fn rms_norm_groups(&self, x: &mut CpuTensor, w: &Vec<f32>, eps: f32) {
-        let norm = match self.arithmetic {
-            Arithmetic::Astra => rms_norm_inplace,
-            Arithmetic::Ggml => ggml_ops::rms_norm_inplace,
-        };
+        let norm = self.ops().rms_norm_inplace;
         for g in x.data.chunks_exact_mut(w.len()) {
             norm(g, w, eps);
         }
@@ -278,7 +341,7 @@ impl Backend for CpuBackend {
         // goes in one parallel step.
         let mut acts: Vec<QuantizedActivations> = Vec::new();
         for (w, _) in outs.iter() {
-            let act = w.m.kernels.act;
+            let act = w.kernels.act;
             if !acts.iter().any(|a| a.act == act) {
                 acts.push(
                     QuantizedActivations::new_on(&self.pool, act, &x.data, x.width)
@@ -294,17 +357,17 @@ impl Backend for CpuBackend {
                 w: *view,
                 acts: acts
                     .iter()
-                    .find(|a| a.act == w.m.kernels.act)
+                    .find(|a| a.act == w.kernels.act)
                     .expect("quantized above"),
                 out: &mut out.data,
-                kernels: &w.m.kernels,
+                kernels: &w.kernels,
             })
             .collect();
         matmul_many_on(&self.pool, &mut jobs);
     }
 
-    fn ids(&self, v: &[u32]) -> Vec<u32> {
-        v.to_vec()
+    fn ids(&self, v: &[u32]) -> Result<Vec<u32>, EngineError> {
+        Ok(v.to_vec())
     }
 
     fn write_ids(&self, dst: &mut Vec<u32>, v: &[u32]) {
@@ -312,10 +375,7 @@ impl Backend for CpuBackend {
     }
 
     fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &Vec<u32>, r: Rope) {
-        let rope = match self.arithmetic {
-            Arithmetic::Astra => rope,
-            Arithmetic::Ggml => ggml_ops::rope,
-        };
+        let rope = self.ops().rope;
         for (row, &pos) in x.rows_mut().zip(positions) {
             for head in row.chunks_exact_mut(head_dim) {
                 rope(head, pos as usize, r.dims, r.base, r.neox);
@@ -332,24 +392,7 @@ impl Backend for CpuBackend {
     }
 
     fn glu(&self, gate: &mut CpuTensor, up: &CpuTensor, act: Activation) {
-        match self.arithmetic {
-            Arithmetic::Astra => {
-                crate::ops::glu(&mut gate.data, &up.data, act == Activation::GeluTanh)
-            }
-            // ggml gates a row at a time: its vector loops restart at each row.
-            Arithmetic::Ggml => {
-                for (g, u) in gate
-                    .data
-                    .chunks_exact_mut(gate.width)
-                    .zip(up.data.chunks_exact(up.width))
-                {
-                    match act {
-                        Activation::Silu => ggml_ops::swiglu(g, u),
-                        Activation::GeluTanh => ggml_ops::geglu(g, u),
-                    }
-                }
-            }
-        }
+        (self.ops().glu)(&mut gate.data, &up.data, gate.width, act);
     }
 
     fn kv_store(
@@ -363,31 +406,25 @@ impl Backend for CpuBackend {
         let kw = k.width;
         for s in seqs.iter_mut() {
             for (i, r) in s.rows.clone().enumerate() {
-                s.kv.store(
-                    layer,
-                    s.pos + i,
-                    &k.data[r * kw..(r + 1) * kw],
-                    &v.data[r * kw..(r + 1) * kw],
-                );
+                let (k, v) = (&k.data[r * kw..(r + 1) * kw], &v.data[r * kw..(r + 1) * kw]);
+                s.kv.store(layer, s.pos + i, k, v);
             }
         }
     }
 
     fn attention(&self, a: Attend<'_, '_, Self>, out: &mut CpuTensor) {
         let qw = a.q.width;
+        let attend = self.ops().attend;
         for s in a.seqs.iter_mut() {
-            let rows = s.rows.clone();
-            let (q, o) = (
-                &a.q.data[rows.start * qw..rows.end * qw],
-                &mut out.data[rows.start * qw..rows.end * qw],
-            );
+            let rows = s.rows.start * qw..s.rows.end * qw;
             let layer = s.kv.layer(a.layer, a.scale);
-            match self.arithmetic {
-                Arithmetic::Astra => layer.attend(&self.pool, q, s.pos, o),
-                Arithmetic::Ggml => {
-                    layer.attend_ggml(&self.pool, q, s.pos, o, self.threads(), self.isa)
-                }
-            }
+            attend(
+                self,
+                &layer,
+                &a.q.data[rows.clone()],
+                s.pos,
+                &mut out.data[rows],
+            );
         }
     }
 }

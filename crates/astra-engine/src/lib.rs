@@ -1,6 +1,6 @@
-//! astra's inference engine: a GGUF model's configuration and weights, the transformer
-//! forward pass for the supported architectures written against a backend interface,
-//! the CPU backend (KV cache with split attention), and sampling.
+//! astra's inference engine: a GGUF model's configuration and weights, one forward pass
+//! per architecture (`models/`) written against a backend interface, the CPU backend
+//! (KV cache with split attention), and sampling.
 //!
 //! Determinism: every step computes a token's values from that token's inputs alone in
 //! a fixed order (quantized matmul per output element, norms per row, attention split at
@@ -14,6 +14,7 @@ pub mod config;
 pub mod cpu;
 pub mod ggml_ops;
 pub mod model;
+pub mod models;
 pub mod ops;
 pub mod perplexity;
 pub mod pool;
@@ -25,7 +26,8 @@ pub use attention::KvType;
 pub use backend::Backend;
 pub use config::{Arch, Config};
 pub use cpu::{Arithmetic, CpuBackend};
-pub use model::{Model, Session, Stage, Step, Trace, MAX_BATCH};
+pub use model::{Model, Session, Step, Trace, MAX_BATCH};
+pub use models::Stage;
 pub use sampler::{Sampler, SamplerConfig};
 pub use stop::{StopMatcher, StopOutcome};
 

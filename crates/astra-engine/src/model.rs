@@ -1,7 +1,7 @@
-//! A loaded model and its forward pass, written once against [`Backend`] for both
-//! architectures: the Gemma 3 differences (scaled embeddings, QK-norm, post norms,
-//! GeGLU, local layers) are configuration, not a second copy of the model, and a
-//! backend is a type parameter, not a second copy either.
+//! A loaded model and the sequences it runs: batches cut from several sequences' tokens,
+//! the decode step a session keeps (and a backend may record and replay), and the
+//! output head. The layers are the architecture's ([`crate::models`]); the device is the
+//! backend's, a type parameter.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -9,12 +9,10 @@ use std::sync::Arc;
 use astra_gguf::GgufFile;
 
 use crate::attention::KvLayout;
-use crate::backend::{
-    add_to_residual, Activation, Attend, Backend, FeedForward, Heads, Input, Rope, SeqRows,
-};
-use crate::config::{Arch, Config};
+use crate::backend::{Backend, Input, SeqRows};
+use crate::config::Config;
 use crate::cpu::CpuBackend;
-use crate::weights::Weights;
+use crate::models::{Activations, Pass, Stage, Weights};
 use crate::EngineError;
 
 /// Tokens per forward batch; longer inputs run as consecutive batches (with the same
@@ -25,7 +23,7 @@ pub struct Model<B: Backend = CpuBackend> {
     pub file: Arc<GgufFile>,
     pub cfg: Config,
     pub backend: B,
-    weights: Weights<B::Matrix, B::Vector>,
+    weights: Weights<B>,
     weight_bytes_per_token: usize,
 }
 
@@ -80,36 +78,6 @@ impl<B: Backend> Session<B> {
     }
 }
 
-/// The activations of a batch of tokens through the layers.
-struct Activations<B: Backend> {
-    x: B::Tensor,
-    xb: B::Tensor,
-    o: B::Tensor,
-    q: B::Tensor,
-    k: B::Tensor,
-    v: B::Tensor,
-    att: B::Tensor,
-    gate: B::Tensor,
-    up: B::Tensor,
-}
-
-impl<B: Backend> Activations<B> {
-    fn new(be: &B, cfg: &Config, t: usize) -> Activations<B> {
-        let (e, qd, kd, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
-        Activations {
-            x: be.tensor(t, e),
-            xb: be.tensor(t, e),
-            o: be.tensor(t, e),
-            q: be.tensor(t, qd),
-            k: be.tensor(t, kd),
-            v: be.tensor(t, kd),
-            att: be.tensor(t, qd),
-            gate: be.tensor(t, ff),
-            up: be.tensor(t, ff),
-        }
-    }
-}
-
 /// What a session's decode steps (one token, its logits wanted) run over: every
 /// buffer they write or read, kept from step to step, and the launches recorded over
 /// them where the backend records.
@@ -123,15 +91,15 @@ struct DecodeStep<B: Backend> {
 }
 
 impl<B: Backend> DecodeStep<B> {
-    fn new(be: &B, cfg: &Config) -> DecodeStep<B> {
-        DecodeStep {
-            acts: Activations::new(be, cfg, 1),
-            normed: be.tensor(1, cfg.n_embd),
-            logits: be.tensor(1, cfg.n_vocab),
-            token: be.ids(&[0]),
-            position: be.ids(&[0]),
+    fn new(be: &B, cfg: &Config) -> Result<DecodeStep<B>, EngineError> {
+        Ok(DecodeStep {
+            acts: Activations::new(be, cfg, 1)?,
+            normed: be.tensor(1, cfg.n_embd)?,
+            logits: be.tensor(1, cfg.n_vocab)?,
+            token: be.ids(&[0])?,
+            position: be.ids(&[0])?,
             graph: None,
-        }
+        })
     }
 }
 
@@ -142,30 +110,6 @@ pub struct Step<'a, B: Backend = CpuBackend> {
     pub tokens: &'a [u32],
     pub logits_from: usize,
 }
-
-/// Where in the forward pass [`Model::trace`] read the residual stream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Stage {
-    /// The scaled token embeddings, before the first layer.
-    Embedding,
-    /// Layer `n`'s residual after its attention block.
-    Attention(usize),
-    /// Layer `n`'s output: the residual after its feed-forward block.
-    Layer(usize),
-}
-
-impl std::fmt::Display for Stage {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Stage::Embedding => write!(f, "embedding"),
-            Stage::Attention(l) => write!(f, "layer {l} attention"),
-            Stage::Layer(l) => write!(f, "layer {l}"),
-        }
-    }
-}
-
-/// What [`Model::trace`] is shown at each stage: the residual stream `x`.
-type Probe<'a, B> = dyn FnMut(Stage, &<B as Backend>::Tensor) + 'a;
 
 /// What [`Model::trace`] read back: every token's residual stream at each stage, in
 /// forward order, and every token's logits.
@@ -196,10 +140,9 @@ impl<B: Backend> Model<B> {
     pub fn load_on(backend: B, path: &Path) -> Result<Arc<Model<B>>, EngineError> {
         let file = Arc::new(GgufFile::open(path).map_err(|e| EngineError::Load(e.to_string()))?);
         let cfg = Config::from_metadata(file.metadata())?;
-        let located = Weights::load(&file, &cfg)?;
-        let weights = located.upload(&backend, &file)?;
+        let (weights, weight_bytes_per_token) = Weights::load(&backend, &file, &cfg)?;
         Ok(Arc::new(Model {
-            weight_bytes_per_token: located.bytes_per_token(),
+            weight_bytes_per_token,
             file,
             cfg,
             backend,
@@ -262,10 +205,10 @@ impl<B: Backend> Model<B> {
             .iter()
             .all(|st| st.tokens.len() == 1 && st.logits_from == 0);
         if decoding && steps.len() <= self.backend.separate_decode_steps() {
-            return Ok(steps
+            return steps
                 .iter_mut()
                 .map(|st| self.decode_step(st.session, st.tokens[0]))
-                .collect());
+                .collect();
         }
         let mut logits: Vec<Vec<f32>> = steps.iter().map(|_| Vec::new()).collect();
         let mut done = vec![0usize; steps.len()];
@@ -286,7 +229,7 @@ impl<B: Backend> Model<B> {
             if parts.is_empty() {
                 break;
             }
-            let out = self.forward_batch(steps, &parts);
+            let out = self.forward_batch(steps, &parts)?;
             for (p, rows) in parts.iter().zip(out) {
                 // A sequence's first rows are taken as they are (a batch of vocabularies
                 // is megabytes); later batches' rows are appended.
@@ -332,39 +275,51 @@ impl<B: Backend> Model<B> {
         let positions: Vec<u32> = (s.n_past..s.n_past + tokens.len())
             .map(|p| p as u32)
             .collect();
-        let mut acts = Activations::new(be, cfg, tokens.len());
-        let mut stages = Vec::new();
-        let mut probe = |stage: Stage, x: &B::Tensor| stages.push((stage, be.read(x)));
+        let mut acts = Activations::new(be, cfg, tokens.len())?;
+        let mut read = Vec::new();
+        let mut probe = |stage: Stage, x: &B::Tensor| read.push((stage, be.read(x)));
         let pos = s.n_past;
         let mut seqs = [SeqRows {
             kv: &mut s.kv,
             rows: 0..tokens.len(),
             pos,
         }];
-        self.layers(
-            &mut acts,
-            &be.ids(tokens),
-            &be.ids(&positions),
-            &mut seqs,
-            Some(&mut probe),
+        let (tokens_on, positions_on) = (be.ids(tokens)?, be.ids(&positions)?);
+        self.weights.forward(
+            be,
+            cfg,
+            Pass {
+                acts: &mut acts,
+                tokens: &tokens_on,
+                positions: &positions_on,
+                seqs: &mut seqs,
+                probe: Some(&mut probe),
+            },
         );
         s.advance(tokens.len());
-        let mut normed = be.tensor(tokens.len(), cfg.n_embd);
-        let mut logits = be.tensor(tokens.len(), cfg.n_vocab);
+        let mut normed = be.tensor(tokens.len(), cfg.n_embd)?;
+        let mut logits = be.tensor(tokens.len(), cfg.n_vocab)?;
         self.head(&acts.x, &mut normed, &mut logits);
-        Ok(Trace {
-            stages,
-            logits: be.into_host(logits),
-        })
+        let logits = be.into_host(logits)?;
+        be.check()?;
+        let stages = read
+            .into_iter()
+            .map(|(stage, x)| Ok((stage, x?)))
+            .collect::<Result<_, EngineError>>()?;
+        Ok(Trace { stages, logits })
     }
 
     /// One batch through the model; returns each part's logits for its tokens at or
     /// after its step's `logits_from`.
-    fn forward_batch(&self, steps: &mut [Step<'_, B>], parts: &[Part]) -> Vec<Vec<f32>> {
+    fn forward_batch(
+        &self,
+        steps: &mut [Step<'_, B>],
+        parts: &[Part],
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
         if let [p] = parts {
             let st = &mut steps[p.step];
             if p.range.len() == 1 && p.range.start >= st.logits_from {
-                return vec![self.decode_step(st.session, st.tokens[p.range.start])];
+                return Ok(vec![self.decode_step(st.session, st.tokens[p.range.start])?]);
             }
         }
         let (cfg, be) = (&self.cfg, &self.backend);
@@ -386,7 +341,8 @@ impl<B: Backend> Model<B> {
             spans.push((start..tokens.len(), first_pos));
         }
         let t = tokens.len();
-        let mut acts = Activations::new(be, cfg, t);
+        let mut acts = Activations::new(be, cfg, t)?;
+        let (tokens, positions) = (be.ids(&tokens)?, be.ids(&positions)?);
         {
             let mut sessions: Vec<Option<&mut Session<B>>> =
                 steps.iter_mut().map(|s| Some(&mut *s.session)).collect();
@@ -404,13 +360,14 @@ impl<B: Backend> Model<B> {
                     }
                 })
                 .collect();
-            self.layers(
-                &mut acts,
-                &be.ids(&tokens),
-                &be.ids(&positions),
-                &mut seqs,
-                None,
-            );
+            let pass = Pass {
+                acts: &mut acts,
+                tokens: &tokens,
+                positions: &positions,
+                seqs: &mut seqs,
+                probe: None,
+            };
+            self.weights.forward(be, cfg, pass);
         }
         for p in parts {
             let s = &mut *steps[p.step].session;
@@ -418,18 +375,20 @@ impl<B: Backend> Model<B> {
         }
         let mut out: Vec<Vec<f32>> = parts.iter().map(|_| Vec::new()).collect();
         if wanted.is_empty() {
-            return out;
+            be.check()?;
+            return Ok(out);
         }
-        let mut normed = be.tensor(wanted.len(), cfg.n_embd);
-        let mut logits = be.tensor(wanted.len(), cfg.n_vocab);
+        let mut normed = be.tensor(wanted.len(), cfg.n_embd)?;
+        let mut logits = be.tensor(wanted.len(), cfg.n_vocab)?;
         if wanted.len() == t {
             self.head(&acts.x, &mut normed, &mut logits);
         } else {
-            self.head(&be.gather(&acts.x, &wanted), &mut normed, &mut logits);
+            self.head(&be.gather(&acts.x, &wanted)?, &mut normed, &mut logits);
         }
-        let logits = be.into_host(logits);
+        let logits = be.into_host(logits)?;
+        be.check()?;
         if let [_] = parts {
-            return vec![logits];
+            return Ok(vec![logits]);
         }
         // `wanted` is in batch order, so each part's rows are consecutive.
         let mut rows = logits.chunks_exact(cfg.n_vocab).zip(&wanted);
@@ -439,18 +398,19 @@ impl<B: Backend> Model<B> {
                 out[i].extend_from_slice(row);
             }
         }
-        out
+        Ok(out)
     }
 
     /// One token of one sequence, its logits wanted: the decode step. It runs over
     /// buffers the session keeps, so that a backend that records its launches replays
     /// them for every later step, with only the token and position written anew.
-    fn decode_step(&self, s: &mut Session<B>, token: u32) -> Vec<f32> {
-        let be = &self.backend;
+    fn decode_step(&self, s: &mut Session<B>, token: u32) -> Result<Vec<f32>, EngineError> {
+        let (be, cfg) = (&self.backend, &self.cfg);
         let pos = s.n_past;
-        let d = s
-            .decode
-            .get_or_insert_with(|| DecodeStep::new(be, &self.cfg));
+        if s.decode.is_none() {
+            s.decode = Some(DecodeStep::new(be, cfg)?);
+        }
+        let d = s.decode.as_mut().expect("made above");
         be.write_ids(&mut d.token, &[token]);
         be.write_ids(&mut d.position, &[pos as u32]);
         if !d.graph.as_ref().is_some_and(|g| be.replay(g)) {
@@ -464,23 +424,26 @@ impl<B: Backend> Model<B> {
                 graph,
             } = d;
             *graph = be.record(&mut || {
-                self.layers(
-                    acts,
-                    token,
-                    position,
-                    &mut [SeqRows {
+                let pass = Pass {
+                    acts: &mut *acts,
+                    tokens: token,
+                    positions: position,
+                    seqs: &mut [SeqRows {
                         kv: &mut *kv,
                         rows: 0..1,
                         pos,
                     }],
-                    None,
-                );
+                    probe: None,
+                };
+                self.weights.forward(be, cfg, pass);
                 self.head(&acts.x, normed, logits);
             });
         }
         let logits = be.read(&d.logits);
         s.advance(1);
-        logits
+        let logits = logits?;
+        be.check()?;
+        Ok(logits)
     }
 
     /// The output norm and matrix: `logits` of the rows of `x`.
@@ -496,108 +459,5 @@ impl<B: Backend> Model<B> {
             &mut [(w.output(), logits)],
             None,
         );
-    }
-
-    /// The embeddings of `tokens` through every layer, into `a.x`; `seqs` say which
-    /// rows belong to which cache, `positions` every row's position; `probe`, where
-    /// given, is shown `a.x` at every [`Stage`].
-    fn layers(
-        &self,
-        a: &mut Activations<B>,
-        tokens: &B::Ids,
-        positions: &B::Ids,
-        seqs: &mut [SeqRows<'_, B::KvCache>],
-        mut probe: Option<&mut Probe<'_, B>>,
-    ) {
-        let (cfg, be, w) = (&self.cfg, &self.backend, &self.weights);
-        let Activations {
-            x,
-            xb,
-            o,
-            q,
-            k,
-            v,
-            att,
-            gate,
-            up,
-        } = a;
-        be.embed(&w.token_embd, tokens, cfg.embed_scale, x);
-        let mut show = |stage: Stage, x: &B::Tensor| {
-            if let Some(p) = probe.as_mut() {
-                p(stage, x)
-            }
-        };
-        show(Stage::Embedding, x);
-        let gemma = cfg.arch == Arch::Gemma3;
-        let act = if gemma {
-            Activation::GeluTanh
-        } else {
-            Activation::Silu
-        };
-        let eps = cfg.rms_eps;
-        for (l, layer) in w.layers.iter().enumerate() {
-            // Attention.
-            be.product(
-                Input::Normed {
-                    x,
-                    w: &layer.attn_norm,
-                    eps,
-                    normed: xb,
-                },
-                &mut [(&layer.wq, q), (&layer.wk, k), (&layer.wv, v)],
-                None,
-            );
-            let base = if cfg.layer_local[l] {
-                cfg.rope_base_local
-            } else {
-                cfg.rope_base
-            };
-            let rope = Rope {
-                dims: cfg.rope_dim,
-                base,
-                neox: cfg.rope_neox,
-            };
-            // Gemma scales the queries; Llama the scores.
-            let (q_scale, score_scale) = if gemma {
-                (Some(cfg.attn_scale), 1.0)
-            } else {
-                (None, cfg.attn_scale)
-            };
-            let heads = Heads {
-                head_dim: cfg.head_dim,
-                q_norm: layer.q_norm.as_ref(),
-                k_norm: layer.k_norm.as_ref(),
-                eps,
-                rope,
-                q_scale,
-            };
-            be.prepare_attention(l, seqs, positions, q, k, v, &heads);
-            let attend = Attend {
-                layer: l,
-                seqs: &mut *seqs,
-                positions,
-                q,
-                scale: score_scale,
-            };
-            add_to_residual(be, layer.post_attn_norm.as_ref(), eps, o, x, |o, add_to| {
-                be.attention_product(attend, att, &layer.wo, o, add_to)
-            });
-            show(Stage::Attention(l), x);
-            be.feed_forward(FeedForward {
-                x: &mut *x,
-                norm: &layer.ffn_norm,
-                eps,
-                gate: &layer.w_gate,
-                up: &layer.w_up,
-                down: &layer.w_down,
-                act,
-                post_norm: layer.post_ffn_norm.as_ref(),
-                normed: &mut *xb,
-                gate_rows: &mut *gate,
-                up_rows: &mut *up,
-                out: &mut *o,
-            });
-            show(Stage::Layer(l), x);
-        }
     }
 }

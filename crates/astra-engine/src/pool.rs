@@ -15,6 +15,10 @@
 //! the job's borrowed function outlives every call to it. Helpers that are slow to wake
 //! simply find nothing left to claim: the submitter never waits for a helper that has
 //! not claimed work, which is what keeps an oversubscribed machine from stalling.
+//!
+//! A task that panics is counted done all the same (its panic caught where it ran and
+//! kept for [`Pool::take_panic`]), so a panic fails the work it belongs to and never
+//! leaves the submitter waiting.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -25,7 +29,7 @@ use astra_quant::matmul::Parallel;
 /// Spin iterations (pause instructions) before a helper parks: meant to bridge the
 /// short serial gaps between the parallel steps of a token without holding a core that
 /// another process needs for long. Not tuned: decode speed with and without a
-/// concurrent CPU hog is the measure to tune it by (README, Speed).
+/// concurrent CPU hog is the measure to tune it by (docs/performance.md).
 const SPIN_ROUNDS: u32 = 1 << 15;
 
 type Task = dyn Fn(usize) + Sync;
@@ -47,6 +51,8 @@ struct Shared {
     done: AtomicUsize,
     parked: AtomicUsize,
     shutdown: AtomicU64,
+    /// The message of the first task that panicked since [`Pool::take_panic`].
+    panic: Mutex<Option<String>>,
 }
 
 pub struct Pool {
@@ -66,6 +72,7 @@ impl Pool {
             done: AtomicUsize::new(0),
             parked: AtomicUsize::new(0),
             shutdown: AtomicU64::new(0),
+            panic: Mutex::new(None),
         });
         let helpers = (1..threads.max(1))
             .map(|i| {
@@ -81,6 +88,34 @@ impl Pool {
             helpers,
             submit: Mutex::new(()),
         }
+    }
+}
+
+impl Shared {
+    /// Runs `task`; a panic in it is kept (the first since the last
+    /// [`Pool::take_panic`]) rather than unwinding into the pool.
+    fn catching(&self, task: impl FnOnce()) {
+        if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task)) {
+            let message = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "(no message)".to_owned());
+            let mut first = self.panic.lock().unwrap_or_else(|e| e.into_inner());
+            first.get_or_insert(message);
+        }
+    }
+}
+
+impl Pool {
+    /// The message of the first task that panicked since the last call, cleared. The
+    /// job it belonged to ran to its end with that task's output unwritten.
+    pub fn take_panic(&self) -> Option<String> {
+        self.shared
+            .panic
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 }
 
@@ -100,7 +135,7 @@ fn work(s: &Shared) {
         let Some((f, index)) = claimed else { return };
         // SAFETY: claimed while the job is current; it stays alive until this task is
         // counted done (module invariant).
-        unsafe { (*f)(index) };
+        s.catching(|| unsafe { (*f)(index) });
         s.done.fetch_add(1, Ordering::Release);
     }
 }
@@ -151,7 +186,7 @@ impl Parallel for Pool {
             return;
         }
         if self.helpers.is_empty() || tasks == 1 {
-            (0..tasks).for_each(f);
+            (0..tasks).for_each(|i| self.shared.catching(|| f(i)));
             return;
         }
         let _one_job = self.submit.lock().expect("pool submit lock");
@@ -233,6 +268,33 @@ mod tests {
                 sum.fetch_add(i, Ordering::Relaxed);
             });
             assert_eq!(sum.load(Ordering::Relaxed), (round + 1) * 4950);
+        }
+    }
+
+    /// A panicking task is counted done (the submitter does not wait forever), its
+    /// message is kept for the caller, and the pool serves the next job.
+    #[test]
+    fn a_panicking_task_fails_its_call_and_the_pool_goes_on() {
+        for threads in [1, 2, 3] {
+            let pool = Pool::new(threads);
+            let ran = AtomicUsize::new(0);
+            pool.run(64, &|i| {
+                if i == 17 {
+                    panic!("task {i} fails");
+                }
+                ran.fetch_add(1, Ordering::Relaxed);
+            });
+            assert_eq!(ran.load(Ordering::Relaxed), 63, "{threads} threads");
+            assert_eq!(pool.take_panic().as_deref(), Some("task 17 fails"));
+            assert_eq!(pool.take_panic(), None, "cleared once taken");
+            pool.run(1, &|_| panic!("a lone task"));
+            assert_eq!(pool.take_panic().as_deref(), Some("a lone task"));
+            let sum = AtomicUsize::new(0);
+            pool.run(100, &|i| {
+                sum.fetch_add(i, Ordering::Relaxed);
+            });
+            assert_eq!(sum.load(Ordering::Relaxed), 4950);
+            assert_eq!(pool.take_panic(), None);
         }
     }
 }

@@ -296,12 +296,14 @@ fn message_content(
                             format!("{param}[{j}] has no 'text' string"),
                         ))
                     }
-                    (Some(other), _) => return Err(ApiError::invalid(
-                        &param,
-                        format!(
+                    (Some(other), _) => {
+                        return Err(ApiError::invalid(
+                            &param,
+                            format!(
                             "{param}[{j}]: content of type '{other}' is not supported (text only)"
                         ),
-                    )),
+                        ))
+                    }
                     (None, _) => {
                         return Err(ApiError::invalid(
                             &param,

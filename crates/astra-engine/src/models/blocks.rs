@@ -1,0 +1,242 @@
+//! The blocks architectures are built from, each with its weights and its part of the
+//! forward pass: pre-normed attention (QK-norm and a post-norm where a model has them)
+//! and the gated feed-forward. A block writes its output into the residual stream.
+
+use crate::backend::{
+    add_to_residual, Activation, Attend, Backend, FeedForward, Heads, Input, Rope,
+};
+use crate::config::Config;
+use crate::weights::Loader;
+use crate::EngineError;
+
+use super::{Pass, Stage};
+
+/// The name of layer `i`'s tensor `what`.
+fn blk(i: usize, what: &str) -> String {
+    format!("blk.{i}.{what}.weight")
+}
+
+/// The activations of a batch of `t` tokens through the layers.
+pub(crate) struct Activations<B: Backend> {
+    pub x: B::Tensor,    // (t, n_embd): the residual stream
+    pub xb: B::Tensor,   // (t, n_embd): a block's normed input
+    pub o: B::Tensor,    // (t, n_embd): a block's output
+    pub q: B::Tensor,    // (t, n_head·head_dim)
+    pub k: B::Tensor,    // (t, n_head_kv·head_dim)
+    pub v: B::Tensor,    // (t, n_head_kv·head_dim)
+    pub att: B::Tensor,  // (t, n_head·head_dim): attention's output rows
+    pub gate: B::Tensor, // (t, n_ff)
+    pub up: B::Tensor,   // (t, n_ff)
+}
+
+impl<B: Backend> Activations<B> {
+    pub fn new(be: &B, cfg: &Config, t: usize) -> Result<Activations<B>, EngineError> {
+        let (e, qd, kd, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
+        Ok(Activations {
+            x: be.tensor(t, e)?,
+            xb: be.tensor(t, e)?,
+            o: be.tensor(t, e)?,
+            q: be.tensor(t, qd)?,
+            k: be.tensor(t, kd)?,
+            v: be.tensor(t, kd)?,
+            att: be.tensor(t, qd)?,
+            gate: be.tensor(t, ff)?,
+            up: be.tensor(t, ff)?,
+        })
+    }
+}
+
+/// Which of a block's optional tensors an architecture has.
+#[derive(Clone, Copy)]
+pub(crate) struct Norms {
+    /// Per-head RMSNorm of queries and keys (QK-norm).
+    pub qk: bool,
+    /// RMSNorm of the block's output before it joins the residual.
+    pub post: bool,
+}
+
+/// Self-attention: `x += wo · attend(rope(wq · n), rope(wk · n), wv · n)` where
+/// `n = rms_norm(x) · norm`.
+pub(crate) struct Attention<B: Backend> {
+    pub norm: B::Vector,              // (n_embd)
+    pub wq: B::Matrix,                // (n_head·head_dim, n_embd)
+    pub wk: B::Matrix,                // (n_head_kv·head_dim, n_embd)
+    pub wv: B::Matrix,                // (n_head_kv·head_dim, n_embd)
+    pub wo: B::Matrix,                // (n_embd, n_head·head_dim)
+    pub q_norm: Option<B::Vector>,    // (head_dim)
+    pub k_norm: Option<B::Vector>,    // (head_dim)
+    pub post_norm: Option<B::Vector>, // (n_embd)
+}
+
+/// How one layer's attention positions and scales its queries.
+pub(crate) struct AttentionParams {
+    pub layer: usize,
+    pub rope: Rope,
+    /// A factor on the queries before they meet the keys.
+    pub q_scale: Option<f32>,
+    /// A factor on the scores q·k.
+    pub score_scale: f32,
+}
+
+impl<B: Backend> Attention<B> {
+    /// Layer `i`'s attention tensors, with the optional ones `norms` names.
+    pub fn load(
+        l: &Loader<'_, B>,
+        cfg: &Config,
+        i: usize,
+        norms: Norms,
+    ) -> Result<Self, EngineError> {
+        let (e, hd) = (cfg.n_embd, cfg.head_dim);
+        let n = |s: &str| blk(i, s);
+        let qk = |s: &str| norms.qk.then(|| l.vector(&n(s), hd)).transpose();
+        Ok(Attention {
+            norm: l.vector(&n("attn_norm"), e)?,
+            wq: l.matrix(&n("attn_q"), cfg.q_dim(), e)?,
+            wk: l.matrix(&n("attn_k"), cfg.kv_dim(), e)?,
+            wv: l.matrix(&n("attn_v"), cfg.kv_dim(), e)?,
+            wo: l.matrix(&n("attn_output"), e, cfg.q_dim())?,
+            q_norm: qk("attn_q_norm")?,
+            k_norm: qk("attn_k_norm")?,
+            post_norm: norms
+                .post
+                .then(|| l.vector(&n("post_attention_norm"), e))
+                .transpose()?,
+        })
+    }
+
+    /// The block over the batch `p`, its output added to `p.acts.x`.
+    pub fn forward(&self, be: &B, cfg: &Config, at: AttentionParams, p: &mut Pass<'_, '_, B>) {
+        let eps = cfg.rms_eps;
+        let Activations {
+            x,
+            xb,
+            o,
+            q,
+            k,
+            v,
+            att,
+            ..
+        } = &mut *p.acts;
+        let normed = Input::Normed {
+            x,
+            w: &self.norm,
+            eps,
+            normed: xb,
+        };
+        be.product(
+            normed,
+            &mut [(&self.wq, q), (&self.wk, k), (&self.wv, v)],
+            None,
+        );
+        let heads = Heads {
+            head_dim: cfg.head_dim,
+            q_norm: self.q_norm.as_ref(),
+            k_norm: self.k_norm.as_ref(),
+            eps,
+            rope: at.rope,
+            q_scale: at.q_scale,
+        };
+        be.prepare_attention(at.layer, p.seqs, p.positions, q, k, v, &heads);
+        let attend = Attend {
+            layer: at.layer,
+            seqs: &mut *p.seqs,
+            positions: p.positions,
+            q,
+            scale: at.score_scale,
+        };
+        add_to_residual(be, self.post_norm.as_ref(), eps, o, x, |o, add_to| {
+            be.attention_product(attend, att, &self.wo, o, add_to)
+        });
+    }
+}
+
+/// The gated feed-forward: `x += down · (act(gate · n) ⊙ (up · n))` where
+/// `n = rms_norm(x) · norm`.
+pub(crate) struct GatedFfn<B: Backend> {
+    pub norm: B::Vector,              // (n_embd)
+    pub gate: B::Matrix,              // (n_ff, n_embd)
+    pub up: B::Matrix,                // (n_ff, n_embd)
+    pub down: B::Matrix,              // (n_embd, n_ff)
+    pub post_norm: Option<B::Vector>, // (n_embd)
+}
+
+impl<B: Backend> GatedFfn<B> {
+    /// Layer `i`'s feed-forward tensors, with the post-norm where `norms` has one.
+    pub fn load(
+        l: &Loader<'_, B>,
+        cfg: &Config,
+        i: usize,
+        norms: Norms,
+    ) -> Result<Self, EngineError> {
+        let (e, ff) = (cfg.n_embd, cfg.n_ff);
+        let n = |s: &str| blk(i, s);
+        Ok(GatedFfn {
+            norm: l.vector(&n("ffn_norm"), e)?,
+            gate: l.matrix(&n("ffn_gate"), ff, e)?,
+            up: l.matrix(&n("ffn_up"), ff, e)?,
+            down: l.matrix(&n("ffn_down"), e, ff)?,
+            post_norm: norms
+                .post
+                .then(|| l.vector(&n("post_ffw_norm"), e))
+                .transpose()?,
+        })
+    }
+
+    /// The block over the batch `p`, its output added to `p.acts.x`.
+    pub fn forward(&self, be: &B, cfg: &Config, act: Activation, p: &mut Pass<'_, '_, B>) {
+        let Activations {
+            x, xb, o, gate, up, ..
+        } = &mut *p.acts;
+        be.feed_forward(FeedForward {
+            x,
+            norm: &self.norm,
+            eps: cfg.rms_eps,
+            gate: &self.gate,
+            up: &self.up,
+            down: &self.down,
+            act,
+            post_norm: self.post_norm.as_ref(),
+            normed: xb,
+            gate_rows: gate,
+            up_rows: up,
+            out: o,
+        });
+    }
+}
+
+/// A pre-norm transformer layer: attention, then the gated feed-forward.
+pub(crate) struct Block<B: Backend> {
+    pub attn: Attention<B>,
+    pub ffn: GatedFfn<B>,
+}
+
+impl<B: Backend> Block<B> {
+    pub fn load(
+        l: &Loader<'_, B>,
+        cfg: &Config,
+        i: usize,
+        norms: Norms,
+    ) -> Result<Self, EngineError> {
+        Ok(Block {
+            attn: Attention::load(l, cfg, i, norms)?,
+            ffn: GatedFfn::load(l, cfg, i, norms)?,
+        })
+    }
+
+    /// The layer over the batch `p`: attention as `at` says, then the feed-forward with
+    /// `act`, the residual stream shown to the probe after each.
+    pub fn forward(
+        &self,
+        be: &B,
+        cfg: &Config,
+        at: AttentionParams,
+        act: Activation,
+        p: &mut Pass<'_, '_, B>,
+    ) {
+        let layer = at.layer;
+        self.attn.forward(be, cfg, at, p);
+        p.show(Stage::Attention(layer));
+        self.ffn.forward(be, cfg, act, p);
+        p.show(Stage::Layer(layer));
+    }
+}

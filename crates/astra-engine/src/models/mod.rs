@@ -1,0 +1,165 @@
+//! One file per architecture: each reads its hyperparameters and tensors and writes its
+//! forward pass from the shared blocks of [`blocks`]. Nothing outside this module asks
+//! which architecture a model is; the rest of the engine sees a [`Config`] (what the KV
+//! cache needs to know) and [`Weights`] (a forward pass over a batch).
+
+mod blocks;
+mod gemma3;
+mod llama;
+
+use std::sync::Arc;
+
+use astra_gguf::{GgufFile, Metadata};
+
+use crate::backend::{Backend, SeqRows};
+use crate::config::Config;
+use crate::weights::Loader;
+use crate::EngineError;
+
+pub(crate) use blocks::Activations;
+
+/// The architectures this engine runs (GGUF's `general.architecture`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama family (SmolLM2, Llama 2/3, Mistral): [`llama`].
+    Llama,
+    /// Gemma 3: [`gemma3`].
+    Gemma3,
+}
+
+impl Arch {
+    const ALL: [Arch; 2] = [Arch::Llama, Arch::Gemma3];
+
+    /// The name GGUF metadata gives the architecture, and the prefix of its keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Result<Arch, EngineError> {
+        Arch::ALL
+            .into_iter()
+            .find(|a| a.name() == name)
+            .ok_or_else(|| {
+                let known: Vec<_> = Arch::ALL.iter().map(|a| a.name()).collect();
+                EngineError::Unsupported(format!(
+                    "architecture {name:?} (supported: {})",
+                    known.join(", ")
+                ))
+            })
+    }
+}
+
+/// The hyperparameters of the model `md` describes: the keys every architecture has,
+/// then its architecture's own reading of the rest.
+pub(crate) fn config(md: &Metadata) -> Result<Config, EngineError> {
+    let arch = Arch::from_name(md.str("general.architecture")?)?;
+    let mut cfg = Config::common(md, arch)?;
+    match arch {
+        Arch::Llama => llama::hparams(md, &mut cfg)?,
+        Arch::Gemma3 => gemma3::hparams(md, &mut cfg)?,
+    }
+    Ok(cfg)
+}
+
+/// A model's weights on a backend: the embeddings and output head every architecture
+/// has, and its own layers.
+pub(crate) struct Weights<B: Backend> {
+    pub token_embd: B::Matrix,     // (n_vocab, n_embd)
+    pub output_norm: B::Vector,    // (n_embd)
+    pub output: Option<B::Matrix>, // (n_vocab, n_embd); `None` when tied to token_embd
+    layers: Layers<B>,
+}
+
+enum Layers<B: Backend> {
+    Llama(Vec<llama::Layer<B>>),
+    Gemma3(Vec<gemma3::Layer<B>>),
+}
+
+impl<B: Backend> Weights<B> {
+    /// Locates `cfg`'s tensors in `file` and makes them available to `be`; returns the
+    /// weights and the bytes of them read to decode one token (every matrix once, one
+    /// embedding row).
+    pub fn load(
+        be: &B,
+        file: &Arc<GgufFile>,
+        cfg: &Config,
+    ) -> Result<(Weights<B>, usize), EngineError> {
+        let l = Loader::new(be, file);
+        let e = cfg.n_embd;
+        let token_embd = l.embedding("token_embd.weight", cfg.n_vocab, e)?;
+        let output = match file.tensor("output.weight") {
+            Some(_) => Some(l.matrix("output.weight", cfg.n_vocab, e)?),
+            None => None,
+        };
+        let output_norm = l.vector("output_norm.weight", e)?;
+        let layers = match cfg.arch {
+            Arch::Llama => Layers::Llama(l.layers(cfg, llama::load_layer)?),
+            Arch::Gemma3 => Layers::Gemma3(l.layers(cfg, gemma3::load_layer)?),
+        };
+        let bytes = l.bytes_per_token(output.is_none());
+        let w = Weights {
+            token_embd,
+            output_norm,
+            output,
+            layers,
+        };
+        Ok((w, bytes))
+    }
+
+    /// The output projection (the embedding matrix when tied).
+    pub fn output(&self) -> &B::Matrix {
+        self.output.as_ref().unwrap_or(&self.token_embd)
+    }
+
+    /// The embeddings of `p.tokens` through every layer, into `p.acts.x`.
+    pub fn forward(&self, be: &B, cfg: &Config, p: Pass<'_, '_, B>) {
+        match &self.layers {
+            Layers::Llama(layers) => llama::forward(be, cfg, &self.token_embd, layers, p),
+            Layers::Gemma3(layers) => gemma3::forward(be, cfg, &self.token_embd, layers, p),
+        }
+    }
+}
+
+/// Where in the forward pass [`crate::Model::trace`] read the residual stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// The scaled token embeddings, before the first layer.
+    Embedding,
+    /// Layer `n`'s residual after its attention block.
+    Attention(usize),
+    /// Layer `n`'s output: the residual after its feed-forward block.
+    Layer(usize),
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stage::Embedding => write!(f, "embedding"),
+            Stage::Attention(l) => write!(f, "layer {l} attention"),
+            Stage::Layer(l) => write!(f, "layer {l}"),
+        }
+    }
+}
+
+/// One batch's forward pass: its buffers, its tokens and their positions, which rows
+/// belong to which sequence's cache, and a probe to show the residual stream to.
+pub(crate) struct Pass<'a, 's, B: Backend> {
+    pub acts: &'a mut Activations<B>,
+    pub tokens: &'a B::Ids,
+    pub positions: &'a B::Ids,
+    pub seqs: &'a mut [SeqRows<'s, B::KvCache>],
+    /// Shown the residual stream `x` at each [`Stage`] ([`crate::Model::trace`]).
+    pub probe: Option<&'a mut dyn FnMut(Stage, &B::Tensor)>,
+}
+
+impl<B: Backend> Pass<'_, '_, B> {
+    /// Shows the residual stream at `stage` to the probe, where there is one.
+    fn show(&mut self, stage: Stage) {
+        if let Some(p) = self.probe.as_mut() {
+            p(stage, &self.acts.x)
+        }
+    }
+}
