@@ -225,7 +225,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn read(&self, t: &Self::Tensor) -> Result<Vec<f32>, EngineError>;
     /// The whole tensor, on the host, the tensor no longer needed: where it is in host
     /// memory already, handed over rather than copied.
-    fn into_host(&self, t: Self::Tensor) -> Result<Vec<f32>, EngineError> {
+    fn read_owned(&self, t: Self::Tensor) -> Result<Vec<f32>, EngineError> {
         self.read(&t)
     }
 

@@ -287,7 +287,7 @@ impl Backend for CpuBackend {
         Ok(t.data.clone())
     }
 
-    fn into_host(&self, t: CpuTensor) -> Result<Vec<f32>, EngineError> {
+    fn read_owned(&self, t: CpuTensor) -> Result<Vec<f32>, EngineError> {
         Ok(t.data)
     }
 

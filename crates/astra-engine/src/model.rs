@@ -300,7 +300,7 @@ impl<B: Backend> Model<B> {
         let mut normed = be.tensor(tokens.len(), cfg.n_embd)?;
         let mut logits = be.tensor(tokens.len(), cfg.n_vocab)?;
         self.head(&acts.x, &mut normed, &mut logits);
-        let logits = be.into_host(logits)?;
+        let logits = be.read_owned(logits)?;
         be.check()?;
         let stages = read
             .into_iter()
@@ -385,7 +385,7 @@ impl<B: Backend> Model<B> {
         } else {
             self.head(&be.gather(&acts.x, &wanted)?, &mut normed, &mut logits);
         }
-        let logits = be.into_host(logits)?;
+        let logits = be.read_owned(logits)?;
         be.check()?;
         if let [_] = parts {
             return Ok(vec![logits]);

@@ -59,7 +59,8 @@ impl Default for EncodeOptions {
 }
 
 enum Model {
-    Bpe(bpe::Bpe),
+    /// Boxed: the BPE model's tables are large, the SentencePiece model carries none.
+    Bpe(Box<bpe::Bpe>),
     Spm,
 }
 
@@ -91,11 +92,11 @@ impl Tokenizer {
                 .unwrap_or("gpt-2");
             let pre = PreTokenizer::from_name(pre_name)
                 .ok_or_else(|| TokenizerError::UnknownPreTokenizer(pre_name.to_owned()))?;
-            Model::Bpe(bpe::Bpe::new(
+            Model::Bpe(Box::new(bpe::Bpe::new(
                 &vocab,
                 pre,
                 md.strings("tokenizer.ggml.merges")?,
-            )?)
+            )?))
         };
         let specials = partition::Specials::new(&vocab);
         Ok(Tokenizer {

@@ -47,7 +47,7 @@ impl PreTokenizer {
     /// Splits `text` into words (byte ranges covering the text, in order).
     pub fn split(self, text: &str) -> Vec<Range<usize>> {
         let chars = Chars::new(text);
-        let whole = vec![0..chars.len()];
+        let whole: Vec<Range<usize>> = std::iter::once(0..chars.len()).collect();
         let pieces = match self {
             PreTokenizer::DigitsThenGpt2 => split_numbers(&chars, &whole),
             _ => whole,

@@ -144,6 +144,9 @@ impl std::fmt::Display for Stage {
     }
 }
 
+/// What [`crate::Model::trace`] shows the residual stream to.
+pub(crate) type Probe<'a, B> = dyn FnMut(Stage, &<B as Backend>::Tensor) + 'a;
+
 /// One batch's forward pass: its buffers, its tokens and their positions, which rows
 /// belong to which sequence's cache, and a probe to show the residual stream to.
 pub(crate) struct Pass<'a, 's, B: Backend> {
@@ -152,7 +155,7 @@ pub(crate) struct Pass<'a, 's, B: Backend> {
     pub positions: &'a B::Ids,
     pub seqs: &'a mut [SeqRows<'s, B::KvCache>],
     /// Shown the residual stream `x` at each [`Stage`] ([`crate::Model::trace`]).
-    pub probe: Option<&'a mut dyn FnMut(Stage, &B::Tensor)>,
+    pub probe: Option<&'a mut Probe<'a, B>>,
 }
 
 impl<B: Backend> Pass<'_, '_, B> {

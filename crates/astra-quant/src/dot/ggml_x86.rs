@@ -348,7 +348,8 @@ mod tests {
         }
         // Each type, whether its kernel for a batch's groups of four is meant, and
         // astra's scalar reference.
-        let cases: [(GgmlType, bool, fn(&[u8], &[u8]) -> f32); 6] = [
+        type Dot = fn(&[u8], &[u8]) -> f32;
+        let cases: [(GgmlType, bool, Dot); 6] = [
             (GgmlType::Q4_1, false, scalar::dot_q4_1_q8_1),
             (GgmlType::Q8_0, false, scalar::dot_q8_0_q8_0),
             (GgmlType::Q5_0, false, scalar::dot_q5_0_q8_0),

@@ -6,6 +6,10 @@
 //! scales and one accumulation, in block order. The SIMD kernels compute the same
 //! integer sums and differ only in how the float partial sums are associated.
 
+// The reference loops index several arrays by one counter, as ggml's C reference does,
+// so that they can be held against it line by line.
+#![allow(clippy::needless_range_loop)]
+
 use crate::blocks::*;
 use crate::dequant::{iq2s_grid_point, iq2s_signs};
 
