@@ -35,8 +35,8 @@ typedef short i16;
     if (PDL) prefetch_weights((const u8*)(p), (bytes));
 
 // The 128-byte line holding p asked of L2, or of the SM's L1 (read-only data only: L1
-// is not kept coherent with other SMs' stores; measured, L1 for a warp's matrix rows,
-// L2 for norm weights).
+// is not kept coherent with other SMs' stores). L1 for a warp's matrix rows and L2 for
+// norm weights measured fastest (commit 4682455).
 __device__ __forceinline__ void l2_line(const void* p) { asm volatile("prefetch.L2 [%0];" ::"l"(p)); }
 __device__ __forceinline__ void l1_line(const void* p) { asm volatile("prefetch.L1 [%0];" ::"l"(p)); }
 
@@ -97,9 +97,8 @@ __device__ __forceinline__ int warp_sum_int(int v) {
 // shuffles than N warp_sums (nine rather than forty for eight): each exchange halves the
 // values a lane keeps, so that a lane ends with the sum for u = warp_sum_n_row<N>(lane),
 // the same bits in the 32 / N lanes that hold it (each addition is of the same two
-// values in either lane). (matvec_q4_k_held's four rows so summed rather than by a
-// warp_sum each: 8B shape, H200, tg64 452.5 → 466.4 and 445.7 → 473.5 tok/s; llama3-1b
-// shape tg128 1,079 → 1,114 and 1,096 → 1,132.)
+// values in either lane). (A warp_sum per row in the held kernels was tried and measured
+// slower, commit 3725071.)
 template <int N>
 __device__ __forceinline__ float warp_sum_n(float* v) {
     int lane = threadIdx.x % WARP, bit = WARP / 2;
@@ -161,9 +160,8 @@ __device__ __forceinline__ void q8_32_block(float v, u8* blk, int with_sum) {
 // Q8_K as the kernels keep it: the values of astra-quant's block (d(f32) qs[256]
 // bsums[16](i16), 292 bytes) with the quants first, then the sums and d, padded to 304
 // bytes, so that every block starts on a 16-byte boundary and a lane reads its quants
-// in 16-byte loads (measured on an H200, 8B-shape Q4_K decode: 2.0–2.5 TB/s with the
-// stored order's 4-byte reads, 2.5–3.0 with these). The bytes past d are never written
-// or read.
+// in 16-byte loads (faster than the stored order's 4-byte reads, commit 50226f0). The
+// bytes past d are never written or read.
 #define Q8K_BYTES 304
 #define Q8K_SUMS 256
 #define Q8K_D 288
@@ -431,10 +429,8 @@ __device__ __forceinline__ int dp4a_us(int a, int b, int c) {
 }
 
 // Row r of the three matrices of a three-matrix launch taken in turn (rows of rb bytes);
-// null past their end. (One helper naming the matrix and its row, with the pointers
-// picked from it, for this and MATVEC_ENTRY's three-matrix launches alike, measured
-// slower when the held kernels used it too: 8B shape, H200, tg64 491.9–492.2 →
-// 471.1–472.0 tok/s, smollm2 shape tg128 1,599 → 1,578.)
+// null past their end. (Sharing this helper with the held kernels' three-matrix
+// launches was tried and measured slower, commit 3343df7.)
 __device__ __forceinline__ const u8* row_of_3(const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2, int r, long rb) {
     if (r < r0) return w0 + r * rb;
     if (r < r0 + r1) return w1 + (r - r0) * rb;
@@ -476,7 +472,8 @@ __device__ __forceinline__ const u8* row_of_3(const u8* w0, const u8* w1, const 
 #define MATVEC_KERNELS_BOUNDED(name, WBYTES, ABYTES, BOUNDS) \
     MATVEC_ENTRY(name, , 1, WBYTES, ABYTES, BOUNDS) MATVEC_ENTRY(name, _8, 8, WBYTES, ABYTES, )
 #define MATVEC_KERNELS(name, WBYTES, ABYTES) MATVEC_KERNELS_BOUNDED(name, WBYTES, ABYTES, )
-// Q4_1: one token per warp only (its eight-token form measured slower).
+// Q4_1: one token per warp only (its eight-token form was tried and measured slower,
+// commit 6f4ffab).
 #define MATVEC_KERNELS_1(name, WBYTES, ABYTES) MATVEC_ENTRY(name, , 1, WBYTES, ABYTES, )
 
 // The first token of a row function's warp and how many of its T it has.
@@ -493,8 +490,8 @@ __device__ __forceinline__ const u8* row_of_3(const u8* w0, const u8* w1, const 
 // (again 64 consecutive bytes for the four lanes, as Q8K_BYTES keeps the quants in
 // order), with their four 16-element sums. Rows are 16-byte aligned (144-byte blocks).
 // (Where each lane read its own 32 consecutive quant bytes and 64 activations, every
-// 16-byte load of the four lanes used half of four 32-byte sectors; this measured the
-// same to 1% faster: 8B shape, H200, tg64 409–415 → 415–419 tok/s.)
+// 16-byte load of the four lanes used half of four 32-byte sectors; this layout
+// measured the same or slightly faster, commit 0fb21ed.)
 //
 // The activations of a Q4_K block's four pieces that lane c of its four reads: the 64
 // quants, the four 16-element sums and the block's d.
@@ -552,9 +549,9 @@ __device__ __forceinline__ float q4_k_pieces_dot(uint4 h, int4 q0, int4 q1, cons
 }
 
 // One warp per row, eight blocks per warp step, for rows longer than the held-
-// activations kernel below takes. (Two rows per warp sharing the activations measured
-// slower for the 28,672-row gate and up launch.) Each (row, token) sum is the same
-// lanes' in the same order for any T.
+// activations kernel below takes. (Two rows per warp sharing the activations was tried
+// and measured slower, commit 50226f0.) Each (row, token) sum is the same lanes' in the
+// same order for any T.
 template <int T>
 __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
     ROW_TOKENS(T)
@@ -581,18 +578,16 @@ __device__ __forceinline__ void matvec_q4_k_row(const u8* w, const u8* a, float*
     }
 }
 // One token per warp: at most 40 registers a thread, so that twelve CTAs fit an SM
-// rather than nine (8B shape, H200, tg64: 415–419 → 426–433 tok/s, measured with the
-// eight-token kernels bounded too, which decode does not launch; they keep what they
-// need).
+// rather than nine (measured faster in decode, commit 0fb21ed). The eight-token
+// kernels, which decode does not launch, keep what they need.
 #define Q4_K_DECODE_BOUNDS __launch_bounds__(128, 12)
 MATVEC_KERNELS_BOUNDED(matvec_q4_k, 144, Q8K_BYTES, Q4_K_DECODE_BOUNDS)
 
 // The held-activations kernels below: rows whose loads a lane has in flight at a time
 // (warp_sum_n takes their sums together), the most warps of a CTA, and the most rows a
 // CTA takes with one token and with eight (their sums wait in shared memory until the
-// CTA's warps have all made theirs). (128 rather than 64 with one token: 8B shape,
-// H200, tg64 475.9–481.6 → 481.1–488.7 tok/s, its output matrix in two waves of CTAs
-// rather than four.)
+// CTA's warps have all made theirs). (The one-token limit is the larger so that a long
+// output matrix takes fewer waves of CTAs: measured faster, commit ca6b78e.)
 #define HELD_ROWS 4
 #define HELD_WARPS 8
 #define HELD_MAX_ROWS_1 128
@@ -605,16 +600,13 @@ MATVEC_KERNELS_BOUNDED(matvec_q4_k, 144, Q8K_BYTES, Q4_K_DECODE_BOUNDS)
 // consecutive rows of one of up to three matrices, HELD_ROWS rows' loads in flight at
 // a time. The first ceil(r0 / per_cta) CTAs take the first matrix's rows, the next the
 // second's, then the third's, so that a lane's parts of a CTA's rows are one pointer
-// stepped by a row's bytes. (Against rows spanning the matrices, each row's address
-// made from its index, and with the high nibbles of Q4_K taken in place: 8B shape,
-// H200, tg64 491.2 → 506.1, 489.5 → 504.9, 488.0 → 496.6 tok/s. The Q4_K kernel's
-// loop is about 390 instructions long rather than 561; by Nsight Compute, caches
-// flushed, its gate and up launch 22.7 → 21.3–23.0 µs, down 14.3 → 14.0, QKV 9.9 →
-// 9.2, attention output 8.2 → 7.7.) With one token the activations are read once per
-// CTA, not once per row, so that the L1 reads of a row are its weights alone. Each
-// (row, token) sum is the lanes' parts added across the warp, the rows' together
-// (warp_sum_n), and then over the warps in order, for one token or eight alike. per_cta ≤ HELD_MAX_ROWS_1 or _8; grid (the three matrices' CTAs, token
-// groups), 32 per warp threads.
+// stepped by a row's bytes. (Rows spanning the matrices, each row's address made from
+// its index, made a longer loop and measured slower, commit 192d746.) With one token
+// the activations are read once per CTA, not once per row, so that the L1 reads of a
+// row are its weights alone. Each (row, token) sum is the lanes' parts added across
+// the warp, the rows' together (warp_sum_n), and then over the warps in order, for one
+// token or eight alike. per_cta ≤ HELD_MAX_ROWS_1 or _8; grid (the three matrices'
+// CTAs, token groups), 32 per warp threads.
 template <int T, class K>
 __device__ __forceinline__ void matvec_held(const u8* w0, const u8* w1, const u8* w2, const u8* a, float* o0, float* o1, float* o2, int r0,
                                             int r1, int r2, int nb, int per_cta, int acc, int tokens) {
@@ -687,14 +679,11 @@ __device__ __forceinline__ void matvec_held(const u8* w0, const u8* w1, const u8
 
 // Q4_K × Q8_K held (matvec_q4_k_held): lane l of warp w takes the four pieces of block
 // 8w + l/4 that lane c = l % 4 takes in matvec_q4_k_row; W = ceil(nb / 8) warps, nb ≤
-// 8·HELD_WARPS. The per-row kernel reads the activations for every row, and its L1
-// data pipe was 74% busy at 2.9 TB/s (8B shape gate and up, H200). Measured against
-// it, each pair in one run: 8B shape tg64 430.8 → 445.5 and 439.4 → 446.4 tok/s;
-// llama3-1b shape tg128 1,077 → 1,111. (Each CTA also quantizing its activations itself
-// from the f32 row, so that no kernel runs between the one making the row and the
-// product, measured far slower: 258–304 tok/s with its warps quantizing their eight
-// blocks in turn, 254–282 with each lane holding its 64 values at once, 167 registers a
-// thread; 431–439 for the kernels before.)
+// 8·HELD_WARPS. The per-row kernel reads the activations for every row, which loads
+// its L1 data pipe; this one reads them once per CTA (measured faster, commit a6bedeb).
+// (Each CTA quantizing its activations itself from the f32 row, so that no kernel runs
+// between the one making the row and the product, was tried and measured far slower,
+// commit a6bedeb.)
 struct Q4KHeldLanes {
     struct Weights {
         uint4 h;
@@ -793,8 +782,8 @@ MATVEC_KERNELS(matvec_q6_k, 210, Q8K_BYTES)
 // lane 0 of each block adds the minimum's term. Blocks (20 and 36 bytes) are 4-byte
 // aligned; d and m of a block are read as one word. One warp per row; grid
 // (ceil(rows / 4), ceil(tokens / T)), 128 threads. (Two rows per warp sharing the
-// activations' loads, as Q4_K once decoded, measured slower here: 1,225–1,245 → 1,168–1,194
-// tok/s on the smollm2 shape.)
+// activations' loads, as Q4_K once decoded, was tried and measured slower here, commit
+// eb64b43.)
 template <int T>
 __device__ __forceinline__ void matvec_q4_1_row(const u8* w, const u8* a, float* out, int rows, int nb, int r, int acc, int tokens) {
     ROW_TOKENS(T)
@@ -946,12 +935,10 @@ MATVEC_KERNELS(matvec_q8_0, 34, 34)
 // Q8_0 × Q8_0 held (matvec_q8_0_held): lane i of the CTA takes the 16 quant bytes 16i..
 // of a row (half i % 2 of block i / 2) in one load of the device layout above, and its
 // block's scale; W = ceil(nb / 16) warps, nb ≤ 16·HELD_WARPS. A lane's part of a row is
-// (int sum)·(dw·da). Measured on the 8B shape's output matrix (558 MB, H200): 251 µs a
-// token with a lane per block of the stored layout (Nsight Compute, caches flushed),
-// 213 µs here with eight rows at a time; four at a time (48 registers rather than 74,
-// so five CTAs an SM rather than three) then tg64 467.5–475.9 → 478.7–489.2 tok/s.
-// Loading the next four rows while these four are summed (73 registers) measured
-// slower: 466.1–470.3 against 476.9–481.2.
+// (int sum)·(dw·da). This layout measured faster than a lane per block of the stored
+// one, and four rows at a time (HELD_ROWS: fewer registers, so more CTAs an SM) faster
+// than eight (commit 3725071). (Loading the next four rows
+// while these four are summed was tried and measured slower, commit 3725071.)
 struct Q8_0HeldLanes {
     struct Weights {
         int4 q;
@@ -991,8 +978,8 @@ HELD_ENTRIES(matvec_q8_0_held, Q8_0HeldLanes)
 // up row 32·blockIdx.x + l with the type's row function (the same sums as its other
 // launches), and warp 0 quantizes act(gate)·up with quantize_q8_32's arithmetic. Grid
 // (rows / 32), 1,024 threads. Q4_1 only: for Q8_0 it measured slower than the two
-// launches it replaces (smollm2 shape 1,307–1,320 → 1,271–1,297 tok/s), and so did
-// computing the gate and up rows together sharing the activations' loads.
+// launches it replaces, as did computing the gate and up rows together sharing the
+// activations' loads (both tried in commit eb64b43).
 #define GLU_ENTRY(name, WBYTES)                                                                         \
     extern "C" __global__ void __launch_bounds__(1024)                                                  \
         name##_glu(const u8* wg, const u8* wu, const u8* a, u8* out, int nb, int kind, int act) {       \
@@ -1217,8 +1204,8 @@ extern "C" __global__ void rms_norm_quantize(const float* x, const float* w, u8*
 // CTA of a row computes the row's scale (the same sums in the same order, so the same
 // bits) and quantizes its 256 values (a Q8_K block, or eight 32-blocks), so the row's
 // blocks are made in parallel rather than one after another. A thread's values of rows
-// of up to SPLIT_HELD·256 are loaded together (8B shape, H200, tg64: 439.5–443.6 →
-// 443.5–452.9 tok/s against eight at a time and the CTA's own read again).
+// of up to SPLIT_HELD·256 are loaded together (faster than eight at a time with the
+// CTA's own read again, commit 0fb21ed).
 #define SPLIT_HELD 32
 extern "C" __global__ void rms_norm_quantize_split(const float* x, const float* w, u8* out, int n, float eps, int kind) {
     if (PDL && threadIdx.x < 8 && blockIdx.y * 256 + threadIdx.x * 32 < n) l2_line(w + blockIdx.y * 256 + threadIdx.x * 32);
@@ -1651,10 +1638,9 @@ __device__ __forceinline__ void prefetch_cache(const u16* kh, const u16* vh, int
 // through chunk_part and merge_part: the same steps in the same order (key_dot; the
 // chunk's max and Σexp by the halving tree chunk_reduce makes, through shared memory),
 // so every row is bitwise what attend and attention_split give it (tests/gpu.rs: batch
-// = token by token; parity --bitwise), but compiled to a different loop: measured with
-// one thread per key, 11-19% faster prefill than attend<4> (smollm2 and gemma3 shapes,
-// pp512), while for decode rows attend's form was 1-9% faster. grid (n_head,
-// ceil(rows / Q)).
+// = token by token; parity --bitwise), but compiled to a different loop: with one thread
+// per key it measured faster than attend<4> for prefill, while attend's form measured
+// faster for decode rows (commit c84196c). grid (n_head, ceil(rows / Q)).
 template <int Q>
 __device__ void attend_batch(const float* q, const u16* kc, const u16* vc, float* out, int row0, int pos0, int rows,
                              int slots, int window, int n_head, int group, int head_dim, float scale) {
@@ -1772,8 +1758,8 @@ __device__ __forceinline__ float ld_cg(const float* p) {
 
 // How many chunks a decode row's attention spans before attention_split spreads them
 // over CTAs; up to this many, the head's first CTA runs them all (attend). One: two
-// chunks in two CTAs and a merge measured faster than both in one CTA (H200, tg128:
-// smollm2 shape 1,405 → 1,462 tok/s, gemma3 929 → 993, 8B 376 → 385).
+// chunks in two CTAs and a merge measured faster than both in one CTA (commit d679ddd;
+// to retune, time decode on each shape with the value raised).
 #define SPLIT_FROM 1
 
 // One decode row (row row0, at positions[row0]) with its chunks spread over the CTAs of

@@ -467,11 +467,9 @@ fn run_rows(
 
 /// The fewest tokens that take a tile kernel; fewer meet the task's rows one token at a
 /// time, the rows still in cache for the next token (the same sums either way).
-/// Rearranging a tile of rows costs more than two or three tokens save: real SmolLM2
-/// (Q4_1, packed rows), two threads of AVX2, interleaved, two rounds: two and three
-/// sequences decoding together 224 / 186 and 235 / 243 tokens/s in all through the tile
-/// kernel, 244 / 242 and 297 / 307 a token at a time; a two-token prefill 246 / 231 →
-/// 295 / 321. At four the tile kernel held even or ahead (212–282).
+/// Below this many tokens, rearranging a tile of rows costs more than the tokens save
+/// (measured on real SmolLM2, packed Q4_1 rows, AVX2, commit 809c5e7). To retune, time two to four sequences decoding together and short
+/// prefills with this raised and lowered.
 const TILE_MIN_TOKENS: usize = 4;
 
 /// Weight rows walked together per block of tokens (16 rows of a 4096-column Q4_K
