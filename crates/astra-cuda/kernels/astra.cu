@@ -1,5 +1,9 @@
 // astra's CUDA kernels, compiled at run time by NVRTC for the device present.
 //
+// Compiled after a prelude of #defines generated from astra-cuda's src/shared.rs: the
+// layouts, limits and codes the Rust launchers share with these kernels (Q8K_*, T_*,
+// HELD_*, CHUNK, MAX_HEAD_DIM, QUANT_*, GLU_*).
+//
 // Header-free (NVRTC ships no CUDA headers): f16 conversions are inline PTX, types are
 // spelled out. Weight blocks are read as stored in GGUF (byte structs, unaligned), with
 // the layouts of ggml; the scalar references are astra-quant's dot/scalar.rs and
@@ -161,10 +165,8 @@ __device__ __forceinline__ void q8_32_block(float v, u8* blk, int with_sum) {
 // bsums[16](i16), 292 bytes) with the quants first, then the sums and d, padded to 304
 // bytes, so that every block starts on a 16-byte boundary and a lane reads its quants
 // in 16-byte loads (faster than the stored order's 4-byte reads, commit 50226f0). The
-// bytes past d are never written or read.
-#define Q8K_BYTES 304
-#define Q8K_SUMS 256
-#define Q8K_D 288
+// bytes past d are never written or read. Q8K_BYTES, Q8K_SUMS (the sums' offset) and
+// Q8K_D (d's offset) come from the prelude.
 
 // One 256-block quantized by each group of 256 threads of the CTA (up to four groups),
 // thread t of a group holding value t, in the layout above. Every thread of the CTA
@@ -339,14 +341,7 @@ __device__ __forceinline__ float blk_q6_k(const u8* w, const u8* a) {
     return (float)isum * (ldh(w + 208) * ldf(a + Q8K_D));
 }
 
-// Weight type codes (GGUF's ggml type ids).
-#define T_Q4_0 2
-#define T_Q4_1 3
-#define T_Q5_0 6
-#define T_Q8_0 8
-#define T_Q4_K 12
-#define T_Q6_K 14
-#define T_IQ2_S 22
+// Weight type codes T_Q4_0 … T_IQ2_S (GGUF's ggml type ids) come from the prelude.
 
 // The IQ2_S codebook (1024 points of eight magnitudes), written from the host's copy
 // of the table when the module loads.
@@ -588,10 +583,8 @@ MATVEC_KERNELS_BOUNDED(matvec_q4_k, 144, Q8K_BYTES, Q4_K_DECODE_BOUNDS)
 // CTA takes with one token and with eight (their sums wait in shared memory until the
 // CTA's warps have all made theirs). (The one-token limit is the larger so that a long
 // output matrix takes fewer waves of CTAs: measured faster, commit ca6b78e.)
+// HELD_WARPS, HELD_MAX_ROWS_1 and HELD_MAX_ROWS_8 come from the prelude.
 #define HELD_ROWS 4
-#define HELD_WARPS 8
-#define HELD_MAX_ROWS_1 128
-#define HELD_MAX_ROWS_8 64
 
 // A matrix product with the activations held in registers: a CTA of up to HELD_WARPS
 // warps takes a row's blocks together, each lane its part of the row as the lane type
@@ -993,7 +986,7 @@ HELD_ENTRIES(matvec_q8_0_held, Q8_0HeldLanes)
         name##_row<1>(wu + first, a, u, WARP, nb, warp, 0, 1);                                          \
         __syncthreads();                                                                                \
         if (warp == 0)                                                                                  \
-            q8_32_block(glu_value(g[lane], u[lane], act), out + (long)blockIdx.x * (kind == 1 ? 36 : 34), kind); \
+            q8_32_block(glu_value(g[lane], u[lane], act), out + (long)blockIdx.x * (kind == QUANT_Q8_1 ? 36 : 34), kind); \
     }
 GLU_ENTRY(matvec_q4_1, 20)
 
@@ -1003,8 +996,8 @@ GLU_ENTRY(matvec_q4_1, 20)
 
 __device__ float dequant_one(int type, const u8* row, int k, int cols) {
     switch (type) {
-        case 0: return ldf(row + 4 * k);
-        case 1: return ldh(row + 2 * k);
+        case T_F32: return ldf(row + 4 * k);
+        case T_F16: return ldh(row + 2 * k);
         case T_Q4_0: {
             const u8* b = row + (k / 32) * 18;
             int j = k % 32;
@@ -1151,11 +1144,11 @@ extern "C" __global__ void rms_norm_add(const float* o, const float* w, float* x
 template <int N>
 __device__ __forceinline__ void norm_quantize_at(float v, u8* out, int n, int j, int kind) {
     int i = j * N + threadIdx.x;
-    if (kind == 2) {
+    if (kind == QUANT_Q8_K) {
         // Every group calls (the block synchronizes the CTA); those past the row write nothing.
         q8_k_block(v, out + ((long)blockIdx.x * (n / 256) + min(i, n - 1) / 256) * Q8K_BYTES, i < n);
     } else if (i - threadIdx.x % WARP < n) {  // whole warps: n is a multiple of 32
-        q8_32_block(v, out + ((long)blockIdx.x * (n / 32) + i / 32) * (kind == 1 ? 36 : 34), kind);
+        q8_32_block(v, out + ((long)blockIdx.x * (n / 32) + i / 32) * (kind == QUANT_Q8_1 ? 36 : 34), kind);
     }
 }
 
@@ -1313,7 +1306,7 @@ __device__ __forceinline__ float exp_approx(float x) {
 // x / (1 + e^(-2u)), u = sqrt(2/pi)·x·(1 + 0.044715·x²).
 __device__ float glu_value(float g, float u, int act) {
     float a;
-    if (act == 0) {
+    if (act == GLU_SILU) {
         a = __fdiv_rn(g, __fadd_rn(1.0f, exp_approx(-g)));
     } else {
         float inner = __fmul_rn(__fmul_rn(0.7978846f, g), __fadd_rn(1.0f, __fmul_rn(__fmul_rn(0.044715f, g), g)));
@@ -1354,8 +1347,7 @@ extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16
     vc[dst] = (u16)f2h(v[src]);
 }
 
-#define CHUNK 64
-#define MAX_HEAD_DIM 256
+// CHUNK (the engine's attention chunk) and MAX_HEAD_DIM come from the prelude.
 
 // An attention CTA has key_lanes() threads per key of a chunk — 1, 2 or 4, the launch's
 // choice: the least power of two with CHUNK · lanes ≥ head_dim (attention_threads in
@@ -1586,7 +1578,7 @@ __device__ void attend_out(const Running<Q>& r, int nq, float* out, long row, in
         if (d0 >= head_dim) return;
         float inv = 1.0f / r.sum[0];
         int block = (h * head_dim + d0) / 32;
-        q8_32_block(r.acc[0] * inv, qout + (row * (width / 32) + block) * (qkind == 1 ? 36 : 34), qkind);
+        q8_32_block(r.acc[0] * inv, qout + (row * (width / 32) + block) * (qkind == QUANT_Q8_1 ? 36 : 34), qkind);
         return;
     }
     if (t >= head_dim) return;

@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use astra_engine::attention::{KvLayout, KvType, LayerSlots, CHUNK};
+use astra_engine::attention::{KvLayout, KvType, LayerSlots};
 use astra_engine::backend::{
     add_to_residual, compose_feed_forward, Activation, Attend, Backend, FeedForward, Heads, Input,
     Rope, SeqRows,
@@ -26,6 +26,10 @@ use rayon::prelude::*;
 use crate::gemm::{self, Gemm};
 use crate::launch::Args;
 use crate::nvrtc;
+use crate::shared::{
+    glu_code, quant_kind, type_code, CHUNK, HELD_MAX_ROWS_1, HELD_MAX_ROWS_8, HELD_WARPS,
+    MAX_HEAD_DIM, Q8K_BYTES,
+};
 
 fn gpu_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> EngineError + '_ {
     move |e| EngineError::Backend(format!("CUDA: {what}: {e}"))
@@ -180,11 +184,8 @@ struct HeldKernels {
     sms: u32,
 }
 
-/// The most warps of a held-activations CTA (astra.cu's `HELD_WARPS`).
-const HELD_WARPS: usize = 8;
-/// The most rows a held-activations CTA takes with one token and with eight (astra.cu's
-/// `HELD_MAX_ROWS_1` and `HELD_MAX_ROWS_8`).
-const HELD_MAX_ROWS: [usize; 2] = [128, 64];
+/// The most rows a held-activations CTA takes with one token and with eight.
+const HELD_MAX_ROWS: [usize; 2] = [HELD_MAX_ROWS_1, HELD_MAX_ROWS_8];
 /// `matvec_q4_k_held`'s blocks a warp (astra.cu, `Q4KHeldLanes`): eight 256-blocks, a
 /// lane per quarter block.
 const Q4K_HELD_BLOCKS: usize = 8;
@@ -435,8 +436,8 @@ impl CudaBackend {
         let _ = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
         // A stream of its own: the legacy default stream cannot be captured.
         let stream = ctx.new_stream().map_err(gpu_err("creating a stream"))?;
-        let (name, source) = nvrtc::SOURCES[0];
-        let k = Kernels::load(&ctx, &stream, name, source, &arch, driver)?;
+        let (name, source) = nvrtc::sources().swap_remove(0);
+        let k = Kernels::load(&ctx, &stream, name, &source, &arch, driver)?;
         // Recorded decode steps launch each kernel as a programmatic dependent of the
         // one before (compute capability 9.0 and up; ASTRA_CUDA_PDL=0 turns it off).
         let graphs = std::env::var("ASTRA_CUDA_GRAPHS").map_or(true, |v| v != "0");
@@ -446,7 +447,7 @@ impl CudaBackend {
                     &ctx,
                     &stream,
                     name,
-                    &nvrtc::with_dependent_launch(source),
+                    &nvrtc::with_dependent_launch(&source),
                     &arch,
                     driver,
                 )?)
@@ -1042,11 +1043,6 @@ impl CudaBackend {
     }
 }
 
-/// The ggml type id the kernels switch on.
-fn type_code(ty: GgmlType) -> i32 {
-    ty as i32
-}
-
 /// The tensor an [`Input`] makes its rows from (their count and width).
 fn input_rows<'a>(input: &'a Input<'_, CudaBackend>) -> &'a GpuTensor {
     match input {
@@ -1055,30 +1051,12 @@ fn input_rows<'a>(input: &'a Input<'_, CudaBackend>) -> &'a GpuTensor {
     }
 }
 
-/// The kernels' code for an activation quantization: 0 Q8_0, 1 Q8_1, 2 Q8_K.
-fn quant_kind(act: ActType) -> Option<i32> {
-    match act {
-        ActType::Q8_0 => Some(0),
-        ActType::Q8_1 => Some(1),
-        ActType::Q8K => Some(2),
-        ActType::F32 => None,
-    }
-}
-
-/// The kernels' code for a gated product's activation.
-fn glu_code(act: Activation) -> i32 {
-    match act {
-        Activation::Silu => 0,
-        Activation::GeluTanh => 1,
-    }
-}
-
 /// Bytes of a block of activations quantized for `act` as the kernels keep it: the
 /// stored format's, but for Q8_K, whose blocks the kernels pad to 304 bytes (astra.cu,
 /// `Q8K_BYTES`: the same values, reordered for aligned loads).
 fn device_block_bytes(act: ActType) -> usize {
     match act {
-        ActType::Q8K => Q8K_DEVICE_BYTES,
+        ActType::Q8K => Q8K_BYTES,
         _ => act.ggml_type().block_bytes() as usize,
     }
 }
@@ -1112,14 +1090,11 @@ fn q8_0_rows_to_device(bytes: &[u8], nb: usize) -> Vec<u8> {
     out
 }
 
-/// A Q8_K block as the kernels keep it: quants (256), sums (16 × i16), d (f32), padding.
-const Q8K_DEVICE_BYTES: usize = 304;
-
 /// A stored Q8_K block (d, quants, sums) in the kernels' order (quants, sums, d; the
 /// padding zero).
 #[cfg(test)]
-fn q8k_to_device(block: &[u8]) -> [u8; Q8K_DEVICE_BYTES] {
-    let mut out = [0u8; Q8K_DEVICE_BYTES];
+fn q8k_to_device(block: &[u8]) -> [u8; Q8K_BYTES] {
+    let mut out = [0u8; Q8K_BYTES];
     out[..256].copy_from_slice(&block[4..260]);
     out[256..288].copy_from_slice(&block[260..292]);
     out[288..292].copy_from_slice(&block[..4]);
@@ -1242,11 +1217,10 @@ impl Backend for CudaBackend {
             )));
         }
         // astra.cu's attention: a thread per element of a head, up to MAX_HEAD_DIM.
-        if layout.head_dim > 4 * CHUNK {
+        if layout.head_dim > MAX_HEAD_DIM {
             return Err(EngineError::Invalid(format!(
                 "the CUDA attention takes heads of up to {} elements, not {}",
-                4 * CHUNK,
-                layout.head_dim
+                MAX_HEAD_DIM, layout.head_dim
             )));
         }
         let layers = layout
@@ -1775,7 +1749,7 @@ mod tests {
             if act == ActType::Q8K {
                 // The kernels' order of the same values; their padding is never written.
                 want = want.chunks_exact(block).flat_map(q8k_to_device).collect();
-                block = Q8K_DEVICE_BYTES;
+                block = Q8K_BYTES;
                 for (g, w) in got.chunks_exact_mut(block).zip(want.chunks_exact(block)) {
                     g[292..].copy_from_slice(&w[292..]);
                 }

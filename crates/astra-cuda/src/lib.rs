@@ -5,5 +5,6 @@ mod backend;
 pub mod gemm;
 mod launch;
 pub mod nvrtc;
+mod shared;
 
 pub use backend::{unavailable_reason, CudaBackend, GpuKv, GpuMatrix, GpuTensor, Mode};

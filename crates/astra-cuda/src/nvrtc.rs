@@ -9,8 +9,18 @@ use std::path::PathBuf;
 use cudarc::nvrtc::{result, sys};
 use sha2::{Digest, Sha256};
 
-/// The kernel sources: (name, text).
-pub const SOURCES: [(&str, &str); 1] = [("astra.cu", include_str!("../kernels/astra.cu"))];
+/// The kernel sources as written: (name, text).
+const FILES: [(&str, &str); 1] = [("astra.cu", include_str!("../kernels/astra.cu"))];
+
+/// The kernel sources as compiled: (name, the constants' prelude then the text, its
+/// lines numbered as in the file).
+pub fn sources() -> Vec<(&'static str, String)> {
+    let prelude = crate::shared::prelude();
+    FILES
+        .iter()
+        .map(|&(name, text)| (name, format!("{prelude}#line 1 \"{name}\"\n{text}")))
+        .collect()
+}
 
 /// A kernel source's variant whose kernels open with the programmatic-dependent-launch
 /// wait (astra.cu's `PDL_START`), for launches recorded in graphs.
@@ -203,8 +213,8 @@ mod tests {
         if !loadable() {
             return;
         }
-        for (name, source) in SOURCES {
-            for source in [source.to_owned(), with_dependent_launch(source)] {
+        for (name, source) in sources() {
+            for source in [source.clone(), with_dependent_launch(&source)] {
                 let cubin = compile(name, &source, "sm_90").unwrap_or_else(|e| panic!("{e}"));
                 assert_eq!(&cubin[..4], b"\x7fELF", "{name}: a cubin is an ELF image");
             }
