@@ -37,6 +37,10 @@ pub struct Shape {
     pub rms_eps: f32,
     /// Gemma 3's sliding window.
     pub window: Option<usize>,
+    /// Per-head RMSNorm weights of queries and keys (QK-norm).
+    pub qk_norm: bool,
+    /// RMSNorm weights of each block's output (post-norms).
+    pub post_norms: bool,
 }
 
 /// Shapes of known models.
@@ -55,6 +59,8 @@ pub const SHAPES: [Shape; 4] = [
         rope_base: 500000.0,
         rms_eps: 1e-5,
         window: None,
+        qk_norm: false,
+        post_norms: false,
     },
     Shape {
         name: "llama3-1b",
@@ -70,6 +76,8 @@ pub const SHAPES: [Shape; 4] = [
         rope_base: 500000.0,
         rms_eps: 1e-5,
         window: None,
+        qk_norm: false,
+        post_norms: false,
     },
     Shape {
         name: "smollm2-135m",
@@ -85,6 +93,8 @@ pub const SHAPES: [Shape; 4] = [
         rope_base: 100000.0,
         rms_eps: 1e-5,
         window: None,
+        qk_norm: false,
+        post_norms: false,
     },
     Shape {
         name: "gemma3-270m",
@@ -100,6 +110,8 @@ pub const SHAPES: [Shape; 4] = [
         rope_base: 1e6,
         rms_eps: 1e-6,
         window: Some(512),
+        qk_norm: true,
+        post_norms: true,
     },
 ];
 
@@ -299,13 +311,11 @@ pub fn write(shape: &Shape, ty: GgmlType, seed: u64, path: &Path) -> Result<(), 
         add(&mut w, n("ffn_up"), s.n_ff, e, ty)?;
         add(&mut w, n("ffn_down"), e, s.n_ff, ty)?;
         let mut norms = vec![("attn_norm", e), ("ffn_norm", e)];
-        if a == "gemma3" {
-            norms.extend([
-                ("attn_q_norm", s.head_dim),
-                ("attn_k_norm", s.head_dim),
-                ("post_attention_norm", e),
-                ("post_ffw_norm", e),
-            ]);
+        if s.qk_norm {
+            norms.extend([("attn_q_norm", s.head_dim), ("attn_k_norm", s.head_dim)]);
+        }
+        if s.post_norms {
+            norms.extend([("post_attention_norm", e), ("post_ffw_norm", e)]);
         }
         for (t, len) in norms {
             w.add_tensor(n(t), &[len as u64], GgmlType::F32, ones(len))
