@@ -233,7 +233,7 @@ __device__ float glu_value(float g, float u, int act);
 // glu_value(x, up, act) (the feed-forward's activation fused into its quantization).
 
 // One warp per 32-block; grid (blocks per row, rows).
-extern "C" __global__ void quantize_q8_32(const float* x, u8* out, int cols, int with_sum, const float* up, int act) {
+extern "C" __global__ void quantize_q8_32(const QuantizeQ8_32Args kargs) { UNPACK_QuantizeQ8_32Args(kargs)
     PDL_START
     int b = blockIdx.x, row = blockIdx.y, lane = threadIdx.x;
     long i = (long)row * cols + b * 32 + lane;
@@ -242,7 +242,7 @@ extern "C" __global__ void quantize_q8_32(const float* x, u8* out, int cols, int
 }
 
 // One 256-thread CTA per 256-block; grid (blocks per row, rows).
-extern "C" __global__ void quantize_q8_k(const float* x, u8* out, int cols, const float* up, int act) {
+extern "C" __global__ void quantize_q8_k(const QuantizeQ8KArgs kargs) { UNPACK_QuantizeQ8KArgs(kargs)
     PDL_START
     int b = blockIdx.x, row = blockIdx.y;
     long i = (long)row * cols + b * 256 + threadIdx.x;
@@ -384,7 +384,7 @@ __device__ __forceinline__ void put(float* out, long i, float v, int acc) {
 // out[t * rows + r] = Σ_b block(w[r][b], a[t][b]): one warp per weight row, lanes over
 // its blocks; grid (ceil(rows / 4), tokens), 128 threads. For the types without kernels
 // of their own (not Q8_0, whose device layout only its kernels read).
-extern "C" __global__ void matvec(int type, const u8* w, const u8* a, float* out, int rows, int nb, int wbytes, int abytes, int acc) {
+extern "C" __global__ void matvec(const MatvecArgs kargs) { UNPACK_MatvecArgs(kargs)
     PDL_START
     int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     int r = blockIdx.x * 4 + warp;
@@ -396,7 +396,7 @@ extern "C" __global__ void matvec(int type, const u8* w, const u8* a, float* out
     for (int b = lane; b < nb; b += WARP) {
         const u8* wb = wr + (long)b * wbytes;
         const u8* ab = at + (long)b * abytes;
-        switch (type) {
+        switch (ty) {
             case T_Q4_0: sum += blk_q4_0(wb, ab); break;
             case T_Q4_1: sum += blk_q4_1(wb, ab, &mins); break;
             case T_Q5_0: sum += blk_q5_0(wb, ab); break;
@@ -443,8 +443,7 @@ __device__ __forceinline__ const u8* row_of_3(const u8* w0, const u8* w1, const 
 // it. The launch offsets the activations to the warp's first token. BOUNDS, where
 // given, are the entry's launch bounds (MATVEC_KERNELS_BOUNDED: the one-token entries').
 #define MATVEC_ENTRY(name, suffix, T, WBYTES, ABYTES, BOUNDS)                                  \
-    extern "C" __global__ void BOUNDS name##suffix(const u8* w, const u8* a, float* out, int rows, \
-                                            int nb, int acc, int tokens) {                      \
+    extern "C" __global__ void BOUNDS name##suffix(const MatvecOneArgs kargs) { UNPACK_MatvecOneArgs(kargs)                      \
         int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
         long rb = (long)nb * (WBYTES);                                                          \
         if (r < rows) PDL_PREFETCH(w + r * rb, rb);                                             \
@@ -452,9 +451,7 @@ __device__ __forceinline__ const u8* row_of_3(const u8* w0, const u8* w1, const 
         const u8* at = a + (long)blockIdx.y * (T) * nb * (ABYTES);                              \
         if (r < rows) name##_row<T>(w, at, out, rows, nb, r, acc, tokens);                      \
     }                                                                                           \
-    extern "C" __global__ void BOUNDS name##_3##suffix(const u8* w0, const u8* w1, const u8* w2, \
-                                                const u8* a, float* o0, float* o1, float* o2,   \
-                                                int r0, int r1, int r2, int nb, int tokens) {   \
+    extern "C" __global__ void BOUNDS name##_3##suffix(const MatvecThreeArgs kargs) { UNPACK_MatvecThreeArgs(kargs)   \
         int r = blockIdx.x * 4 + threadIdx.x / WARP;                                            \
         long rb = (long)nb * (WBYTES);                                                          \
         PDL_PREFETCH(row_of_3(w0, w1, w2, r0, r1, r2, r, rb), rb);                              \
@@ -663,9 +660,7 @@ __device__ __forceinline__ void matvec_held(const u8* w0, const u8* w1, const u8
 // A held-activations kernel's entry for lane type K and T tokens a CTA, and its entries
 // of one token per CTA (`name`) and eight (`name`_8).
 #define HELD_ENTRY(name, K, T)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(WARP * HELD_WARPS) name(                                             \
-        const u8* w0, const u8* w1, const u8* w2, const u8* a, float* o0, float* o1, float* o2, int r0, int r1, int r2, \
-        int nb, int per_cta, int acc, int tokens) {                                                                   \
+    extern "C" __global__ void __launch_bounds__(WARP * HELD_WARPS) name(const MatvecHeldArgs kargs) { UNPACK_MatvecHeldArgs(kargs)                                                                   \
         matvec_held<T, K>(w0, w1, w2, a, o0, o1, o2, r0, r1, r2, nb, per_cta, acc, tokens);                           \
     }
 #define HELD_ENTRIES(name, K) HELD_ENTRY(name, K, 1) HELD_ENTRY(name##_8, K, 8)
@@ -975,7 +970,7 @@ HELD_ENTRIES(matvec_q8_0_held, Q8_0HeldLanes)
 // activations' loads (both tried in commit eb64b43).
 #define GLU_ENTRY(name, WBYTES)                                                                         \
     extern "C" __global__ void __launch_bounds__(1024)                                                  \
-        name##_glu(const u8* wg, const u8* wu, const u8* a, u8* out, int nb, int kind, int act) {       \
+        name##_glu(const MatvecGluArgs kargs) { UNPACK_MatvecGluArgs(kargs)       \
         __shared__ float g[WARP], u[WARP];                                                              \
         int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;                                       \
         long first = (long)blockIdx.x * WARP * nb * (WBYTES);                                           \
@@ -1052,22 +1047,22 @@ __device__ float dequant_one(int type, const u8* row, int k, int cols) {
 }
 
 // out[i] = dequantize(table row tokens[i]) · scale; grid (ceil(cols / 256), tokens).
-extern "C" __global__ void embed(int type, const u8* table, const unsigned int* tokens, float* out, int cols, long row_bytes, float scale, int scaled) {
+extern "C" __global__ void embed(const EmbedArgs kargs) { UNPACK_EmbedArgs(kargs)
     PDL_START
     int k = blockIdx.x * blockDim.x + threadIdx.x;
     int i = blockIdx.y;
     if (k >= cols) return;
-    float v = dequant_one(type, table + (long)tokens[i] * row_bytes, k, cols);
+    float v = dequant_one(ty, table + (long)tokens[i] * row_bytes, k, cols);
     out[(long)i * cols + k] = scaled ? v * scale : v;
 }
 
 // A weight matrix dequantized to f32 rows, for the batched products through cuBLAS;
 // grid (rows, ceil(cols / 256)).
-extern "C" __global__ void dequantize(int type, const u8* w, float* out, int cols, long row_bytes) {
+extern "C" __global__ void dequantize(const DequantizeArgs kargs) { UNPACK_DequantizeArgs(kargs)
     int k = blockIdx.y * blockDim.x + threadIdx.x;
     long r = blockIdx.x;
     if (k >= cols) return;
-    out[r * cols + k] = dequant_one(type, w + r * row_bytes, k, cols);
+    out[r * cols + k] = dequant_one(ty, w + r * row_bytes, k, cols);
 }
 
 // ---------------------------------------------------------------------------------
@@ -1118,19 +1113,19 @@ __device__ void rms_norm_group(const float* x, const float* w, float* out, int n
     for (int i = threadIdx.x; i < n; i += blockDim.x) og[i] = normed(xg[i], scale, w[i]);
 }
 
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int n, float eps) {
+extern "C" __global__ void rms_norm(const RmsNormArgs kargs) { UNPACK_RmsNormArgs(kargs)
     PDL_START
     rms_norm_group(x, w, out, n, eps);
 }
 
-extern "C" __global__ void rms_norm_inplace(float* x, const float* w, int n, float eps) {
+extern "C" __global__ void rms_norm_inplace(const RmsNormInplaceArgs kargs) { UNPACK_RmsNormInplaceArgs(kargs)
     PDL_START
     rms_norm_group(x, w, x, n, eps);
 }
 
 // x += rms_norm(o) · w per row of n (Gemma's post-norms and the residual add in one
 // pass, the same two roundings as apart); grid (rows), 256 threads.
-extern "C" __global__ void rms_norm_add(const float* o, const float* w, float* x, int n, float eps) {
+extern "C" __global__ void rms_norm_add(const RmsNormAddArgs kargs) { UNPACK_RmsNormAddArgs(kargs)
     if (PDL && threadIdx.x * 32 < n) l2_line(w + threadIdx.x * 32);
     PDL_START
     const float* og = o + (long)blockIdx.x * n;
@@ -1187,7 +1182,7 @@ __device__ void norm_quantize_row(const float* x, const float* w, u8* out, int n
 }
 
 // 256 threads; rows of up to 2,048 values are held in registers.
-extern "C" __global__ void rms_norm_quantize(const float* x, const float* w, u8* out, int n, float eps, int kind) {
+extern "C" __global__ void rms_norm_quantize(const RmsNormQuantizeArgs kargs) { UNPACK_RmsNormQuantizeArgs(kargs)
     if (PDL && threadIdx.x * 32 < n) l2_line(w + threadIdx.x * 32);
     PDL_START
     norm_quantize_row<256>(x, w, out, n, eps, kind);
@@ -1200,7 +1195,7 @@ extern "C" __global__ void rms_norm_quantize(const float* x, const float* w, u8*
 // of up to SPLIT_HELD·256 are loaded together (faster than eight at a time with the
 // CTA's own read again, commit 0fb21ed).
 #define SPLIT_HELD 32
-extern "C" __global__ void rms_norm_quantize_split(const float* x, const float* w, u8* out, int n, float eps, int kind) {
+extern "C" __global__ void rms_norm_quantize_split(const RmsNormQuantizeArgs kargs) { UNPACK_RmsNormQuantizeArgs(kargs)
     if (PDL && threadIdx.x < 8 && blockIdx.y * 256 + threadIdx.x * 32 < n) l2_line(w + blockIdx.y * 256 + threadIdx.x * 32);
     PDL_START
     const float* xg = x + (long)blockIdx.x * n;
@@ -1229,7 +1224,7 @@ __device__ __forceinline__ void rope_pair(float* h, unsigned int pos, int dims, 
 }
 
 // grid (heads per row, rows), dims/2 threads.
-extern "C" __global__ void rope(float* x, const unsigned int* positions, int width, int head_dim, int dims, float theta_scale, int neox) {
+extern "C" __global__ void rope(const RopeArgs kargs) { UNPACK_RopeArgs(kargs)
     PDL_START
     rope_pair(x + (long)blockIdx.y * width + blockIdx.x * head_dim, positions[blockIdx.y], dims, theta_scale, neox);
 }
@@ -1240,9 +1235,7 @@ extern "C" __global__ void rope(float* x, const unsigned int* positions, int wid
 // kernel. Where a cache is given (kc, one sequence whose rows are all of the batch's),
 // the rotated keys and the values (n_k more CTAs) are stored in it, as kv_store does.
 // grid (n_q + n_k [+ n_k], rows), head_dim rounded up to a warp threads (≤ 256).
-extern "C" __global__ void qk_rope(float* q, float* k, const float* v, const float* q_norm, const float* k_norm,
-                                   const unsigned int* positions, int n_q, int n_k, int head_dim, int dims, float theta_scale,
-                                   int neox, float eps, float q_scale, u16* kc, u16* vc, int slots) {
+extern "C" __global__ void qk_rope(const QkRopeArgs kargs) { UNPACK_QkRopeArgs(kargs)
     PDL_START
     int head = blockIdx.x, row = blockIdx.y, t = threadIdx.x;
     unsigned int pos = positions[row];
@@ -1273,13 +1266,13 @@ extern "C" __global__ void qk_rope(float* q, float* k, const float* v, const flo
     }
 }
 
-extern "C" __global__ void scale(float* x, long n, float s) {
+extern "C" __global__ void scale(const ScaleArgs kargs) { UNPACK_ScaleArgs(kargs)
     PDL_START
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = __fmul_rn(x[i], s);
 }
 
-extern "C" __global__ void add(float* x, const float* y, long n) {
+extern "C" __global__ void add(const AddArgs kargs) { UNPACK_AddArgs(kargs)
     PDL_START
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = __fadd_rn(x[i], y[i]);
@@ -1316,14 +1309,14 @@ __device__ float glu_value(float g, float u, int act) {
 }
 
 // gate = act(gate) · up.
-extern "C" __global__ void glu(float* gate, const float* up, long n, int act) {
+extern "C" __global__ void glu(const GluArgs kargs) { UNPACK_GluArgs(kargs)
     PDL_START
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) gate[i] = glu_value(gate[i], up[i], act);
 }
 
 // out row i = x row rows[i].
-extern "C" __global__ void gather(const float* x, const unsigned int* rows, float* out, int width) {
+extern "C" __global__ void gather(const GatherArgs kargs) { UNPACK_GatherArgs(kargs)
     PDL_START
     int k = blockIdx.x * blockDim.x + threadIdx.x;
     int i = blockIdx.y;
@@ -1337,8 +1330,7 @@ extern "C" __global__ void gather(const float* x, const unsigned int* rows, floa
 // Stores n rows of keys and values (kv_dim = kv_heads · head_dim each) of rows row0..
 // at their positions (read from `positions`, so that a replayed graph follows them);
 // grid (kv_heads, n), head_dim threads.
-extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16* vc, int row0, const unsigned int* positions,
-                                    int slots, int kv_dim, int head_dim) {
+extern "C" __global__ void kv_store(const KvStoreArgs kargs) { UNPACK_KvStoreArgs(kargs)
     PDL_START
     int d = threadIdx.x, g = blockIdx.x, i = blockIdx.y;
     long src = (long)(row0 + i) * kv_dim + g * head_dim + d;
@@ -1734,9 +1726,7 @@ __device__ void attend_batch(const float* q, const u16* kc, const u16* vc, float
 }
 
 // Four query rows per CTA (prefill); grid (n_head, ceil(rows / 4)), CHUNK · key_lanes() threads.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_4(const float* q, const u16* kc, const u16* vc, float* out, int row0,
-                                                                       const unsigned int* positions, int rows, int slots, int window, int n_head,
-                                                                       int group, int head_dim, float scale) {
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_4(const AttentionArgs kargs) { UNPACK_AttentionArgs(kargs)
     PDL_START
     attend_batch<4>(q, kc, vc, out, row0, (int)positions[row0], rows, slots, window, n_head, group, head_dim, scale);
 }
@@ -1763,9 +1753,7 @@ __device__ __forceinline__ float ld_cg(const float* p) {
 // merge_part's in the same order, so the row is attend's bit for bit, for any S.
 // Rows spanning at most SPLIT_FROM chunks are computed by CTA 0 alone (attend).
 // CHUNK · key_lanes() threads.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_split(const float* q, const u16* kc, const u16* vc, float* out, int row0,
-                                           const unsigned int* positions, int slots, int window, int n_head, int group, int head_dim, float scale, u8* qout,
-                                           int qkind, float* parts, unsigned int* tickets, int max_chunks) {
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_split(const AttentionSplitArgs kargs) { UNPACK_AttentionSplitArgs(kargs)
     __shared__ float sq[1][MAX_HEAD_DIM];
     __shared__ bool last;
     int h = blockIdx.x, s = blockIdx.y, t = threadIdx.x, S = gridDim.y;

@@ -23,8 +23,9 @@ use cudarc::driver::{
 };
 use rayon::prelude::*;
 
+use crate::args::*;
 use crate::gemm::{self, Gemm};
-use crate::launch::Args;
+use crate::launch;
 use crate::nvrtc;
 use crate::shared::{
     glu_code, quant_kind, type_code, CHUNK, HELD_MAX_ROWS_1, HELD_MAX_ROWS_8, HELD_WARPS,
@@ -568,14 +569,15 @@ impl CudaBackend {
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut b = Args::new(f, &self.stream);
-            b.arg(&x.buf)
-                .arg(*w)
-                .out(out)
-                .arg(&cols)
-                .arg(eps)
-                .arg(&kind);
-            self.launch(b, cfg);
+            let args = RmsNormQuantizeArgs {
+                x: In::of(&x.buf, &self.stream),
+                w: In::of(w, &self.stream),
+                out: Out::of(out, &self.stream),
+                n: cols,
+                eps: *eps,
+                kind,
+            };
+            self.launch(f, &args, cfg);
             return true;
         }
         // The gated product's second operand and activation, or none.
@@ -594,14 +596,15 @@ impl CudaBackend {
                     block_dim: (32, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut b = Args::new(&self.k().quantize_q8_32, &self.stream);
-                b.arg(&x.buf)
-                    .out(out)
-                    .arg(&cols)
-                    .arg(&with_sum)
-                    .arg(&up)
-                    .arg(&glu);
-                self.launch(b, cfg);
+                let args = QuantizeQ8_32Args {
+                    x: In::of(&x.buf, &self.stream),
+                    out: Out::of(out, &self.stream),
+                    cols,
+                    with_sum,
+                    up: In::addr(up),
+                    act: glu,
+                };
+                self.launch(&self.k().quantize_q8_32, &args, cfg);
             }
             ActType::Q8K => {
                 let cfg = LaunchConfig {
@@ -609,9 +612,14 @@ impl CudaBackend {
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut b = Args::new(&self.k().quantize_q8_k, &self.stream);
-                b.arg(&x.buf).out(out).arg(&cols).arg(&up).arg(&glu);
-                self.launch(b, cfg);
+                let args = QuantizeQ8KArgs {
+                    x: In::of(&x.buf, &self.stream),
+                    out: Out::of(out, &self.stream),
+                    cols,
+                    up: In::addr(up),
+                    act: glu,
+                };
+                self.launch(&self.k().quantize_q8_k, &args, cfg);
             }
             ActType::F32 => unreachable!("float weights are not uploaded to this backend"),
         }
@@ -663,18 +671,23 @@ impl CudaBackend {
                 let (rows, weights, outs_ptr) =
                     self.group_args(&mut outs[i..i + n], add_to.as_deref_mut());
                 let (f, cfg, per_cta) = held.launch(rows.map(|r| r as usize), nb as usize, tokens);
-                let toks = tokens as i32;
-                let mut b = Args::new(f, &self.stream);
-                b.arg(weights[0]).arg(weights[1]).arg(weights[2]).arg(acts);
-                b.arg(&outs_ptr[0]).arg(&outs_ptr[1]).arg(&outs_ptr[2]);
-                b.arg(&rows[0])
-                    .arg(&rows[1])
-                    .arg(&rows[2])
-                    .arg(&nb)
-                    .arg(&per_cta)
-                    .arg(&acc)
-                    .arg(&toks);
-                self.launch(b, cfg);
+                let args = MatvecHeldArgs {
+                    w0: In::of(weights[0], &self.stream),
+                    w1: In::of(weights[1], &self.stream),
+                    w2: In::of(weights[2], &self.stream),
+                    a: In::of(acts, &self.stream),
+                    o0: Out::addr(outs_ptr[0]),
+                    o1: Out::addr(outs_ptr[1]),
+                    o2: Out::addr(outs_ptr[2]),
+                    r0: rows[0],
+                    r1: rows[1],
+                    r2: rows[2],
+                    nb,
+                    per_cta,
+                    acc,
+                    tokens: tokens as i32,
+                };
+                self.launch(f, &args, cfg);
                 i += n;
                 continue;
             }
@@ -688,17 +701,18 @@ impl CudaBackend {
                     Some(r) => &mut r.buf,
                     None => &mut outs[i].1.buf,
                 };
-                let mut b = Args::new(&self.k().matvec, &self.stream);
-                b.arg(&ty)
-                    .arg(&w.data)
-                    .arg(acts)
-                    .out(out)
-                    .arg(&rows)
-                    .arg(&nb)
-                    .arg(&wbytes)
-                    .arg(&abytes)
-                    .arg(&acc);
-                self.launch(b, cfg);
+                let args = MatvecArgs {
+                    ty,
+                    w: In::of(&w.data, &self.stream),
+                    a: In::of(acts, &self.stream),
+                    out: Out::of(out, &self.stream),
+                    rows,
+                    nb,
+                    wbytes,
+                    abytes,
+                    acc,
+                };
+                self.launch(&self.k().matvec, &args, cfg);
                 i += 1;
                 continue;
             };
@@ -716,15 +730,16 @@ impl CudaBackend {
                     Some(r) => &mut r.buf,
                     None => &mut outs[i].1.buf,
                 };
-                let mut b = Args::new(one, &self.stream);
-                b.arg(&w.data)
-                    .arg(acts)
-                    .out(out)
-                    .arg(&rows)
-                    .arg(&nb)
-                    .arg(&acc)
-                    .arg(&toks);
-                self.launch(b, cfg);
+                let args = MatvecOneArgs {
+                    w: In::of(&w.data, &self.stream),
+                    a: In::of(acts, &self.stream),
+                    out: Out::of(out, &self.stream),
+                    rows,
+                    nb,
+                    acc,
+                    tokens: toks,
+                };
+                self.launch(one, &args, cfg);
                 i += 1;
                 continue;
             }
@@ -733,15 +748,21 @@ impl CudaBackend {
                 rows.iter().map(|&r| r as usize).sum::<usize>(),
                 tokens.div_ceil(per_warp),
             );
-            let mut b = Args::new(three, &self.stream);
-            b.arg(weights[0]).arg(weights[1]).arg(weights[2]).arg(acts);
-            b.arg(&outs_ptr[0]).arg(&outs_ptr[1]).arg(&outs_ptr[2]);
-            b.arg(&rows[0])
-                .arg(&rows[1])
-                .arg(&rows[2])
-                .arg(&nb)
-                .arg(&toks);
-            self.launch(b, cfg);
+            let args = MatvecThreeArgs {
+                w0: In::of(weights[0], &self.stream),
+                w1: In::of(weights[1], &self.stream),
+                w2: In::of(weights[2], &self.stream),
+                a: In::of(acts, &self.stream),
+                o0: Out::addr(outs_ptr[0]),
+                o1: Out::addr(outs_ptr[1]),
+                o2: Out::addr(outs_ptr[2]),
+                r0: rows[0],
+                r1: rows[1],
+                r2: rows[2],
+                nb,
+                tokens: toks,
+            };
+            self.launch(three, &args, cfg);
             i += n;
         }
     }
@@ -828,25 +849,26 @@ impl CudaBackend {
                 shared_mem_bytes: shared,
             };
             let max_chunks = kv.max_chunks as i32;
-            let mut b = Args::new(&self.k().attention.0, &self.stream);
-            b.arg(&q.buf)
-                .arg(&l.k)
-                .arg(&l.v)
-                .out(&mut out.buf)
-                .arg(&row0)
-                .arg(positions)
-                .arg(&slots)
-                .arg(&window)
-                .arg(&nh)
-                .arg(&grp)
-                .arg(&hdi);
-            b.arg(&scale)
-                .arg(&qout)
-                .arg(&qkind)
-                .out(&mut kv.parts)
-                .out(&mut kv.tickets)
-                .arg(&max_chunks);
-            self.launch(b, cfg);
+            let args = AttentionSplitArgs {
+                q: In::of(&q.buf, &self.stream),
+                kc: In::of(&l.k, &self.stream),
+                vc: In::of(&l.v, &self.stream),
+                out: Out::of(&mut out.buf, &self.stream),
+                row0,
+                positions: In::of(positions, &self.stream),
+                slots,
+                window,
+                n_head: nh,
+                group: grp,
+                head_dim: hdi,
+                scale,
+                qout: Out::addr(qout),
+                qkind,
+                parts: Out::of(&mut kv.parts, &self.stream),
+                tickets: Out::of(&mut kv.tickets, &self.stream),
+                max_chunks,
+            };
+            self.launch(&self.k().attention.0, &args, cfg);
             return;
         }
         let cfg = LaunchConfig {
@@ -855,21 +877,22 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let rows = n as i32;
-        let mut b = Args::new(&self.k().attention.1, &self.stream);
-        b.arg(&q.buf)
-            .arg(&l.k)
-            .arg(&l.v)
-            .out(&mut out.buf)
-            .arg(&row0)
-            .arg(positions)
-            .arg(&rows)
-            .arg(&slots)
-            .arg(&window)
-            .arg(&nh)
-            .arg(&grp)
-            .arg(&hdi)
-            .arg(&scale);
-        self.launch(b, cfg);
+        let args = AttentionArgs {
+            q: In::of(&q.buf, &self.stream),
+            kc: In::of(&l.k, &self.stream),
+            vc: In::of(&l.v, &self.stream),
+            out: Out::of(&mut out.buf, &self.stream),
+            row0,
+            positions: In::of(positions, &self.stream),
+            rows,
+            slots,
+            window,
+            n_head: nh,
+            group: grp,
+            head_dim: hdi,
+            scale,
+        };
+        self.launch(&self.k().attention.1, &args, cfg);
     }
 
     /// The products of a batch of `tokens` through cuBLAS, where they go there.
@@ -921,9 +944,14 @@ impl CudaBackend {
                     block_dim: (THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut b = Args::new(&self.k().dequantize, &self.stream);
-                b.arg(&ty).arg(&src).out(dq).arg(&cols).arg(&rb);
-                self.launch(b, cfg);
+                let args = DequantizeArgs {
+                    ty,
+                    w: In::addr(src),
+                    out: Out::of(dq, &self.stream),
+                    cols,
+                    row_bytes: rb,
+                };
+                self.launch(&self.k().dequantize, &args, cfg);
                 let done = gemm.product(
                     dq,
                     n,
@@ -998,13 +1026,16 @@ impl CudaBackend {
             block_dim: (1024, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = Args::new(glu, &self.stream);
-        b.arg(&g.data)
-            .arg(&u.data)
-            .arg(acts.buf.as_ref().expect("reserved"))
-            .out(gated.buf.as_mut().expect("reserved"));
-        b.arg(&nb).arg(&kind).arg(&act);
-        self.launch(b, cfg);
+        let args = MatvecGluArgs {
+            wg: In::of(&g.data, &self.stream),
+            wu: In::of(&u.data, &self.stream),
+            a: In::of(acts.buf.as_ref().expect("reserved"), &self.stream),
+            out: Out::of(gated.buf.as_mut().expect("reserved"), &self.stream),
+            nb,
+            kind,
+            act,
+        };
+        self.launch(glu, &args, cfg);
         drop(acts);
         drop(gated);
         let down = |out: &mut GpuTensor, add_to: Option<&mut GpuTensor>| {
@@ -1029,11 +1060,13 @@ impl CudaBackend {
         }
     }
 
-    fn launch(&self, b: Args<'_>, cfg: LaunchConfig) {
-        // SAFETY: each kernel's arguments match its signature in astra.cu, and the grid
-        // covers exactly the elements it writes.
+    /// Launches `f` with `args` (the argument struct its kernel takes) over `cfg`.
+    fn launch<A: KernelArgs>(&self, f: &CudaFunction, args: &A, cfg: LaunchConfig) {
+        // SAFETY: `A` is the argument struct `f` takes (astra.cu declares each kernel
+        // with its struct from the prelude), and the grid covers exactly the elements
+        // it writes.
         let dependent = self.k_graph.is_some() && self.capturing.load(Ordering::Relaxed);
-        let result = unsafe { b.launch(cfg, dependent) };
+        let result = unsafe { launch::launch(f, &self.stream, args, cfg, dependent) };
         if let Err(e) = result {
             if !self.capturing.load(Ordering::Relaxed) {
                 return self.fail("kernel launch", e);
@@ -1330,16 +1363,17 @@ impl Backend for CudaBackend {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = Args::new(&self.k().embed, &self.stream);
-        b.arg(&ty)
-            .arg(&table.data)
-            .arg(ids)
-            .out(&mut out.buf)
-            .arg(&cols)
-            .arg(&row_bytes)
-            .arg(&s)
-            .arg(&scaled);
-        self.launch(b, cfg);
+        let args = EmbedArgs {
+            ty,
+            table: In::of(&table.data, &self.stream),
+            tokens: In::of(ids, &self.stream),
+            out: Out::of(&mut out.buf, &self.stream),
+            cols,
+            row_bytes,
+            scale: s,
+            scaled,
+        };
+        self.launch(&self.k().embed, &args, cfg);
     }
 
     fn gather(&self, x: &GpuTensor, rows: &[usize]) -> Result<GpuTensor, EngineError> {
@@ -1352,9 +1386,13 @@ impl Backend for CudaBackend {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = Args::new(&self.k().gather, &self.stream);
-        b.arg(&x.buf).arg(&idx).out(&mut out.buf).arg(&width);
-        self.launch(b, cfg);
+        let args = GatherArgs {
+            x: In::of(&x.buf, &self.stream),
+            rows: In::of(&idx, &self.stream),
+            out: Out::of(&mut out.buf, &self.stream),
+            width,
+        };
+        self.launch(&self.k().gather, &args, cfg);
         Ok(out)
     }
 
@@ -1365,9 +1403,14 @@ impl Backend for CudaBackend {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = Args::new(&self.k().rms_norm, &self.stream);
-        b.arg(&x.buf).arg(w).out(&mut out.buf).arg(&n).arg(&eps);
-        self.launch(b, cfg);
+        let args = RmsNormArgs {
+            x: In::of(&x.buf, &self.stream),
+            w: In::of(w, &self.stream),
+            out: Out::of(&mut out.buf, &self.stream),
+            n,
+            eps,
+        };
+        self.launch(&self.k().rms_norm, &args, cfg);
     }
 
     fn rms_norm_groups(&self, x: &mut GpuTensor, w: &CudaSlice<f32>, eps: f32) {
@@ -1377,9 +1420,13 @@ impl Backend for CudaBackend {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = Args::new(&self.k().rms_norm_inplace, &self.stream);
-        b.out(&mut x.buf).arg(w).arg(&n).arg(&eps);
-        self.launch(b, cfg);
+        let args = RmsNormInplaceArgs {
+            x: Out::of(&mut x.buf, &self.stream),
+            w: In::of(w, &self.stream),
+            n,
+            eps,
+        };
+        self.launch(&self.k().rms_norm_inplace, &args, cfg);
     }
 
     fn matmul(&self, x: &GpuTensor, outs: &mut [(&GpuMatrix, &mut GpuTensor)]) {
@@ -1456,9 +1503,14 @@ impl Backend for CudaBackend {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = Args::new(&self.k().rms_norm_add, &self.stream);
-        b.arg(&o.buf).arg(w).out(&mut x.buf).arg(&n).arg(&eps);
-        self.launch(b, cfg);
+        let args = RmsNormAddArgs {
+            o: In::of(&o.buf, &self.stream),
+            w: In::of(w, &self.stream),
+            x: Out::of(&mut x.buf, &self.stream),
+            n,
+            eps,
+        };
+        self.launch(&self.k().rms_norm_add, &args, cfg);
     }
 
     fn prepare_attention(
@@ -1504,23 +1556,26 @@ impl Backend for CudaBackend {
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = Args::new(&self.k().qk_rope, &self.stream);
-        b.out(&mut q.buf)
-            .out(&mut k.buf)
-            .arg(&v.buf)
-            .arg(&qn)
-            .arg(&kn)
-            .arg(positions);
-        b.arg(&n_q)
-            .arg(&n_k)
-            .arg(&hdi)
-            .arg(&dims)
-            .arg(&theta_scale)
-            .arg(&neox)
-            .arg(&eps)
-            .arg(&qs);
-        b.arg(&kc).arg(&vc).arg(&slots);
-        self.launch(b, cfg);
+        let args = QkRopeArgs {
+            q: Out::of(&mut q.buf, &self.stream),
+            k: Out::of(&mut k.buf, &self.stream),
+            v: In::of(&v.buf, &self.stream),
+            q_norm: In::addr(qn),
+            k_norm: In::addr(kn),
+            positions: In::of(positions, &self.stream),
+            n_q,
+            n_k,
+            head_dim: hdi,
+            dims,
+            theta_scale,
+            neox,
+            eps,
+            q_scale: qs,
+            kc: Out::addr(kc),
+            vc: Out::addr(vc),
+            slots,
+        };
+        self.launch(&self.k().qk_rope, &args, cfg);
         if store.is_none() {
             self.kv_store(layer, seqs, positions, k, v);
         }
@@ -1550,37 +1605,48 @@ impl Backend for CudaBackend {
             block_dim: ((r.dims / 2) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = Args::new(&self.k().rope, &self.stream);
-        b.out(&mut x.buf)
-            .arg(pos)
-            .arg(&width)
-            .arg(&hd)
-            .arg(&dims)
-            .arg(&theta_scale)
-            .arg(&neox);
-        self.launch(b, cfg);
+        let args = RopeArgs {
+            x: Out::of(&mut x.buf, &self.stream),
+            positions: In::of(pos, &self.stream),
+            width,
+            head_dim: hd,
+            dims,
+            theta_scale,
+            neox,
+        };
+        self.launch(&self.k().rope, &args, cfg);
     }
 
     fn scale(&self, x: &mut GpuTensor, s: f32) {
         let n = (x.rows * x.width) as i64;
-        let mut b = Args::new(&self.k().scale, &self.stream);
-        b.out(&mut x.buf).arg(&n).arg(&s);
-        self.launch(b, grid_for(n as usize));
+        let args = ScaleArgs {
+            x: Out::of(&mut x.buf, &self.stream),
+            n,
+            s,
+        };
+        self.launch(&self.k().scale, &args, grid_for(n as usize));
     }
 
     fn add(&self, x: &mut GpuTensor, y: &GpuTensor) {
         let n = (x.rows * x.width) as i64;
-        let mut b = Args::new(&self.k().add, &self.stream);
-        b.out(&mut x.buf).arg(&y.buf).arg(&n);
-        self.launch(b, grid_for(n as usize));
+        let args = AddArgs {
+            x: Out::of(&mut x.buf, &self.stream),
+            y: In::of(&y.buf, &self.stream),
+            n,
+        };
+        self.launch(&self.k().add, &args, grid_for(n as usize));
     }
 
     fn glu(&self, gate: &mut GpuTensor, up: &GpuTensor, act: Activation) {
         let n = (gate.rows * gate.width) as i64;
         let a = glu_code(act);
-        let mut b = Args::new(&self.k().glu, &self.stream);
-        b.out(&mut gate.buf).arg(&up.buf).arg(&n).arg(&a);
-        self.launch(b, grid_for(n as usize));
+        let args = GluArgs {
+            gate: Out::of(&mut gate.buf, &self.stream),
+            up: In::of(&up.buf, &self.stream),
+            n,
+            act: a,
+        };
+        self.launch(&self.k().glu, &args, grid_for(n as usize));
     }
 
     fn kv_store(
@@ -1603,17 +1669,18 @@ impl Backend for CudaBackend {
                 shared_mem_bytes: 0,
             };
             let (kd, hdi) = (kv_dim as i32, hd as i32);
-            let mut b = Args::new(&self.k().kv_store, &self.stream);
-            b.arg(&k.buf)
-                .arg(&v.buf)
-                .out(&mut l.k)
-                .out(&mut l.v)
-                .arg(&row0)
-                .arg(positions)
-                .arg(&slots)
-                .arg(&kd)
-                .arg(&hdi);
-            self.launch(b, cfg);
+            let args = KvStoreArgs {
+                k: In::of(&k.buf, &self.stream),
+                v: In::of(&v.buf, &self.stream),
+                kc: Out::of(&mut l.k, &self.stream),
+                vc: Out::of(&mut l.v, &self.stream),
+                row0,
+                positions: In::of(positions, &self.stream),
+                slots,
+                kv_dim: kd,
+                head_dim: hdi,
+            };
+            self.launch(&self.k().kv_store, &args, cfg);
         }
     }
 

@@ -74,7 +74,8 @@ pub fn glu_code(act: Activation) -> i32 {
         .expect("every activation has a code") as i32
 }
 
-/// The `#define`s every kernel source is compiled with: the constants and codes above.
+/// What every kernel source is compiled after: `#define`s of the constants and codes
+/// above, and the kernels' argument structs ([`crate::args`]).
 pub fn prelude() -> String {
     let mut defines: Vec<(String, i64)> = [
         ("Q8K_BYTES", Q8K_BYTES),
@@ -104,10 +105,11 @@ pub fn prelude() -> String {
             .iter()
             .map(|&(n, a)| (n.to_owned(), glu_code(a) as i64)),
     );
-    let mut out = String::from("// Generated from astra-cuda's src/shared.rs.\n");
+    let mut out = String::from("// Generated from astra-cuda's src/shared.rs and src/args.rs.\n");
     for (name, value) in defines {
         out.push_str(&format!("#define {name} {value}\n"));
     }
+    out.push_str(&crate::args::c_declarations());
     out
 }
 
