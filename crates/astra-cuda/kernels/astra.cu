@@ -1323,6 +1323,43 @@ extern "C" __global__ void gather(const GatherArgs kargs) { UNPACK_GatherArgs(ka
     if (k < width) out[(long)i * width + k] = x[(long)rows[i] * width + k];
 }
 
+// out row rows[i] = x row i (gather's inverse).
+extern "C" __global__ void scatter(const ScatterArgs kargs) { UNPACK_ScatterArgs(kargs)
+    PDL_START
+    int k = blockIdx.x * blockDim.x + threadIdx.x;
+    int i = blockIdx.y;
+    if (k < width) out[(long)rows[i] * width + k] = x[(long)i * width + k];
+}
+
+// x row i *= s[i].
+extern "C" __global__ void scale_rows(const ScaleRowsArgs kargs) { UNPACK_ScaleRowsArgs(kargs)
+    PDL_START
+    int k = blockIdx.x * blockDim.x + threadIdx.x;
+    int i = blockIdx.y;
+    if (k < width) x[(long)i * width + k] = __fmul_rn(x[(long)i * width + k], s[i]);
+}
+
+// x += b, b one row broadcast over all.
+extern "C" __global__ void add_bias(const AddBiasArgs kargs) { UNPACK_AddBiasArgs(kargs)
+    PDL_START
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = __fadd_rn(x[i], b[i % width]);
+}
+
+// x *= y, element by element.
+extern "C" __global__ void mul(const MulArgs kargs) { UNPACK_MulArgs(kargs)
+    PDL_START
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = __fmul_rn(x[i], y[i]);
+}
+
+// x = tanh(x).
+extern "C" __global__ void tanh_inplace(const TanhArgs kargs) { UNPACK_TanhArgs(kargs)
+    PDL_START
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = tanhf(x[i]);
+}
+
 // ---------------------------------------------------------------------------------
 // KV cache and attention. A layer's cache is (kv_head, slot, head_dim) in f16; position
 // p lives in slot p % slots (a ring for sliding-window layers).

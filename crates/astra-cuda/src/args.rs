@@ -197,6 +197,16 @@ kernel_args! {
     GluArgs { gate: Out<f32>, up: In<f32>, n: i64, act: i32 }
     /// `gather`.
     GatherArgs { x: In<f32>, rows: In<u32>, out: Out<f32>, width: i32 }
+    /// `scatter`.
+    ScatterArgs { x: In<f32>, rows: In<u32>, out: Out<f32>, width: i32 }
+    /// `scale_rows`.
+    ScaleRowsArgs { x: Out<f32>, s: In<f32>, width: i32 }
+    /// `add_bias`.
+    AddBiasArgs { x: Out<f32>, b: In<f32>, n: i64, width: i64 }
+    /// `mul`.
+    MulArgs { x: Out<f32>, y: In<f32>, n: i64 }
+    /// `tanh_inplace`.
+    TanhArgs { x: Out<f32>, n: i64 }
     /// `kv_store`.
     KvStoreArgs {
         k: In<f32>, v: In<f32>, kc: Out<u16>, vc: Out<u16>, row0: i32, positions: In<u32>,

@@ -65,6 +65,11 @@ struct Kernels {
     add: CudaFunction,
     glu: CudaFunction,
     gather: CudaFunction,
+    scatter: CudaFunction,
+    scale_rows: CudaFunction,
+    add_bias: CudaFunction,
+    mul: CudaFunction,
+    tanh: CudaFunction,
     kv_store: CudaFunction,
     /// Attention of a decode row with its chunks spread over CTAs, and of four query
     /// rows per CTA (prefill).
@@ -140,6 +145,11 @@ impl Kernels {
             add: f("add")?,
             glu: f("glu")?,
             gather: f("gather")?,
+            scatter: f("scatter")?,
+            scale_rows: f("scale_rows")?,
+            add_bias: f("add_bias")?,
+            mul: f("mul")?,
+            tanh: f("tanh_inplace")?,
             kv_store: f("kv_store")?,
             attention: (f("attention_split")?, f("attention_4")?),
             _module: Arc::clone(&module),
@@ -394,6 +404,16 @@ const THREADS: u32 = 256;
 fn grid_for(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((n as u32).div_ceil(THREADS), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A thread per value of `rows` rows of `width`: blocks along the row, a grid row per
+/// row.
+fn rows_grid(width: usize, rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((width as u32).div_ceil(THREADS), rows as u32, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -1381,11 +1401,7 @@ impl Backend for CudaBackend {
         let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         let idx = self.upload(&idx)?;
         let width = x.width as i32;
-        let cfg = LaunchConfig {
-            grid_dim: ((x.width as u32).div_ceil(THREADS), rows.len() as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = rows_grid(x.width, rows.len());
         let args = GatherArgs {
             x: In::of(&x.buf, &self.stream),
             rows: In::of(&idx, &self.stream),
@@ -1647,6 +1663,70 @@ impl Backend for CudaBackend {
             act: a,
         };
         self.launch(&self.k().glu, &args, grid_for(n as usize));
+    }
+
+    fn add_bias(&self, x: &mut GpuTensor, b: &CudaSlice<f32>) {
+        let n = (x.rows * x.width) as i64;
+        let args = AddBiasArgs {
+            x: Out::of(&mut x.buf, &self.stream),
+            b: In::of(b, &self.stream),
+            n,
+            width: x.width as i64,
+        };
+        self.launch(&self.k().add_bias, &args, grid_for(n as usize));
+    }
+
+    fn mul(&self, x: &mut GpuTensor, y: &GpuTensor) {
+        let n = (x.rows * x.width) as i64;
+        let args = MulArgs {
+            x: Out::of(&mut x.buf, &self.stream),
+            y: In::of(&y.buf, &self.stream),
+            n,
+        };
+        self.launch(&self.k().mul, &args, grid_for(n as usize));
+    }
+
+    fn tanh(&self, x: &mut GpuTensor) {
+        let n = (x.rows * x.width) as i64;
+        let args = TanhArgs {
+            x: Out::of(&mut x.buf, &self.stream),
+            n,
+        };
+        self.launch(&self.k().tanh, &args, grid_for(n as usize));
+    }
+
+    fn scale_rows(&self, x: &mut GpuTensor, s: &[f32]) {
+        if x.rows == 0 {
+            return;
+        }
+        let s = match self.upload(s) {
+            Ok(s) => s,
+            Err(e) => return self.fail("row scales", e),
+        };
+        let args = ScaleRowsArgs {
+            x: Out::of(&mut x.buf, &self.stream),
+            s: In::of(&s, &self.stream),
+            width: x.width as i32,
+        };
+        self.launch(&self.k().scale_rows, &args, rows_grid(x.width, x.rows));
+    }
+
+    fn scatter(&self, src: &GpuTensor, rows: &[usize], dst: &mut GpuTensor) {
+        if rows.is_empty() {
+            return;
+        }
+        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let idx = match self.upload(&idx) {
+            Ok(i) => i,
+            Err(e) => return self.fail("scatter rows", e),
+        };
+        let args = ScatterArgs {
+            x: In::of(&src.buf, &self.stream),
+            rows: In::of(&idx, &self.stream),
+            out: Out::of(&mut dst.buf, &self.stream),
+            width: dst.width as i32,
+        };
+        self.launch(&self.k().scatter, &args, rows_grid(dst.width, rows.len()));
     }
 
     fn kv_store(

@@ -182,6 +182,121 @@ pub struct SeqRows<'a, K> {
     pub pos: usize,
 }
 
+/// How a mixture-of-experts router's scores pick a row's experts and weigh them
+/// ([`Backend::route`]): a softmax over the `experts` scores, the `k` most probable
+/// experts, their probabilities as weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gating {
+    /// Experts a router scores (its rows' width).
+    pub experts: usize,
+    /// Experts each row uses.
+    pub k: usize,
+    /// Divide the chosen weights by their sum (llama.cpp's `expert_weights_norm`).
+    pub renormalize: bool,
+}
+
+/// The smallest sum renormalized weights are divided by (2⁻¹⁴), as llama.cpp clamps it.
+const MIN_WEIGHT_SUM: f32 = 1.0 / 16384.0;
+
+/// A batch's routing, on the host: row `r`'s `j`-th expert is `experts[r·k + j]`, its
+/// weight `weights[r·k + j]`, the `k` in descending weight order. Slot `r·k + j` names
+/// that pair; the routed products ([`Backend::routed_matmul`]) write a row per slot.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routes {
+    pub k: usize,
+    pub experts: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+impl Routes {
+    /// Each row of `scores` (`gating.experts` wide) routed as `gating` says: the softmax
+    /// as ggml computes it (the maximum subtracted, the exponentials summed in f64, each
+    /// scaled by the sum's f32 reciprocal), ties to the lower expert.
+    pub fn from_scores(scores: &[f32], gating: Gating) -> Result<Routes, EngineError> {
+        let Gating {
+            experts: n,
+            k,
+            renormalize,
+        } = gating;
+        if k == 0 || k > n || !scores.len().is_multiple_of(n) {
+            return Err(EngineError::Invalid(format!(
+                "routing {} scores to {k} of {n} experts",
+                scores.len()
+            )));
+        }
+        let rows = scores.len() / n;
+        let (mut experts, mut weights) =
+            (Vec::with_capacity(rows * k), Vec::with_capacity(rows * k));
+        let mut probs = vec![0.0f32; n];
+        let mut order: Vec<u32> = Vec::with_capacity(n);
+        for row in scores.chunks_exact(n) {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0f64;
+            for (p, &s) in probs.iter_mut().zip(row) {
+                *p = (s - max).exp();
+                sum += *p as f64;
+            }
+            let inv = (1.0 / sum) as f32;
+            probs.iter_mut().for_each(|p| *p *= inv);
+            order.clear();
+            order.extend(0..n as u32);
+            // Stable: equal probabilities keep the lower expert first.
+            order.sort_by(|&a, &b| probs[b as usize].total_cmp(&probs[a as usize]));
+            let chosen = &order[..k];
+            let scale = if renormalize {
+                let s = chosen
+                    .iter()
+                    .map(|&e| probs[e as usize] as f64)
+                    .sum::<f64>() as f32;
+                Some(s.max(MIN_WEIGHT_SUM))
+            } else {
+                None
+            };
+            for &e in chosen {
+                experts.push(e);
+                let w = probs[e as usize];
+                weights.push(scale.map_or(w, |s| w / s));
+            }
+        }
+        Ok(Routes {
+            k,
+            experts,
+            weights,
+        })
+    }
+
+    /// Rows routed.
+    pub fn rows(&self) -> usize {
+        self.experts.len() / self.k.max(1)
+    }
+
+    /// Each expert used, ascending, with its slots, ascending.
+    pub fn by_expert(&self) -> Vec<(usize, Vec<usize>)> {
+        let mut slots: Vec<(u32, usize)> = self
+            .experts
+            .iter()
+            .enumerate()
+            .map(|(s, &e)| (e, s))
+            .collect();
+        slots.sort_unstable();
+        let mut out: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (e, s) in slots {
+            match out.last_mut() {
+                Some((last, v)) if *last == e as usize => v.push(s),
+                _ => out.push((e as usize, vec![s])),
+            }
+        }
+        out
+    }
+}
+
+/// A 3-D weight tensor: `matrices.len()` experts, each `rows × cols`.
+pub struct Experts<M> {
+    pub rows: usize,
+    pub cols: usize,
+    pub matrices: Vec<M>,
+}
+
 pub trait Backend: Send + Sync + Sized + 'static {
     /// Activations on the device: `rows × width` f32.
     type Tensor: Send;
@@ -265,6 +380,17 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor);
     /// `gate = act(gate) · up`.
     fn glu(&self, gate: &mut Self::Tensor, up: &Self::Tensor, act: Activation);
+    /// `x += b` for each row (a projection's bias).
+    fn add_bias(&self, x: &mut Self::Tensor, b: &Self::Vector);
+    /// `x ⊙= y`, element by element.
+    fn mul(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+    /// `x = tanh(x)`, element by element.
+    fn tanh(&self, x: &mut Self::Tensor);
+    /// Row `i` of `x` times `s[i]`.
+    fn scale_rows(&self, x: &mut Self::Tensor, s: &[f32]);
+    /// Row `rows[i]` of `dst` overwritten by row `i` of `src`: [`Backend::gather`]'s
+    /// inverse.
+    fn scatter(&self, src: &Self::Tensor, rows: &[usize], dst: &mut Self::Tensor);
     /// Stores each sequence's keys and values of `layer` (rows of `k`, `v`) in its cache.
     /// `positions` holds every row's position (for a sequence's rows `pos`, `pos + 1`,
     /// …): a backend may read them there rather than from [`SeqRows::pos`], so that a
@@ -320,6 +446,72 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// [`compose_feed_forward`], with the same results.
     fn feed_forward(&self, f: FeedForward<'_, Self>) {
         compose_feed_forward(self, f);
+    }
+
+    /// `x = cap · tanh(x / cap)` (soft-capping of scores and logits).
+    fn softcap(&self, x: &mut Self::Tensor, cap: f32) {
+        self.scale(x, 1.0 / cap);
+        self.tanh(x);
+        self.scale(x, cap);
+    }
+
+    /// The routing of each row of a router's `scores` as `gating` says
+    /// ([`Routes::from_scores`]).
+    fn route(&self, scores: &Self::Tensor, gating: Gating) -> Result<Routes, EngineError> {
+        Routes::from_scores(&self.read(scores)?, gating)
+    }
+
+    /// The routed product (ggml's `mul_mat_id`): `out`'s row for slot `r·k + j` is the
+    /// input row times expert `routes.experts[r·k + j]` of `w`. The input row is `x`'s
+    /// row `r`, or, `per_slot`, its row `r·k + j` (the rows of an earlier routed
+    /// product). Each expert used is read once, for all its rows.
+    fn routed_matmul(
+        &self,
+        x: &Self::Tensor,
+        per_slot: bool,
+        w: &Experts<Self::Matrix>,
+        routes: &Routes,
+        out: &mut Self::Tensor,
+    ) -> Result<(), EngineError> {
+        for (e, slots) in routes.by_expert() {
+            let m = w.matrices.get(e).ok_or_else(|| {
+                EngineError::Invalid(format!("expert {e} of {}", w.matrices.len()))
+            })?;
+            let rows: Vec<usize> = if per_slot {
+                slots.clone()
+            } else {
+                slots.iter().map(|s| s / routes.k).collect()
+            };
+            let xe = self.gather(x, &rows)?;
+            let mut ye = self.tensor(rows.len(), w.rows)?;
+            self.matmul(&xe, &mut [(m, &mut ye)]);
+            self.scatter(&ye, &slots, out);
+        }
+        Ok(())
+    }
+
+    /// The routed rows mixed (the end of a mixture-of-experts block): `out`'s row `r` is
+    /// `Σ_j weight(r, j) · y`'s row `r·k + j`, each product rounded, summed in slot
+    /// order.
+    fn mix_experts(
+        &self,
+        y: &Self::Tensor,
+        routes: &Routes,
+        out: &mut Self::Tensor,
+    ) -> Result<(), EngineError> {
+        let (k, rows) = (routes.k, routes.rows());
+        for j in 0..k {
+            let slots: Vec<usize> = (0..rows).map(|r| r * k + j).collect();
+            let mut part = self.gather(y, &slots)?;
+            let weights: Vec<f32> = slots.iter().map(|&s| routes.weights[s]).collect();
+            self.scale_rows(&mut part, &weights);
+            if j == 0 {
+                *out = part;
+            } else {
+                self.add(out, &part);
+            }
+        }
+        Ok(())
     }
 
     /// `x += rms_norm(o) · w` per row (a post-norm and the residual add); `o` may be
@@ -378,5 +570,232 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// stale (a buffer it reads was replaced); record it again then.
     fn replay(&self, _graph: &Self::Graph) -> bool {
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend_parity::{
+        add_expert_tensors, Rng, EXPERTS, EXPERTS_USED, EXPERT_FF, EXPERT_TYPES,
+    };
+    use crate::cpu::CpuBackend;
+    use crate::weights::load_experts;
+    use astra_gguf::GgmlType;
+
+    const W: usize = 7;
+
+    fn close(want: f64, got: f32, rel: f64) -> bool {
+        (want - got as f64).abs() <= rel * want.abs().max(1e-30)
+    }
+
+    #[test]
+    fn elementwise_ops_against_f64() {
+        let be = CpuBackend::new(2);
+        let mut rng = Rng(7);
+        let (x, y, b) = (rng.vec(3 * W), rng.vec(3 * W), rng.vec(W));
+        let read = |t: &CpuTensorOf| be.read(t).unwrap();
+        type CpuTensorOf = <CpuBackend as Backend>::Tensor;
+
+        let mut t = be.tensor_from(&x, W).unwrap();
+        be.add_bias(&mut t, &be.vector(&b).unwrap());
+        be.mul(&mut t, &be.tensor_from(&y, W).unwrap());
+        for (i, got) in read(&t).into_iter().enumerate() {
+            // One rounding per operation: the f64 result of each, rounded to f32.
+            let sum = (x[i] as f64 + b[i % W] as f64) as f32;
+            assert_eq!(
+                got,
+                (sum as f64 * y[i] as f64) as f32,
+                "add_bias, mul at {i}"
+            );
+        }
+
+        let mut t = be.tensor_from(&x, W).unwrap();
+        be.softcap(&mut t, 0.3);
+        for (i, got) in read(&t).into_iter().enumerate() {
+            let want = 0.3 * (x[i] as f64 / 0.3).tanh();
+            assert!(
+                close(want, got, 1e-6),
+                "softcap at {i}: {got} against {want}"
+            );
+        }
+
+        let mut t = be.tensor_from(&x, W).unwrap();
+        be.scale_rows(&mut t, &[2.0, -0.5, 0.0]);
+        let mut dst = be.tensor_from(&y, W).unwrap();
+        be.scatter(&t, &[2, 0, 1], &mut dst);
+        let got = read(&dst);
+        let scales = [2.0f32, -0.5, 0.0];
+        for (i, &to) in [2usize, 0, 1].iter().enumerate() {
+            for c in 0..W {
+                assert_eq!(got[to * W + c], x[i * W + c] * scales[i], "row {i} to {to}");
+            }
+        }
+    }
+
+    /// The f64 reference of a routing: softmax, the k most probable, renormalized.
+    fn reference_routes(scores: &[f64], k: usize, renormalize: bool) -> Vec<(usize, f64)> {
+        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        let mut p: Vec<(usize, f64)> = e.iter().map(|v| v / sum).enumerate().collect();
+        p.sort_by(|a, b| b.1.total_cmp(&a.1));
+        p.truncate(k);
+        if renormalize {
+            let s: f64 = p.iter().map(|x| x.1).sum();
+            p.iter_mut().for_each(|x| x.1 /= s);
+        }
+        p
+    }
+
+    #[test]
+    fn routes_against_f64() {
+        let be = CpuBackend::new(1);
+        let mut rng = Rng(11);
+        let (n, rows) = (8, 6);
+        let scores: Vec<f32> = rng.vec(rows * n).iter().map(|v| v * 4.0).collect();
+        for (k, renormalize) in [(1, false), (2, true), (3, false), (8, true)] {
+            let gating = Gating {
+                experts: n,
+                k,
+                renormalize,
+            };
+            let r = be
+                .route(&be.tensor_from(&scores, n).unwrap(), gating)
+                .unwrap();
+            assert_eq!((r.k, r.rows()), (k, rows));
+            for row in 0..rows {
+                let s: Vec<f64> = scores[row * n..][..n].iter().map(|&v| v as f64).collect();
+                for (j, (e, w)) in reference_routes(&s, k, renormalize).into_iter().enumerate() {
+                    assert_eq!(
+                        r.experts[row * k + j] as usize,
+                        e,
+                        "k {k} row {row} slot {j}"
+                    );
+                    let got = r.weights[row * k + j];
+                    assert!(close(w, got, 1e-6), "k {k} row {row}: {got} against {w}");
+                }
+            }
+        }
+        // Equal scores: the lower expert first.
+        let r = Routes::from_scores(
+            &[0.5, 1.0, 1.0, 1.0],
+            Gating {
+                experts: 4,
+                k: 2,
+                renormalize: true,
+            },
+        )
+        .unwrap();
+        assert_eq!((r.experts, r.weights), (vec![1, 2], vec![0.5, 0.5]));
+        for (k, len) in [(0, 4), (5, 4), (2, 6)] {
+            let g = Gating {
+                experts: 4,
+                k,
+                renormalize: false,
+            };
+            assert!(
+                Routes::from_scores(&vec![0.0; len], g).is_err(),
+                "k {k}, {len} scores"
+            );
+        }
+    }
+
+    /// The routed product, row by row: each slot's row is the plain product of its input
+    /// row with its expert, to the bit; the mix is the f64 weighted sum of the slots.
+    #[test]
+    fn routed_products_equal_the_rows_one_at_a_time() {
+        let be = CpuBackend::new(2);
+        let dir = std::env::temp_dir().join(format!("astra-routed-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("experts.gguf");
+        let mut w = astra_gguf::GgufWriter::new();
+        add_expert_tensors(&mut w).unwrap();
+        w.write_file(&path).unwrap();
+        let file = Arc::new(GgufFile::open(&path).unwrap());
+        let mut rng = Rng(3);
+        let (tokens, cols) = (7, crate::backend_parity::COLS);
+        let gating = Gating {
+            experts: EXPERTS,
+            k: EXPERTS_USED,
+            renormalize: false,
+        };
+        let scores = rng.vec(tokens * EXPERTS);
+        let routes = be
+            .route(&be.tensor_from(&scores, EXPERTS).unwrap(), gating)
+            .unwrap();
+        let x = rng.vec(tokens * cols);
+        let xt = be.tensor_from(&x, cols).unwrap();
+        let slots = tokens * EXPERTS_USED;
+        for ty in EXPERT_TYPES {
+            let gate = load_experts(&be, &file, &format!("eg.{}", ty.name())).unwrap();
+            let down = load_experts(&be, &file, &format!("ed.{}", ty.name())).unwrap();
+            assert_eq!(
+                (gate.matrices.len(), gate.rows, gate.cols),
+                (EXPERTS, EXPERT_FF, cols)
+            );
+            let mut g = be.tensor(slots, EXPERT_FF).unwrap();
+            be.routed_matmul(&xt, false, &gate, &routes, &mut g)
+                .unwrap();
+            let mut d = be.tensor(slots, cols).unwrap();
+            be.routed_matmul(&g, true, &down, &routes, &mut d).unwrap();
+            let (g, d) = (be.read(&g).unwrap(), be.read(&d).unwrap());
+            for s in 0..slots {
+                let e = routes.experts[s] as usize;
+                let row = be
+                    .tensor_from(&x[s / EXPERTS_USED * cols..][..cols], cols)
+                    .unwrap();
+                let mut one = be.tensor(1, EXPERT_FF).unwrap();
+                be.matmul(&row, &mut [(&gate.matrices[e], &mut one)]);
+                let one = be.read(&one).unwrap();
+                assert_eq!(one, g[s * EXPERT_FF..][..EXPERT_FF], "{ty:?} gate slot {s}");
+                let mut back = be.tensor(1, cols).unwrap();
+                let one = be.tensor_from(&one, EXPERT_FF).unwrap();
+                be.matmul(&one, &mut [(&down.matrices[e], &mut back)]);
+                assert_eq!(
+                    be.read(&back).unwrap(),
+                    d[s * cols..][..cols],
+                    "{ty:?} down {s}"
+                );
+            }
+            let mut mixed = be.tensor(tokens, cols).unwrap();
+            be.mix_experts(&be.tensor_from(&d, cols).unwrap(), &routes, &mut mixed)
+                .unwrap();
+            for (i, got) in be.read(&mixed).unwrap().into_iter().enumerate() {
+                let (r, c) = (i / cols, i % cols);
+                let want: f64 = (0..EXPERTS_USED)
+                    .map(|j| {
+                        let s = r * EXPERTS_USED + j;
+                        routes.weights[s] as f64 * d[s * cols + c] as f64
+                    })
+                    .sum();
+                assert!(
+                    (want - got as f64).abs() <= 1e-6 * (1.0 + want.abs()),
+                    "mix at {i}"
+                );
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn experts_need_a_three_dimensional_tensor() {
+        let dir = std::env::temp_dir().join(format!("astra-experts-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("flat.gguf");
+        let mut w = astra_gguf::GgufWriter::new();
+        let bytes = astra_quant::parity::random_weights(GgmlType::Q8_0, 4, 64, 1).unwrap();
+        w.add_tensor(
+            "flat",
+            &[64, 4],
+            GgmlType::Q8_0,
+            astra_gguf::TensorSource::Owned(bytes),
+        )
+        .unwrap();
+        w.write_file(&path).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        let err = MatRef::experts(&file, "flat").unwrap_err().to_string();
+        assert!(err.contains("expected three"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -42,7 +42,7 @@ const FFN_DOWN_TYPES: [GgmlType; 2] = [GgmlType::Q4_1, GgmlType::Q8_0];
 /// (256-blocks): gate and up of FFN_K_ROWS rows, the down matrix as wide.
 const FFN_K_TYPES: [GgmlType; 2] = [GgmlType::Q4_K, GgmlType::Q6_K];
 const FFN_K_ROWS: usize = 256;
-const COLS: usize = 512;
+pub(crate) const COLS: usize = 512;
 /// Types and widths (in their blocks) of the long-row product comparison, WIDE_ROWS rows
 /// (an odd count) each. The K-quants: 19 blocks (three CUDA warps to a row, the last
 /// part-filled, in the kernels that hold the activations) and 65 (past the widest rows
@@ -59,6 +59,12 @@ const WIDE: [(GgmlType, usize); 7] = [
     (GgmlType::Q8_0, 130),
 ];
 const WIDE_ROWS: usize = 37;
+/// Expert types of the routed comparison, with its shape: EXPERTS experts of
+/// EXPERT_FF × COLS (gate, up) and COLS × EXPERT_FF (down), EXPERTS_USED per row.
+pub(crate) const EXPERT_TYPES: [GgmlType; 2] = [GgmlType::Q8_0, GgmlType::Q4_K];
+pub(crate) const EXPERTS: usize = 6;
+pub(crate) const EXPERTS_USED: usize = 2;
+pub(crate) const EXPERT_FF: usize = 256;
 /// Batch sizes of the product comparisons: a few tokens, and a batch large enough for
 /// a backend to take another path (the CUDA backend's cuBLAS products).
 pub const BATCHES: [usize; 2] = [3, 64];
@@ -161,6 +167,40 @@ fn add_random(
     Ok(())
 }
 
+/// Random 3-D expert tensors `{prefix}.{type}` (`n` experts of `rows × cols`), one of
+/// each type, seeds from `seed`.
+pub(crate) fn add_random_experts(
+    w: &mut GgufWriter,
+    prefix: &str,
+    types: &[GgmlType],
+    [n, rows, cols]: [usize; 3],
+    seed: u64,
+) -> Result<(), EngineError> {
+    let invalid = |e: &dyn std::fmt::Display| EngineError::Invalid(e.to_string());
+    for (i, ty) in types.iter().enumerate() {
+        // The experts lie one after another: the rows of one taller matrix.
+        let bytes = astra_quant::parity::random_weights(*ty, n * rows, cols, seed + i as u64)
+            .map_err(|e| invalid(&e))?;
+        w.add_tensor(
+            format!("{prefix}.{}", ty.name()),
+            &[cols as u64, rows as u64, n as u64],
+            *ty,
+            TensorSource::Owned(bytes),
+        )
+        .map_err(|e| invalid(&e))?;
+    }
+    Ok(())
+}
+
+/// The expert tensors of the routed comparison: gate (`eg.`), up (`eu.`) and down
+/// (`ed.`) of each of EXPERT_TYPES.
+pub(crate) fn add_expert_tensors(w: &mut GgufWriter) -> Result<(), EngineError> {
+    let up = [EXPERTS, EXPERT_FF, COLS];
+    add_random_experts(w, "eg", &EXPERT_TYPES, up, 900)?;
+    add_random_experts(w, "eu", &EXPERT_TYPES, up, 910)?;
+    add_random_experts(w, "ed", &EXPERT_TYPES, [EXPERTS, COLS, EXPERT_FF], 920)
+}
+
 /// Runs every op on both backends; `dir` receives the random-weight GGUF the matrices
 /// come from.
 pub fn compare<A: Backend, B: Backend>(
@@ -179,6 +219,7 @@ pub fn compare<A: Backend, B: Backend>(
     add_random(&mut w, "wgk", &FFN_K_TYPES, FFN_K_ROWS, COLS, 500)?;
     add_random(&mut w, "wuk", &FFN_K_TYPES, FFN_K_ROWS, COLS, 600)?;
     add_random(&mut w, "wdk", &FFN_K_TYPES, COLS, FFN_K_ROWS, 700)?;
+    add_expert_tensors(&mut w)?;
     for (i, (ty, blocks)) in WIDE.into_iter().enumerate() {
         add_random(
             &mut w,
@@ -258,8 +299,24 @@ pub fn compare<A: Backend, B: Backend>(
     a.scale(&mut sa, 0.37);
     b.scale(&mut sb, 0.37);
     out.push(report("add, scale", &a.read(&sa)?, &b.read(&sb)?));
-    let (ta, tb) = (a.gather(&xa, &[2, 0])?, b.gather(&xb, &[2, 0])?);
+    let (mut ta, mut tb) = (a.gather(&xa, &[2, 0])?, b.gather(&xb, &[2, 0])?);
     out.push(report("gather", &a.read(&ta)?, &b.read(&tb)?));
+    a.scale_rows(&mut ta, &[0.5, -3.0]);
+    b.scale_rows(&mut tb, &[0.5, -3.0]);
+    let (mut sa, mut sb) = (a.tensor_from(&y, COLS)?, b.tensor_from(&y, COLS)?);
+    a.scatter(&ta, &[1, 2], &mut sa);
+    b.scatter(&tb, &[1, 2], &mut sb);
+    out.push(report("scale_rows, scatter", &a.read(&sa)?, &b.read(&sb)?));
+    let (mut sa, mut sb) = (a.tensor_from(&x, COLS)?, b.tensor_from(&x, COLS)?);
+    a.add_bias(&mut sa, &wa);
+    b.add_bias(&mut sb, &wb);
+    a.mul(&mut sa, &ya);
+    b.mul(&mut sb, &yb);
+    out.push(report("add_bias, mul", &a.read(&sa)?, &b.read(&sb)?));
+    a.softcap(&mut sa, 0.6);
+    b.softcap(&mut sb, 0.6);
+    out.push(report("softcap", &a.read(&sa)?, &b.read(&sb)?));
+    out.extend(compare_routed(a, b, &file, &mut rng)?);
     // Heads of 64, 128 and 256 elements (one, two and four CUDA threads per key), two or
     // four query heads to a KV head.
     for (head_dim, n_head_kv) in [(64, 2), (128, 2), (256, 2), (256, 1)] {
@@ -410,6 +467,73 @@ fn compare_products<A: Backend, B: Backend>(
                 &b.read(&eb)?,
             ));
         }
+    }
+    Ok(out)
+}
+
+/// A mixture-of-experts feed-forward of each expert type: a router's scores routed,
+/// the gate and up products routed, gated, the down product routed per slot, the
+/// slots mixed.
+fn compare_routed<A: Backend, B: Backend>(
+    a: &A,
+    b: &B,
+    file: &Arc<GgufFile>,
+    rng: &mut Rng,
+) -> Result<Vec<OpReport>, EngineError> {
+    let tokens = 5;
+    let gating = crate::backend::Gating {
+        experts: EXPERTS,
+        k: EXPERTS_USED,
+        renormalize: true,
+    };
+    let scores = rng.vec(tokens * EXPERTS);
+    let ra = a.route(&a.tensor_from(&scores, EXPERTS)?, gating)?;
+    let rb = b.route(&b.tensor_from(&scores, EXPERTS)?, gating)?;
+    let mut out = vec![report("route", &ra.weights, &rb.weights)];
+    if ra.experts != rb.experts {
+        out.push(OpReport {
+            op: "route: experts chosen".into(),
+            rel_l2: f64::INFINITY,
+            max_abs: f64::INFINITY,
+            outputs: rb.weights.clone(),
+        });
+    }
+    let x = rng.vec(tokens * COLS);
+    let (xa, xb) = (a.tensor_from(&x, COLS)?, b.tensor_from(&x, COLS)?);
+    let slots = tokens * EXPERTS_USED;
+    for ty in EXPERT_TYPES {
+        let load = |p: &str| {
+            let name = format!("{p}.{}", ty.name());
+            Ok::<_, EngineError>((
+                crate::weights::load_experts(a, file, &name)?,
+                crate::weights::load_experts(b, file, &name)?,
+            ))
+        };
+        let ((ga, gb), (ua, ub), (da, db)) = (load("eg")?, load("eu")?, load("ed")?);
+        let (mut gta, mut gtb) = (a.tensor(slots, EXPERT_FF)?, b.tensor(slots, EXPERT_FF)?);
+        let (mut uta, mut utb) = (a.tensor(slots, EXPERT_FF)?, b.tensor(slots, EXPERT_FF)?);
+        a.routed_matmul(&xa, false, &ga, &ra, &mut gta)?;
+        b.routed_matmul(&xb, false, &gb, &ra, &mut gtb)?;
+        out.push(report(
+            format!("routed matmul {}", ty.name()),
+            &a.read(&gta)?,
+            &b.read(&gtb)?,
+        ));
+        a.routed_matmul(&xa, false, &ua, &ra, &mut uta)?;
+        b.routed_matmul(&xb, false, &ub, &ra, &mut utb)?;
+        a.glu(&mut gta, &uta, Activation::Silu);
+        b.glu(&mut gtb, &utb, Activation::Silu);
+        let (mut dta, mut dtb) = (a.tensor(slots, COLS)?, b.tensor(slots, COLS)?);
+        a.routed_matmul(&gta, true, &da, &ra, &mut dta)?;
+        b.routed_matmul(&gtb, true, &db, &ra, &mut dtb)?;
+        let (mut ma, mut mb) = (a.tensor(tokens, COLS)?, b.tensor(tokens, COLS)?);
+        a.mix_experts(&dta, &ra, &mut ma)?;
+        b.mix_experts(&dtb, &ra, &mut mb)?;
+        out.push(report(
+            format!("routed feed-forward {}", ty.name()),
+            &a.read(&ma)?,
+            &b.read(&mb)?,
+        ));
     }
     Ok(out)
 }

@@ -395,6 +395,33 @@ impl Backend for CpuBackend {
         (self.ops().glu)(&mut gate.data, &up.data, gate.width, act);
     }
 
+    fn add_bias(&self, x: &mut CpuTensor, b: &Vec<f32>) {
+        for row in x.rows_mut() {
+            add_inplace(row, b);
+        }
+    }
+
+    fn mul(&self, x: &mut CpuTensor, y: &CpuTensor) {
+        x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a *= b);
+    }
+
+    fn tanh(&self, x: &mut CpuTensor) {
+        x.data.iter_mut().for_each(|v| *v = v.tanh());
+    }
+
+    fn scale_rows(&self, x: &mut CpuTensor, s: &[f32]) {
+        for (row, &s) in x.rows_mut().zip(s) {
+            row.iter_mut().for_each(|v| *v *= s);
+        }
+    }
+
+    fn scatter(&self, src: &CpuTensor, rows: &[usize], dst: &mut CpuTensor) {
+        let w = dst.width;
+        for (row, &r) in src.rows().zip(rows) {
+            dst.data[r * w..(r + 1) * w].copy_from_slice(row);
+        }
+    }
+
     fn kv_store(
         &self,
         layer: usize,

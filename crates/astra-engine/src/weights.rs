@@ -9,7 +9,7 @@ use std::sync::Arc;
 use astra_gguf::{GgmlType, GgufFile, TensorInfo};
 use astra_quant::QuantMatrix;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Experts};
 use crate::config::Config;
 use crate::EngineError;
 
@@ -47,12 +47,52 @@ impl MatRef {
                 t.dims
             )));
         }
+        let start = (file.header().data_offset + t.offset) as usize;
+        MatRef::checked(file, name, t.ty, rows, cols, start, t.size as usize)
+    }
+
+    /// The 3-D tensor `name` of `file` (dims `[cols, rows, experts]`, as llama.cpp
+    /// stores a layer's experts) as one `rows × cols` matrix per expert.
+    pub fn experts(file: &GgufFile, name: &str) -> Result<Vec<MatRef>, EngineError> {
+        let t = tensor(file, name)?;
+        let [cols, rows, n] = t.dims[..] else {
+            return Err(EngineError::Invalid(format!(
+                "tensor {name}: dims {:?}, expected three",
+                t.dims
+            )));
+        };
+        // Empty experts would make their count unbounded by the file's size.
+        if cols == 0 || rows == 0 || n == 0 || t.size % n != 0 {
+            return Err(EngineError::Invalid(format!(
+                "tensor {name}: dims {:?} hold no experts",
+                t.dims
+            )));
+        }
+        let start = (file.header().data_offset + t.offset) as usize;
+        let len = (t.size / n) as usize;
+        (0..n as usize)
+            .map(|e| {
+                let at = start + e * len;
+                MatRef::checked(file, name, t.ty, rows as usize, cols as usize, at, len)
+            })
+            .collect()
+    }
+
+    fn checked(
+        file: &GgufFile,
+        name: &str,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<MatRef, EngineError> {
         let m = MatRef {
-            ty: t.ty,
+            ty,
             rows,
             cols,
-            start: (file.header().data_offset + t.offset) as usize,
-            len: t.size as usize,
+            start,
+            len,
         };
         // The reader checked the size against the type; a type with no block layout
         // here is refused now rather than at the first product.
@@ -79,6 +119,29 @@ impl MatRef {
     pub fn byte_range(&self) -> std::ops::Range<usize> {
         self.start..self.start + self.len
     }
+}
+
+/// The experts of the 3-D tensor `name` ([`MatRef::experts`]) on `be`.
+pub fn load_experts<B: Backend>(
+    be: &B,
+    file: &Arc<GgufFile>,
+    name: &str,
+) -> Result<Experts<B::Matrix>, EngineError> {
+    let refs = MatRef::experts(file, name)?;
+    let (rows, cols) = (refs[0].rows, refs[0].cols);
+    let matrices = refs
+        .iter()
+        .map(|m| be.matrix(file, m))
+        .collect::<Result<_, _>>()
+        .map_err(|e| match e {
+            EngineError::Invalid(why) => EngineError::Invalid(format!("tensor {name}: {why}")),
+            other => other,
+        })?;
+    Ok(Experts {
+        rows,
+        cols,
+        matrices,
+    })
 }
 
 fn tensor<'f>(file: &'f GgufFile, name: &str) -> Result<&'f TensorInfo, EngineError> {

@@ -151,6 +151,21 @@ impl Backend for Faulty {
     fn glu(&self, gate: &mut CpuTensor, up: &CpuTensor, act: Activation) {
         self.inner.glu(gate, up, act)
     }
+    fn add_bias(&self, x: &mut CpuTensor, b: &Vec<f32>) {
+        self.inner.add_bias(x, b)
+    }
+    fn mul(&self, x: &mut CpuTensor, y: &CpuTensor) {
+        self.inner.mul(x, y)
+    }
+    fn tanh(&self, x: &mut CpuTensor) {
+        self.inner.tanh(x)
+    }
+    fn scale_rows(&self, x: &mut CpuTensor, s: &[f32]) {
+        self.inner.scale_rows(x, s)
+    }
+    fn scatter(&self, src: &CpuTensor, rows: &[usize], dst: &mut CpuTensor) {
+        self.inner.scatter(src, rows, dst)
+    }
     fn kv_store(
         &self,
         layer: usize,
