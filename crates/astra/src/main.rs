@@ -29,6 +29,8 @@ enum Command {
     Run(cmd::run::Args),
     /// Measure prefill and decode speed.
     Bench(cmd::bench::Args),
+    /// Compare two builds or settings in interleaved runs, with a verdict.
+    Ab(cmd::ab::Args),
     /// Perplexity of a text, as llama-perplexity measures it.
     Perplexity(cmd::perplexity::Args),
     /// Serve the model over an OpenAI-compatible HTTP API.
@@ -46,6 +48,7 @@ fn main() -> std::process::ExitCode {
         Command::Tokenize(args) => cmd::tokenize::run(args),
         Command::Run(args) => cmd::run::run(args),
         Command::Bench(args) => cmd::bench::run(args),
+        Command::Ab(args) => cmd::ab::run(args),
         Command::Perplexity(args) => cmd::perplexity::run(args),
         Command::Serve(args) => cmd::serve::run(args),
         Command::Synth(args) => cmd::synth::run(args),

@@ -490,3 +490,118 @@ fn synth_writes_loadable_models_of_known_shapes() {
         !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("unknown shape")
     );
 }
+
+/// `bench --greedy`: times per repetition, and each sequence's greedy ids, the same on
+/// 1 and 2 threads and whether its sequence is decoded alone or beside another.
+#[test]
+fn bench_greedy_reports_times_and_ids() {
+    let Some(path) = model("smollm2-135m") else {
+        return;
+    };
+    let run = |threads: &str, seqs: &str| {
+        json(&astra(&[
+            "bench", "-m", &path, "-p", "12", "-n", "6", "-s", seqs, "-r", "2", "-t", threads,
+            "--greedy",
+        ]))
+    };
+    let two = run("2", "2");
+    assert_eq!(two["prefill_s"].as_array().unwrap().len(), 2, "{two}");
+    assert!(two["decode_s"][1].as_f64().unwrap() > 0.0, "{two}");
+    let ids = two["tokens"].as_array().unwrap();
+    assert_eq!(ids.len(), 2);
+    assert_eq!(
+        ids[0].as_array().unwrap().len(),
+        7,
+        "the prefill's token and six more"
+    );
+    assert_eq!(run("1", "2")["tokens"], two["tokens"], "thread count");
+    assert_eq!(run("1", "1")["tokens"][0], ids[0], "decoded alone");
+    let out = astra(&["bench", "-m", &path, "-p", "0", "-n", "4", "--greedy"]);
+    assert!(!out.status.success());
+}
+
+/// `astra ab` on two settings of this build that must agree (astra's arithmetic does
+/// not depend on the thread count): the plan names both arms with the binary's
+/// sha256, every pair's ratios are its arms' times, the tokens are identical.
+#[test]
+fn ab_compares_two_settings_in_pairs() {
+    use sha2::Digest;
+    let Some(path) = model("smollm2-135m") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("ab");
+    let out = astra(&[
+        "ab",
+        "-m",
+        &path,
+        "-p",
+        "8,16",
+        "-n",
+        "4",
+        "-s",
+        "2",
+        "--pairs",
+        "3",
+        "--warmup",
+        "1",
+        "--a-args",
+        "-t 1",
+        "--b-args",
+        "-t 2",
+        "--b-env",
+        "ASTRA_AB_TEST=1",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("| p16 n4 d0 × 2 | decode |"), "{table}");
+    let read = |name: &str| -> Value {
+        serde_json::from_slice(&std::fs::read(out_dir.join(name)).unwrap()).unwrap()
+    };
+    let plan = read("plan.json");
+    let bin = std::fs::read(env!("CARGO_BIN_EXE_astra")).unwrap();
+    let sha: String = sha2::Sha256::digest(&bin)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    for arm in ["a", "b"] {
+        assert_eq!(plan["arms"][arm]["sha256"], sha.as_str(), "{plan}");
+    }
+    assert_eq!(plan["arms"]["b"]["args"], serde_json::json!(["-t", "2"]));
+    assert_eq!(plan["arms"]["b"]["env"]["ASTRA_AB_TEST"], "1");
+    assert_eq!(
+        (plan["pairs"].as_u64(), plan["threshold"].as_f64()),
+        (Some(3), Some(0.02))
+    );
+    assert!(plan["machine"]["cores"].as_u64().unwrap() >= 1, "{plan}");
+    let result = read("result.json");
+    assert_eq!(result["identical_tokens"], true, "{result}");
+    let cases = result["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 2);
+    for case in cases {
+        let pairs = case["pairs"].as_array().unwrap();
+        assert_eq!(pairs.len(), 3);
+        assert_eq!(pairs[1]["first"], "B");
+        for p in pairs {
+            let t = |arm: &str, m: &str| p[arm][m].as_f64().unwrap();
+            let ratio = t("b", "prefill_s") / t("a", "prefill_s");
+            assert!((p["prefill_ratio"].as_f64().unwrap() - ratio).abs() < 1e-12);
+            assert_eq!(p["a"]["tokens"], p["b"]["tokens"]);
+        }
+        for m in ["prefill", "decode"] {
+            let v = case["verdict"][m]["verdict"].as_str().unwrap();
+            assert!(["faster", "slower", "inconclusive"].contains(&v), "{case}");
+        }
+        assert!(case["drift"]["a"]["decode"].as_f64().unwrap() > 0.0);
+    }
+    let bad = astra(&["ab", "-m", &path, "--pairs", "0"]);
+    assert!(!bad.status.success());
+    let bad = astra(&["ab", "-m", &path, "--a-env", "NOEQUALS"]);
+    assert!(!bad.status.success());
+}

@@ -41,6 +41,13 @@ pub struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Prefill and decode as a request runs them, for `astra ab`: each sequence's
+    /// prompt of `-p` tokens prefilled (all sequences in one call, timed), then `-n`
+    /// tokens decoded greedily from it, one step for all sequences (timed); JSON with
+    /// the times of each repetition and the ids generated (the first from the prefill's
+    /// logits, then one per decode step).
+    #[arg(long)]
+    greedy: bool,
     #[command(flatten)]
     backend: BackendArgs,
 }
@@ -119,6 +126,9 @@ fn bench<B: Backend>(
             args.depth,
             model.cfg.ctx_train
         );
+    }
+    if args.greedy {
+        return greedy(args, model);
     }
     let ctx = (args.depth + longest + 1).min(model.cfg.ctx_train);
     let vocab = model.cfg.n_vocab;
@@ -232,4 +242,95 @@ fn bench<B: Backend>(
         );
     }
     Ok(())
+}
+
+/// `--greedy`: the prompts prefilled and their greedy continuations decoded, timed.
+fn greedy<B: Backend>(args: &Args, model: &Model<B>) -> Result<()> {
+    if args.n_prompt == 0 {
+        bail!("--greedy needs a prompt (-p of at least 1): the first token comes from its logits");
+    }
+    let needed = args.depth + args.n_prompt + args.n_gen + 1;
+    if needed > model.cfg.ctx_train {
+        bail!(
+            "--depth, -p and -n ({needed} tokens) exceed the model's context of {}",
+            model.cfg.ctx_train
+        );
+    }
+    let vocab = model.cfg.n_vocab;
+    let prompts: Vec<Vec<u32>> = (0..args.sequences as u64)
+        .map(|i| tokens(args.n_prompt, vocab, i + 1))
+        .collect();
+    let run = || -> Result<(f64, f64, Vec<Vec<u32>>)> {
+        let mut sessions = Vec::with_capacity(args.sequences);
+        for i in 0..args.sequences as u64 {
+            let mut s = model.session(needed)?;
+            if args.depth > 0 {
+                model.forward(
+                    &mut s,
+                    &tokens(args.depth, vocab, i ^ 0x5eed),
+                    args.depth - 1,
+                )?;
+            }
+            sessions.push(s);
+        }
+        let t = Instant::now();
+        let mut steps: Vec<Step<'_, B>> = sessions
+            .iter_mut()
+            .zip(&prompts)
+            .map(|(session, p)| Step {
+                session,
+                tokens: p,
+                logits_from: p.len() - 1,
+            })
+            .collect();
+        let logits = model.forward_many(&mut steps)?;
+        let prefill_s = t.elapsed().as_secs_f64();
+        let mut out: Vec<Vec<u32>> = logits.iter().map(|l| vec![argmax(l)]).collect();
+        let t = Instant::now();
+        for _ in 0..args.n_gen {
+            let last: Vec<u32> = out.iter().map(|ids| ids[ids.len() - 1]).collect();
+            let mut steps: Vec<Step<'_, B>> = sessions
+                .iter_mut()
+                .zip(&last)
+                .map(|(session, tok)| Step {
+                    session,
+                    tokens: std::slice::from_ref(tok),
+                    logits_from: 0,
+                })
+                .collect();
+            for (ids, l) in out.iter_mut().zip(model.forward_many(&mut steps)?) {
+                ids.push(argmax(&l));
+            }
+        }
+        Ok((prefill_s, t.elapsed().as_secs_f64(), out))
+    };
+    // One warm-up, not counted.
+    run()?;
+    let (mut prefill, mut decode, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..args.repetitions {
+        let (p, d, t) = run()?;
+        prefill.push(p);
+        decode.push(d);
+        ids = t;
+    }
+    println!(
+        "{}",
+        json!({
+            "backend": model.backend.describe(), "n_prompt": args.n_prompt,
+            "n_gen": args.n_gen, "depth": args.depth, "sequences": args.sequences,
+            "prefill_s": prefill, "decode_s": decode, "tokens": ids,
+        })
+    );
+    Ok(())
+}
+
+/// The index of the largest logit, the lowest of equal ones.
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in logits.iter().enumerate() {
+        if v.total_cmp(&logits[best]).is_gt() {
+            best = i;
+        }
+    }
+    best as u32
 }

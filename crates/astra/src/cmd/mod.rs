@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod ab;
 pub mod backend;
 pub mod bench;
 pub mod inspect;
