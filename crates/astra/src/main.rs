@@ -27,6 +27,8 @@ enum Command {
     Tokenize(cmd::tokenize::Args),
     /// Generate text from one prompt.
     Run(cmd::run::Args),
+    /// Chat with the model in the terminal.
+    Chat(cmd::chat::Args),
     /// Measure prefill and decode speed.
     Bench(cmd::bench::Args),
     /// Compare two builds or settings in interleaved runs, with a verdict.
@@ -47,6 +49,7 @@ fn main() -> std::process::ExitCode {
         Command::Parity(args) => cmd::parity::run(args),
         Command::Tokenize(args) => cmd::tokenize::run(args),
         Command::Run(args) => cmd::run::run(args),
+        Command::Chat(args) => cmd::chat::run(args),
         Command::Bench(args) => cmd::bench::run(args),
         Command::Ab(args) => cmd::ab::run(args),
         Command::Perplexity(args) => cmd::perplexity::run(args),

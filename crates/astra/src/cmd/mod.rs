@@ -3,6 +3,7 @@
 pub mod ab;
 pub mod backend;
 pub mod bench;
+pub mod chat;
 pub mod inspect;
 pub mod parity;
 pub mod parity_layers;

@@ -24,19 +24,8 @@ pub struct Args {
     /// Tokens to generate at most.
     #[arg(short = 'n', long, default_value_t = 128)]
     n_predict: usize,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.8)]
-    temp: f32,
-    #[arg(long, default_value_t = 40)]
-    top_k: usize,
-    #[arg(long, default_value_t = 0.95)]
-    top_p: f32,
-    #[arg(long, default_value_t = 0.05)]
-    min_p: f32,
-    #[arg(long, default_value_t = 1.0)]
-    repeat_penalty: f32,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Worker threads (default: every core).
     #[arg(long, short)]
     threads: Option<usize>,
@@ -54,6 +43,38 @@ pub struct Args {
     stop: Vec<String>,
     #[command(flatten)]
     backend: BackendArgs,
+}
+
+/// The sampler's settings, as `astra run` and `astra chat` take them.
+#[derive(clap::Args, Clone, Copy, Debug)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.8)]
+    temp: f32,
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+impl SamplingArgs {
+    pub fn sampler(&self) -> Sampler {
+        Sampler::new(SamplerConfig {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            seed: self.seed,
+            ..SamplerConfig::default()
+        })
+    }
 }
 
 pub fn default_threads() -> usize {
@@ -104,15 +125,7 @@ fn generate<B: Backend>(args: &Args, model: &Model<B>) -> Result<()> {
             args.n_predict
         );
     }
-    let mut sampler = Sampler::new(SamplerConfig {
-        temperature: args.temp,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repeat_penalty: args.repeat_penalty,
-        seed: args.seed,
-        ..SamplerConfig::default()
-    });
+    let mut sampler = args.sampling.sampler();
     sampler.accept(&ids);
     let mut session = model.session(ctx)?;
     let t0 = Instant::now();
