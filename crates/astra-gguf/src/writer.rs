@@ -9,17 +9,46 @@ use crate::reader::{DEFAULT_ALIGNMENT, MAX_DIMS};
 use crate::types::GgmlType;
 use crate::value::{Array, Metadata, Value};
 
+/// A tensor's bytes made when the file is written: one tensor in memory at a time.
+pub type MakeBytes<'a> = Box<dyn Fn() -> io::Result<Vec<u8>> + 'a>;
+
 /// Where a tensor's bytes come from when the file is written.
 pub enum TensorSource<'a> {
     Bytes(&'a [u8]),
     Owned(Vec<u8>),
+    /// `len` bytes that `make` returns when the tensor is written.
+    Made {
+        len: usize,
+        make: MakeBytes<'a>,
+    },
 }
 
 impl TensorSource<'_> {
-    fn bytes(&self) -> &[u8] {
+    fn len(&self) -> usize {
         match self {
-            TensorSource::Bytes(b) => b,
-            TensorSource::Owned(v) => v,
+            TensorSource::Bytes(b) => b.len(),
+            TensorSource::Owned(v) => v.len(),
+            TensorSource::Made { len, .. } => *len,
+        }
+    }
+
+    fn write(&self, name: &str, out: &mut impl Write) -> io::Result<()> {
+        match self {
+            TensorSource::Bytes(b) => out.write_all(b),
+            TensorSource::Owned(v) => out.write_all(v),
+            TensorSource::Made { len, make } => {
+                let bytes = make()?;
+                if bytes.len() != *len {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!(
+                            "tensor {name:?}: made {} bytes, {len} announced",
+                            bytes.len()
+                        ),
+                    ));
+                }
+                out.write_all(&bytes)
+            }
         }
     }
 }
@@ -69,10 +98,10 @@ impl<'a> GgufWriter<'a> {
         }
         let elems = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
         let expected = elems.and_then(|n| ty.bytes_for(n));
-        if expected != Some(data.bytes().len() as u64) {
+        if expected != Some(data.len() as u64) {
             return Err(invalid(format!(
                 "tensor {name:?}: {} bytes given, {ty} {dims:?} needs {expected:?}",
-                data.bytes().len()
+                data.len()
             )));
         }
         self.tensors.push(PendingTensor {
@@ -117,15 +146,14 @@ impl<'a> GgufWriter<'a> {
             }
             head.extend_from_slice(&t.ty.id().to_le_bytes());
             head.extend_from_slice(&offset.to_le_bytes());
-            offset = (offset + t.data.bytes().len() as u64).next_multiple_of(alignment);
+            offset = (offset + t.data.len() as u64).next_multiple_of(alignment);
         }
         pad_to(&mut head, alignment);
         out.write_all(&head)?;
         let mut written = 0u64;
         for t in &self.tensors {
-            let bytes = t.data.bytes();
-            out.write_all(bytes)?;
-            written += bytes.len() as u64;
+            t.data.write(&t.name, out)?;
+            written += t.data.len() as u64;
             let padded = written.next_multiple_of(alignment);
             out.write_all(&vec![0u8; (padded - written) as usize])?;
             written = padded;
@@ -141,15 +169,20 @@ impl<'a> GgufWriter<'a> {
     }
 
     /// Writes the file at `path` through a temporary file and a rename, so that a
-    /// reader never sees half a file.
+    /// reader never sees half a file; on failure nothing is left behind.
     pub fn write_file(&self, path: &std::path::Path) -> io::Result<()> {
-        let tmp = path.with_extension("gguf.partial");
-        {
+        // Unique to this process: two writers of one path never share a temporary.
+        let tmp = path.with_extension(format!("gguf.partial-{}", std::process::id()));
+        let written = (|| {
             let mut f = io::BufWriter::new(std::fs::File::create(&tmp)?);
             self.write_to(&mut f)?;
             f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+            std::fs::rename(&tmp, path)
+        })();
+        if written.is_err() {
+            let _ = std::fs::remove_file(&tmp);
         }
-        std::fs::rename(&tmp, path)
+        written
     }
 }
 

@@ -22,6 +22,8 @@ pub use iq2s_grid::IQ2S_GRID;
 pub mod matmul;
 pub mod parity;
 pub mod quantize;
+pub mod quantize_k;
+pub mod recipe;
 
 pub use astra_gguf::GgmlType;
 pub use dot::{ActType, Isa, Kernels, VecDotFn};
@@ -111,6 +113,46 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Qua
         other => return Err(QuantError::Unsupported(other)),
     }
     Ok(())
+}
+
+/// The types [`quantize_weights`] writes.
+pub const WEIGHT_TYPES: [GgmlType; 12] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+/// Weights `x` (whole rows) in `ty`, as llama-quantize writes them without an importance
+/// matrix: ggml's reference quantizers, bit for bit.
+pub fn quantize_weights(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>, QuantError> {
+    use blocks::as_blocks_mut as b;
+    match ty {
+        GgmlType::Q8_0 => {
+            let mut out = vec![0u8; row_bytes(ty, x.len())?];
+            quantize_k::quantize_q8_0_ref(x, b(&mut out));
+            Ok(out)
+        }
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
+            let mut out = vec![0u8; row_bytes(ty, x.len())?];
+            match ty {
+                GgmlType::Q4_K => quantize_k::quantize_q4_k_ref(x, b(&mut out)),
+                GgmlType::Q5_K => quantize_k::quantize_q5_k_ref(x, b(&mut out)),
+                _ => quantize_k::quantize_q6_k_ref(x, b(&mut out)),
+            }
+            Ok(out)
+        }
+        _ if WEIGHT_TYPES.contains(&ty) => quantize(ty, x),
+        other => Err(QuantError::Unsupported(other)),
+    }
 }
 
 /// Whether [`quantize`] can produce `ty`.

@@ -37,6 +37,8 @@ enum Command {
     Perplexity(cmd::perplexity::Args),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(cmd::serve::Args),
+    /// Quantize a GGUF file's F32/F16/BF16 tensors as llama-quantize does.
+    Quantize(cmd::quantize::Args),
     /// Write a random-weight GGUF of a known model's shape.
     Synth(cmd::synth::Args),
 }
@@ -54,6 +56,7 @@ fn main() -> std::process::ExitCode {
         Command::Ab(args) => cmd::ab::run(args),
         Command::Perplexity(args) => cmd::perplexity::run(args),
         Command::Serve(args) => cmd::serve::run(args),
+        Command::Quantize(args) => cmd::quantize::run(args),
         Command::Synth(args) => cmd::synth::run(args),
     };
     match result {

@@ -605,3 +605,114 @@ fn ab_compares_two_settings_in_pairs() {
     let bad = astra(&["ab", "-m", &path, "--a-env", "NOEQUALS"]);
     assert!(!bad.status.success());
 }
+
+/// A small F16 llama-like file, with `extra` tensors added.
+fn write_f16_model(path: &std::path::Path, extra: &[(&str, Vec<u64>, astra_gguf::GgmlType)]) {
+    use astra_gguf::{GgmlType, GgufWriter, TensorSource, Value};
+    let mut w = GgufWriter::new();
+    w.set("general.architecture", Value::String("llama".into()));
+    w.set("llama.block_count", Value::U32(1));
+    w.set("general.file_type", Value::U32(1));
+    let mut tensors: Vec<(&str, Vec<u64>, GgmlType)> = vec![
+        ("token_embd.weight", vec![64, 100], GgmlType::F16),
+        ("blk.0.attn_q.weight", vec![64, 64], GgmlType::F16),
+        ("blk.0.attn_norm.weight", vec![64], GgmlType::F32),
+    ];
+    tensors.extend(extra.iter().cloned());
+    for (i, (name, dims, ty)) in tensors.into_iter().enumerate() {
+        let n: u64 = dims.iter().product();
+        let x: Vec<f32> = (0..n)
+            .map(|j| ((j * 7 + i as u64 * 13) % 29) as f32 / 29.0 - 0.5)
+            .collect();
+        let bytes = astra_quant::quantize(ty, &x).unwrap();
+        w.add_tensor(name, &dims, ty, TensorSource::Owned(bytes))
+            .unwrap();
+    }
+    w.write_file(path).unwrap();
+}
+
+/// `astra quantize`: the types and metadata of the result; bad input is one clear line
+/// and leaves no file behind. (The bytes are llama-quantize's: astra-quant's
+/// `quantize_golden` tests.)
+#[test]
+fn quantize_writes_the_types_and_refuses_bad_input() {
+    use astra_gguf::{GgmlType, GgufFile};
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.gguf");
+    write_f16_model(&input, &[]);
+    let out = dir.path().join("out.gguf");
+    let run = |args: &[&str]| astra(&[&["quantize"], args].concat());
+    let ok = run(&[input.to_str().unwrap(), out.to_str().unwrap(), "q8_0"]);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let f = GgufFile::open(&out).unwrap();
+    let ty = |n: &str| f.tensor(n).unwrap().ty;
+    // The tied embedding takes the output's Q6_K, whose block does not divide 64: Q8_0.
+    assert_eq!(
+        (
+            ty("token_embd.weight"),
+            ty("blk.0.attn_q.weight"),
+            ty("blk.0.attn_norm.weight")
+        ),
+        (GgmlType::Q8_0, GgmlType::Q8_0, GgmlType::F32)
+    );
+    assert_eq!(f.metadata().u32("general.file_type").unwrap(), 7);
+    assert_eq!(f.metadata().u32("general.quantization_version").unwrap(), 2);
+    let q = f.tensor("blk.0.attn_q.weight").unwrap();
+    let mut got = vec![0.0f32; 64 * 64];
+    astra_quant::dequantize(q.ty, f.tensor_data(q), &mut got).unwrap();
+    let orig = GgufFile::open(&input).unwrap();
+    let t = orig.tensor("blk.0.attn_q.weight").unwrap();
+    let mut want = vec![0.0f32; 64 * 64];
+    astra_quant::dequantize(t.ty, orig.tensor_data(t), &mut want).unwrap();
+    let err = want
+        .iter()
+        .zip(&got)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(err < 0.5 / 127.0 + 1e-3, "Q8_0 error {err}");
+
+    let left = |name: &str| {
+        let files: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(name))
+            .collect();
+        files
+    };
+    let bad = |args: &[&str], expect: &str, name: &str| {
+        let o = run(args);
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(
+            !o.status.success() && err.contains(expect),
+            "{args:?}: {err}"
+        );
+        assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+        assert!(left(name).is_empty(), "{args:?} left {:?}", left(name));
+    };
+    let i = input.to_str().unwrap();
+    let o2 = dir.path().join("bad.gguf");
+    let o2 = o2.to_str().unwrap();
+    bad(&[i, o2, "q3_xyz"], "unknown type", "bad");
+    let odd = dir.path().join("odd.gguf");
+    write_f16_model(&odd, &[("blk.0.attn_k.weight", vec![40, 8], GgmlType::F16)]);
+    bad(
+        &[odd.to_str().unwrap(), o2, "q4_0"],
+        "not a whole number of Q4_0 blocks",
+        "bad",
+    );
+    let quantized = dir.path().join("quantized.gguf");
+    write_f16_model(
+        &quantized,
+        &[("blk.0.attn_k.weight", vec![64, 8], GgmlType::Q8_0)],
+    );
+    bad(
+        &[quantized.to_str().unwrap(), o2, "q4_0"],
+        "already quantized",
+        "bad",
+    );
+    bad(&[i, i, "q8_0"], "overwrite the input", "in.gguf.");
+}

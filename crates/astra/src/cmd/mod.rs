@@ -9,6 +9,7 @@ pub mod parity;
 pub mod parity_layers;
 pub mod perplexity;
 pub mod pull;
+pub mod quantize;
 pub mod run;
 pub mod serve;
 pub mod synth;
