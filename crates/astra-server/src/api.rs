@@ -389,13 +389,14 @@ fn prompt(f: &Fields, n_vocab: usize) -> Result<Prompt, ApiError> {
     match f.get("prompt") {
         None => Err(ApiError::invalid("prompt", "'prompt' is required")),
         Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+        // A flat list of ids is one prompt, whatever its length.
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => token_ids(a, n_vocab, "prompt").map(Prompt::Tokens),
         Some(Value::Array(a)) if a.len() > MAX_CHOICES => {
             Err(ApiError::invalid("prompt", format!("'prompt' lists {} prompts; at most {MAX_CHOICES} are taken", a.len())))
         }
         Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_string) => {
             Ok(one_or_many(a.iter().map(|s| Prompt::Text(s.as_str().unwrap_or_default().to_owned())).collect()))
         }
-        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => token_ids(a, n_vocab, "prompt").map(Prompt::Tokens),
         Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|p| p.as_array().is_some_and(|ids| !ids.is_empty() && ids.iter().all(Value::is_number))) => {
             let all = a.iter().map(|p| token_ids(p.as_array().map_or(&[][..], Vec::as_slice), n_vocab, "prompt").map(Prompt::Tokens));
             Ok(one_or_many(all.collect::<Result<_, _>>()?))
@@ -407,6 +408,28 @@ fn prompt(f: &Fields, n_vocab: usize) -> Result<Prompt, ApiError> {
     }
 }
 
+/// Refuses the OpenAI fields astra does not implement, unless they ask for what it does
+/// anyway (`echo: false`, an empty `suffix`, `best_of` equal to `n`).
+fn unsupported(f: &Fields) -> Result<(), ApiError> {
+    let n = f.get("n").and_then(Value::as_u64).unwrap_or(1);
+    let harmless = |name: &str, v: &Value| match name {
+        "echo" => v == &Value::Bool(false),
+        "suffix" => v.is_null() || v.as_str() == Some(""),
+        _ => v.is_null() || v.as_u64() == Some(n),
+    };
+    for name in ["echo", "suffix", "best_of"] {
+        if let Some(v) = f.get(name) {
+            if !harmless(name, v) {
+                return Err(ApiError::invalid(
+                    name,
+                    format!("'{name}' is not supported by this server"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Parses a `/v1/chat/completions` (`chat`) or `/v1/completions` body.
 pub fn completion_request(
     body: &Map<String, Value>,
@@ -414,6 +437,10 @@ pub fn completion_request(
     n_vocab: usize,
 ) -> Result<CompletionRequest, ApiError> {
     let f = Fields(body);
+    if f.get("model").is_some_and(|m| !m.is_string()) {
+        return Err(ApiError::invalid("model", "'model' must be a string"));
+    }
+    unsupported(&f)?;
     let mut images = Vec::new();
     let prompt = if chat {
         Prompt::Chat(messages(&f, &mut images)?)

@@ -54,7 +54,8 @@ pub struct Ready {
     pub template: ChatTemplate,
     pub queue: SyncSender<Job>,
     pub model_name: String,
-    pub model_path: String,
+    /// The model's file name (never its path: `/props` is readable by any client).
+    pub model_file: String,
     pub ctx: usize,
     pub n_vocab: usize,
     pub ctx_train: usize,
@@ -126,6 +127,7 @@ pub struct AppState {
     pub body_limit: usize,
     /// SHA-256 of the API key, when one is required.
     pub api_key: Option<[u8; 32]>,
+    pub access: Access,
     next_id: AtomicU64,
     started: u64,
 }
@@ -136,6 +138,7 @@ impl AppState {
         keep_awake: Arc<KeepAwake>,
         body_limit: usize,
         api_key: Option<&str>,
+        access: Access,
     ) -> AppState {
         AppState {
             ready: OnceLock::new(),
@@ -144,6 +147,7 @@ impl AppState {
             keep_awake,
             body_limit,
             api_key: api_key.map(|k| sha2::Sha256::digest(k.as_bytes()).into()),
+            access,
             next_id: AtomicU64::new(1),
             started: unix_now(),
         }
@@ -162,8 +166,134 @@ fn unix_now() -> u64 {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::BAD_REQUEST);
-        (status, axum::Json(self.body())).into_response()
+        let mut response = (status, axum::Json(self.body())).into_response();
+        // Busy or not ready: a client may try again shortly.
+        if matches!(self.status, 429 | 503) {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        }
+        response
     }
+}
+
+/// Who may reach the server from a browser: the host names it answers to (against DNS
+/// rebinding) and the origins whose pages may call it (CORS).
+#[derive(Clone, Debug, Default)]
+pub struct Access {
+    /// Bound to a loopback address: only loopback host names are answered, and those
+    /// of `allowed_hosts`.
+    pub loopback: bool,
+    /// More host names answered (any, when bound elsewhere and this is empty).
+    pub allowed_hosts: Vec<String>,
+    /// Origins whose cross-origin requests are served (`*`: any); others get 403.
+    pub cors_origins: Vec<String>,
+}
+
+impl Access {
+    /// Whether a request with this `Host` header is answered.
+    fn host_allowed(&self, host: Option<&str>) -> bool {
+        let Some(host) = host else {
+            // HTTP/1.0 without a Host: no browser sends such a request.
+            return true;
+        };
+        let name = host_name(host);
+        if self
+            .allowed_hosts
+            .iter()
+            .any(|h| h.eq_ignore_ascii_case(name))
+        {
+            return true;
+        }
+        let loopback_name = name.eq_ignore_ascii_case("localhost")
+            || name
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback());
+        if self.loopback {
+            loopback_name
+        } else {
+            self.allowed_hosts.is_empty() || loopback_name
+        }
+    }
+
+    fn origin_allowed(&self, origin: &str) -> bool {
+        self.cors_origins.iter().any(|o| o == "*" || o == origin)
+    }
+}
+
+/// The name part of a `Host` header: without its port, an IPv6 address unbracketed.
+fn host_name(host: &str) -> &str {
+    if let Some(rest) = host.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    match host.rsplit_once(':') {
+        Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+        _ => host,
+    }
+}
+
+fn forbidden(message: String) -> Response {
+    let e = ApiError {
+        status: 403,
+        message,
+        kind: "permission_error",
+        param: None,
+    };
+    e.into_response()
+}
+
+/// The host check and CORS, before any other work: a request for a host name the server
+/// does not answer to, or from a page of an origin not allowed, gets 403; allowed
+/// origins get their preflights answered and their responses marked.
+async fn check_access(
+    State(state): State<Shared>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let access = &state.access;
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .map(|h| h.to_str().unwrap_or("(not text)"));
+    if !access.host_allowed(host) {
+        return forbidden(format!(
+            "host {:?} is not served here (--allowed-hosts names more)",
+            host.unwrap_or_default()
+        ));
+    }
+    let Some(origin) = req.headers().get(header::ORIGIN).cloned() else {
+        return next.run(req).await;
+    };
+    let origin_text = origin.to_str().unwrap_or_default();
+    if !access.origin_allowed(origin_text) {
+        return forbidden(format!(
+            "requests from pages of {origin_text:?} are not allowed (--cors-origins names them)"
+        ));
+    }
+    let preflight = req.method() == axum::http::Method::OPTIONS;
+    let mut response = if preflight {
+        let mut r = StatusCode::NO_CONTENT.into_response();
+        let h = r.headers_mut();
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_METHODS,
+            header::HeaderValue::from_static("GET, POST, OPTIONS"),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_HEADERS,
+            header::HeaderValue::from_static("authorization, content-type"),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_MAX_AGE,
+            header::HeaderValue::from_static("600"),
+        );
+        r
+    } else {
+        next.run(req).await
+    };
+    let h = response.headers_mut();
+    h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, origin);
+    h.insert(header::VARY, header::HeaderValue::from_static("Origin"));
+    response
 }
 
 /// Compares SHA-256 digests in constant time (the digest also hides the key's length).
@@ -187,8 +317,10 @@ async fn require_key(
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(|k| sha2::Sha256::digest(k.trim().as_bytes()).into());
+        .and_then(|v| v.trim_start().split_once(' '))
+        // The scheme is case-insensitive (RFC 9110).
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, k)| sha2::Sha256::digest(k.trim().as_bytes()).into());
     match given {
         Some(d) if same_digest(&d, want) => next.run(req).await,
         _ => {
@@ -210,6 +342,8 @@ pub fn router(state: Shared) -> Router {
         .route("/health", get(health))
         .route("/v1/models", get(models))
         .route("/models", get(models))
+        .route("/v1/models/{id}", get(model))
+        .route("/models/{id}", get(model))
         .route("/props", get(props))
         .route("/metrics", get(metrics))
         .route("/v1/chat/completions", post(chat_completions))
@@ -237,6 +371,10 @@ pub fn router(state: Shared) -> Router {
         .layer(axum::middleware::from_fn_with_state(
             Arc::clone(&state),
             require_key,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state),
+            check_access,
         ))
         .with_state(state)
 }
@@ -275,16 +413,39 @@ async fn health(State(state): State<Shared>) -> Response {
     }
 }
 
+/// The served model as OpenAI's model object.
+fn model_object(state: &AppState, r: &Ready) -> Value {
+    json!({
+        "id": r.model_name, "object": "model", "created": state.started, "owned_by": "astra",
+        "meta": {"n_vocab": r.n_vocab, "n_ctx_train": r.ctx_train, "n_ctx": r.ctx},
+    })
+}
+
 async fn models(State(state): State<Shared>) -> Result<Response, ApiError> {
     let r = ready(&state)?;
-    Ok(axum::Json(json!({
-        "object": "list",
-        "data": [{
-            "id": r.model_name, "object": "model", "created": state.started, "owned_by": "astra",
-            "meta": {"n_vocab": r.n_vocab, "n_ctx_train": r.ctx_train, "n_ctx": r.ctx},
-        }],
-    }))
-    .into_response())
+    Ok(axum::Json(json!({"object": "list", "data": [model_object(&state, r)]})).into_response())
+}
+
+async fn model(
+    State(state): State<Shared>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Response, ApiError> {
+    let r = ready(&state)?;
+    if id != r.model_name {
+        let e = ApiError {
+            status: 404,
+            message: format!(
+                "the model {id:?} does not exist; this server serves {:?}",
+                r.model_name
+            ),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+        };
+        let mut body = e.body();
+        body["error"]["code"] = json!("model_not_found");
+        return Ok((StatusCode::NOT_FOUND, axum::Json(body)).into_response());
+    }
+    Ok(axum::Json(model_object(&state, r)).into_response())
 }
 
 async fn props(State(state): State<Shared>) -> Result<Response, ApiError> {
@@ -295,7 +456,7 @@ async fn props(State(state): State<Shared>) -> Result<Response, ApiError> {
             .to_owned()
     };
     Ok(axum::Json(json!({
-        "model_path": r.model_path,
+        "model_path": r.model_file,
         "total_slots": r.slots,
         "default_generation_settings": {"n_ctx": r.ctx, "params": {"temperature": 1.0, "top_k": 40, "top_p": 0.95, "min_p": 0.05}},
         "bos_token": text(r.tok.bos()),
@@ -982,4 +1143,54 @@ fn stream_response(a: Accepted) -> Response {
         .header(header::CACHE_CONTROL, "no-cache")
         .body(body)
         .expect("static headers")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn busy_and_unavailable_say_when_to_retry() {
+        for (status, retry) in [(429, true), (503, true), (400, false), (404, false)] {
+            let e = ApiError {
+                status,
+                message: "x".into(),
+                kind: "invalid_request_error",
+                param: None,
+            };
+            let r = e.into_response();
+            assert_eq!(r.headers().get(header::RETRY_AFTER).is_some(), retry, "{status}");
+        }
+    }
+
+    #[test]
+    fn host_names_are_checked_without_their_ports() {
+        assert_eq!(host_name("localhost:8080"), "localhost");
+        assert_eq!(host_name("[::1]:80"), "::1");
+        assert_eq!(host_name("example.org"), "example.org");
+        let local = Access {
+            loopback: true,
+            allowed_hosts: vec!["box.lan".into()],
+            cors_origins: vec![],
+        };
+        for (host, ok) in [
+            ("127.0.0.1:1", true),
+            ("127.8.9.1", true),
+            ("LOCALHOST", true),
+            ("[::1]:9", true),
+            ("box.lan:80", true),
+            ("localhost.evil.example", false),
+            ("10.0.0.2", false),
+        ] {
+            assert_eq!(local.host_allowed(Some(host)), ok, "{host}");
+        }
+        let open = Access::default();
+        assert!(open.host_allowed(Some("anything.example")));
+        let listed = Access {
+            allowed_hosts: vec!["api.example".into()],
+            ..Access::default()
+        };
+        assert!(!listed.host_allowed(Some("other.example")));
+        assert!(listed.host_allowed(Some("api.example:443")));
+    }
 }

@@ -276,13 +276,21 @@ impl<B: Backend> Scheduler<B> {
             }
             self.drop_abandoned();
             self.sample_device();
-            self.metrics
-                .slots_busy
-                .store(self.active.len() as u64, Ordering::Relaxed);
+            self.publish_slots();
             if !self.active.is_empty() {
                 self.step();
+                // Requests that finished in the step free their slots now, not when the
+                // next request arrives.
+                self.publish_slots();
             }
         }
+    }
+
+    /// The busy-slot gauge (`/health`, `/metrics`) as the slots are now.
+    fn publish_slots(&self) {
+        self.metrics
+            .slots_busy
+            .store(self.active.len() as u64, Ordering::Relaxed);
     }
 
     /// Moves queued jobs into free slots, waiting for one when nothing is active.

@@ -9,7 +9,7 @@ use std::time::Duration;
 use astra_engine::{Backend, Model};
 use astra_tokenizer::{ChatTemplate, Tokenizer};
 
-use crate::http::{router, AppState, Capabilities, ImagePolicy, Ready};
+use crate::http::{router, Access, AppState, Capabilities, ImagePolicy, Ready};
 use crate::keep_awake::KeepAwake;
 use crate::metrics::Metrics;
 use crate::scheduler::{Limits, Loader, ModelStatus, Scheduler};
@@ -45,6 +45,11 @@ pub struct ServeOptions {
     pub keep_alive: Option<Duration>,
     /// Require `Authorization: Bearer KEY`.
     pub api_key: Option<String>,
+    /// Host names answered besides loopback ones (bound to loopback), or instead of any
+    /// (bound elsewhere).
+    pub allowed_hosts: Vec<String>,
+    /// Origins whose pages may call the server (`*`: any).
+    pub cors_origins: Vec<String>,
 }
 
 /// Thinking markers known from chat templates, checked in order.
@@ -114,7 +119,10 @@ fn load<B: Backend>(
         template,
         queue,
         model_name: opts.model_name.clone(),
-        model_path: opts.model.display().to_string(),
+        model_file: opts
+            .model
+            .file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
         ctx,
         n_vocab: model.cfg.n_vocab,
         ctx_train: model.cfg.ctx_train,
@@ -183,6 +191,11 @@ pub fn serve_on<B: Backend>(opts: ServeOptions, backend: BackendFactory<B>) -> R
             keep_awake,
             opts.body_limit,
             opts.api_key.as_deref(),
+            Access {
+                loopback: addr.ip().is_loopback(),
+                allowed_hosts: opts.allowed_hosts.clone(),
+                cors_origins: opts.cors_origins.clone(),
+            },
         ));
         let status = Arc::clone(&state.status);
         let loading = Arc::clone(&state);

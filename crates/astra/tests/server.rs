@@ -563,3 +563,205 @@ fn official_openai_python_client() {
     assert!(out.status.success(), "{text}");
     assert!(text.contains("all checks passed"), "{text}");
 }
+
+/// One request written as given over a fresh connection: status, head and body.
+fn raw_request(
+    base: &str,
+    method: &str,
+    path: &str,
+    headers: &[&str],
+    body: &str,
+) -> (u16, String, String) {
+    let addr = base.trim_start_matches("http://");
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\n");
+    for h in headers {
+        req.push_str(h);
+        req.push_str("\r\n");
+    }
+    req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, head.to_ascii_lowercase(), body.to_owned())
+}
+
+/// The host check (DNS rebinding) and CORS: unknown hosts and origins get an
+/// OpenAI-shaped 403 before any work; listed origins get their preflight and a marked
+/// response.
+#[test]
+fn hosts_and_origins_are_checked() {
+    let Some(s) = Server::start(&[
+        "--cors-origins",
+        "http://app.example",
+        "--allowed-hosts",
+        "astra.lan",
+    ]) else {
+        return;
+    };
+    let chat =
+        json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).to_string();
+    let ct = "Content-Type: application/json";
+    let port = s.base.rsplit(':').next().unwrap().to_owned();
+    for host in [
+        format!("localhost:{port}"),
+        format!("127.0.0.1:{port}"),
+        format!("[::1]:{port}"),
+        "astra.lan".into(),
+    ] {
+        let (status, _, body) = raw_request(
+            &s.base,
+            "GET",
+            "/v1/models",
+            &[&format!("Host: {host}")],
+            "",
+        );
+        assert_eq!(status, 200, "{host}: {body}");
+    }
+    let before = s.metric("astra_prompt_tokens_total");
+    let (status, _, body) = raw_request(
+        &s.base,
+        "POST",
+        "/v1/chat/completions",
+        &["Host: rebind.attacker.example", ct],
+        &chat,
+    );
+    assert_eq!(status, 403, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["type"], "permission_error", "{v}");
+    let local = format!("Host: 127.0.0.1:{port}");
+    let (status, _, body) = raw_request(
+        &s.base,
+        "POST",
+        "/v1/chat/completions",
+        &[&local, ct, "Origin: http://evil.example"],
+        &chat,
+    );
+    assert_eq!(status, 403, "{body}");
+    assert_eq!(
+        s.metric("astra_prompt_tokens_total"),
+        before,
+        "refused before any work"
+    );
+    let (status, head, _) = raw_request(
+        &s.base,
+        "OPTIONS",
+        "/v1/chat/completions",
+        &[
+            &local,
+            "Origin: http://app.example",
+            "Access-Control-Request-Method: POST",
+        ],
+        "",
+    );
+    assert_eq!(status, 204);
+    assert!(
+        head.contains("access-control-allow-origin: http://app.example"),
+        "{head}"
+    );
+    assert!(
+        head.contains("access-control-allow-headers: authorization, content-type"),
+        "{head}"
+    );
+    let (status, head, _) = raw_request(
+        &s.base,
+        "POST",
+        "/v1/chat/completions",
+        &[&local, ct, "Origin: http://app.example"],
+        &chat,
+    );
+    assert_eq!(status, 200);
+    assert!(
+        head.contains("access-control-allow-origin: http://app.example"),
+        "{head}"
+    );
+}
+
+/// The smaller edges of the OpenAI surface: a flat id list of any length is one prompt,
+/// `GET /v1/models/{id}`, `model` must be a string, fields astra does not implement are
+/// refused by name, `/props` shows a file name only, and the busy-slot gauge drops as
+/// soon as a request ends.
+#[test]
+fn openai_edges_and_honest_slot_counts() {
+    let Some(s) = Server::start(&["--api-key", "sekret"]) else {
+        return;
+    };
+    let port = s.base.rsplit(':').next().unwrap().to_owned();
+    let local = format!("Host: 127.0.0.1:{port}");
+    let ct = "Content-Type: application/json";
+    let post = |auth: &str, body: Value| {
+        let (status, _, text) = raw_request(
+            &s.base,
+            "POST",
+            "/v1/completions",
+            &[&local, ct, auth],
+            &body.to_string(),
+        );
+        (
+            status,
+            serde_json::from_str::<Value>(&text).unwrap_or(Value::Null),
+        )
+    };
+    let ids: Vec<u32> = (100..118).collect();
+    let (status, v) = post(
+        "authorization: bearer sekret",
+        json!({"prompt": ids, "max_tokens": 3, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "18 ids, a lower-case scheme: {v}");
+    assert_eq!(v["usage"]["prompt_tokens"], 18);
+    let auth = "Authorization: Bearer sekret";
+    for (body, param) in [
+        (json!({"prompt": "x", "model": 5}), "model"),
+        (json!({"prompt": "x", "echo": true}), "echo"),
+        (json!({"prompt": "x", "suffix": "end"}), "suffix"),
+        (json!({"prompt": "x", "best_of": 3}), "best_of"),
+    ] {
+        let (status, v) = post(auth, body);
+        assert_eq!(
+            (status, v["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{v}"
+        );
+    }
+    let (status, v) = post(
+        auth,
+        json!({"prompt": "x", "echo": false, "best_of": 1, "max_tokens": 1}),
+    );
+    assert_eq!(status, 200, "harmless values pass: {v}");
+    let get = |path: &str| {
+        let (status, _, text) = raw_request(&s.base, "GET", path, &[&local, auth], "");
+        (
+            status,
+            serde_json::from_str::<Value>(&text).unwrap_or(Value::Null),
+        )
+    };
+    let (_, list) = get("/v1/models");
+    let id = list["data"][0]["id"].as_str().unwrap().to_owned();
+    let (status, one) = get(&format!("/v1/models/{id}"));
+    assert_eq!((status, &one), (200, &list["data"][0]));
+    let (status, v) = get("/v1/models/gpt-none");
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (404, Some("model_not_found")),
+        "{v}"
+    );
+    let (_, props) = get("/props");
+    let file = props["model_path"].as_str().unwrap();
+    assert!(file.ends_with(".gguf") && !file.contains('/'), "{props}");
+    // The gauge drops with the response, not at the next request.
+    let (status, _) = post(
+        auth,
+        json!({"prompt": "Once upon a time", "max_tokens": 16}),
+    );
+    assert_eq!(status, 200);
+    std::thread::sleep(Duration::from_millis(100));
+    let (_, health) = get("/health");
+    assert_eq!(health["slots_processing"], 0, "{health}");
+}

@@ -65,6 +65,16 @@ pub struct Args {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health.
     #[arg(long, env = "ASTRA_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Host names the server answers to besides loopback ones (comma-separated): a
+    /// request naming another host gets 403 (against DNS rebinding). Bound to a
+    /// non-loopback address with none given, any host is answered.
+    #[arg(long, value_delimiter = ',')]
+    allowed_hosts: Vec<String>,
+    /// Origins whose web pages may call the server (comma-separated, `*` for any):
+    /// their preflights are answered; a cross-origin request from any other origin gets
+    /// 403 before any work is done. Default: none.
+    #[arg(long, value_delimiter = ',')]
+    cors_origins: Vec<String>,
     #[command(flatten)]
     backend: BackendArgs,
 }
@@ -119,6 +129,8 @@ pub fn run(args: Args) -> Result<()> {
         min_free_mem_mib: args.min_free_mem_mib,
         keep_alive: args.keep_alive,
         api_key: args.api_key.filter(|k| !k.is_empty()),
+        allowed_hosts: args.allowed_hosts,
+        cors_origins: args.cors_origins,
     };
     match backend.backend {
         BackendKind::Cpu => {
