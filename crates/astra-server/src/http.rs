@@ -1159,7 +1159,11 @@ mod tests {
                 param: None,
             };
             let r = e.into_response();
-            assert_eq!(r.headers().get(header::RETRY_AFTER).is_some(), retry, "{status}");
+            assert_eq!(
+                r.headers().get(header::RETRY_AFTER).is_some(),
+                retry,
+                "{status}"
+            );
         }
     }
 

@@ -6,7 +6,8 @@ use std::sync::mpsc::sync_channel;
 use std::sync::Arc;
 use std::time::Duration;
 
-use astra_engine::{Backend, Model};
+use astra_engine::attention::KvLayout;
+use astra_engine::{Backend, Config, KvType, Model, MAX_BATCH};
 use astra_tokenizer::{ChatTemplate, Tokenizer};
 
 use crate::http::{router, Access, AppState, Capabilities, ImagePolicy, Ready};
@@ -45,6 +46,8 @@ pub struct ServeOptions {
     pub keep_alive: Option<Duration>,
     /// Require `Authorization: Bearer KEY`.
     pub api_key: Option<String>,
+    /// What the backend's KV caches store (for the arena check before the port opens).
+    pub kv_type: KvType,
     /// Host names answered besides loopback ones (bound to loopback), or instead of any
     /// (bound elsewhere).
     pub allowed_hosts: Vec<String>,
@@ -92,14 +95,7 @@ fn load<B: Backend>(
     let ctx = opts.ctx.min(model.cfg.ctx_train.max(1));
     let per_sequence = model.session(ctx).map_err(|e| e.to_string())?.kv_bytes();
     let budget = opts.arena_mib << 20;
-    if opts.parallel * per_sequence > budget {
-        return Err(format!(
-            "{} sequences of {ctx} positions need {} MiB of KV cache; --arena-mib is {} (lower --parallel or --ctx, or raise --arena-mib)",
-            opts.parallel,
-            (opts.parallel * per_sequence).div_ceil(1 << 20),
-            opts.arena_mib
-        ));
-    }
+    check_arena(opts, ctx, per_sequence)?;
     let (queue, jobs) = sync_channel(opts.queue);
     let capabilities = Capabilities {
         logit_bias: true,
@@ -144,6 +140,34 @@ fn load<B: Backend>(
     Ok((ready, scheduler))
 }
 
+/// That `--parallel` sequences of `ctx` positions, `per_sequence` bytes of KV cache
+/// each, fit in `--arena-mib`; the error says what would.
+fn check_arena(opts: &ServeOptions, ctx: usize, per_sequence: usize) -> Result<(), String> {
+    let budget = opts.arena_mib << 20;
+    if opts.parallel.saturating_mul(per_sequence) <= budget {
+        return Ok(());
+    }
+    Err(format!(
+        "{} sequences of {ctx} positions need {} MiB of KV cache; --arena-mib {} holds {} \
+         (lower --parallel or --ctx, or raise --arena-mib to {})",
+        opts.parallel,
+        (opts.parallel * per_sequence).div_ceil(1 << 20),
+        opts.arena_mib,
+        budget / per_sequence.max(1),
+        (opts.parallel * per_sequence).div_ceil(1 << 20),
+    ))
+}
+
+/// [`check_arena`] from the file's header alone, before the port opens.
+fn check_arena_early(opts: &ServeOptions) -> Result<(), String> {
+    let file = astra_gguf::GgufFile::open(&opts.model)
+        .map_err(|e| format!("reading {}: {e}", opts.model.display()))?;
+    let cfg = Config::from_metadata(file.metadata()).map_err(|e| e.to_string())?;
+    let ctx = opts.ctx.min(cfg.ctx_train.max(1));
+    let per_sequence = KvLayout::new(&cfg, ctx, MAX_BATCH).of(opts.kv_type).bytes();
+    check_arena(opts, ctx, per_sequence)
+}
+
 async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
@@ -172,6 +196,7 @@ pub fn serve_on<B: Backend>(opts: ServeOptions, backend: BackendFactory<B>) -> R
     if opts.parallel == 0 || opts.queue == 0 {
         return Err("--parallel and --queue must be at least 1".into());
     }
+    check_arena_early(&opts)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -264,6 +264,7 @@ fn options(model: PathBuf, port: u16) -> ServeOptions {
         min_free_mem_mib: None,
         keep_alive: None,
         api_key: None,
+        kv_type: astra_engine::KvType::F16,
         allowed_hosts: Vec::new(),
         cors_origins: Vec::new(),
     }

@@ -765,3 +765,34 @@ fn openai_edges_and_honest_slot_counts() {
     let (_, health) = get("/health");
     assert_eq!(health["slots_processing"], 0, "{health}");
 }
+
+/// A configuration that cannot work fails before the port opens, saying what fits.
+#[test]
+fn an_arena_too_small_fails_before_listening() {
+    let Some(model) = astra_models::model_for_test("smollm2-135m") else {
+        return;
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_astra"))
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--ctx",
+            "2048",
+            "--parallel",
+            "4",
+            "--arena-mib",
+            "100",
+        ])
+        .arg("--model")
+        .arg(&model)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success());
+    assert!(!stdout.contains("listening"), "{stdout}");
+    assert!(stderr.contains("--arena-mib 100 holds 2"), "{stderr}");
+}

@@ -129,6 +129,7 @@ pub fn run(args: Args) -> Result<()> {
         min_free_mem_mib: args.min_free_mem_mib,
         keep_alive: args.keep_alive,
         api_key: args.api_key.filter(|k| !k.is_empty()),
+        kv_type: args.backend.kv_type.into(),
         allowed_hosts: args.allowed_hosts,
         cors_origins: args.cors_origins,
     };
