@@ -46,6 +46,11 @@ pub struct ServeOptions {
     pub keep_alive: Option<Duration>,
     /// Require `Authorization: Bearer KEY`.
     pub api_key: Option<String>,
+    /// Open connections at most; more get 503.
+    pub max_connections: usize,
+    /// How long a request's head may take to arrive (and a keep-alive connection may
+    /// stay idle).
+    pub header_timeout: Duration,
     /// What the backend's KV caches store (for the arena check before the port opens).
     pub kv_type: KvType,
     /// Host names answered besides loopback ones (bound to loopback), or instead of any
@@ -189,6 +194,82 @@ async fn shutdown_signal() {
     }
 }
 
+/// What one connection may take.
+#[derive(Clone, Copy, Debug)]
+struct ConnectionLimits {
+    /// Open connections; the next gets 503 and is closed.
+    max: usize,
+    /// For a request's head to arrive, counted from when the connection starts waiting
+    /// for it (so also the longest an idle keep-alive connection stays open).
+    header_timeout: Duration,
+}
+
+/// Serves HTTP/1.1 connections on `listener` until `shutdown` completes, then waits for
+/// the open ones to finish their requests.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    limits: ConnectionLimits,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> std::io::Result<()> {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max));
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, or a connection reset before it was
+                    // taken: the listener itself is fine.
+                    eprintln!("astra: WARN accepting a connection: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
+            tokio::spawn(refuse_connection(stream));
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(limits.header_timeout)
+            .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            let _ = conn.await;
+            drop(permit);
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
+/// A connection over `--max-connections`: a 503 in OpenAI's shape, then closed.
+async fn refuse_connection(mut stream: tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let body = serde_json::json!({"error": {
+        "message": "too many open connections; try again shortly",
+        "type": "unavailable_error", "param": null, "code": null,
+    }})
+    .to_string();
+    let response = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        let _ = stream.write_all(response.as_bytes()).await;
+        let _ = stream.shutdown().await;
+    })
+    .await;
+}
+
 /// Runs the server until a shutdown signal (SIGTERM, Ctrl-C) and the end of in-flight
 /// requests, the model on backends made by `backend`. Prints `astra: listening on
 /// http://ADDR` once the port is open.
@@ -240,7 +321,11 @@ pub fn serve_on<B: Backend>(opts: ServeOptions, backend: BackendFactory<B>) -> R
             })
             .map_err(|e| format!("starting the scheduler: {e}"))?;
         let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
-        let server = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
+        let connections = ConnectionLimits {
+            max: opts.max_connections,
+            header_timeout: opts.header_timeout,
+        };
+        let server = accept_loop(listener, router(state), connections, async move {
             shutdown_signal().await;
             println!("astra: shutting down; finishing in-flight requests");
             let _ = stop_tx.send(true);

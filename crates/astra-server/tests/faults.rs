@@ -265,6 +265,8 @@ fn options(model: PathBuf, port: u16) -> ServeOptions {
         keep_alive: None,
         api_key: None,
         kv_type: astra_engine::KvType::F16,
+        max_connections: 64,
+        header_timeout: Duration::from_secs(10),
         allowed_hosts: Vec::new(),
         cors_origins: Vec::new(),
     }

@@ -796,3 +796,41 @@ fn an_arena_too_small_fails_before_listening() {
     assert!(!stdout.contains("listening"), "{stdout}");
     assert!(stderr.contains("--arena-mib 100 holds 2"), "{stderr}");
 }
+
+/// Slow and idle clients: a request head dribbled past `--header-timeout` gets its
+/// connection closed; connections past `--max-connections` get a 503 with Retry-After
+/// and a JSON body; once idle ones time out, requests are served again.
+#[test]
+fn slow_and_idle_connections_are_bounded() {
+    let Some(s) = Server::start(&["--max-connections", "6", "--header-timeout", "2"]) else {
+        return;
+    };
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    // A head that never ends.
+    let mut slow = TcpStream::connect(&addr).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let started = Instant::now();
+    slow.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        .unwrap();
+    let mut buf = Vec::new();
+    let _ = slow.read_to_end(&mut buf);
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1500) && waited < Duration::from_secs(6),
+        "{waited:?}"
+    );
+    // Six idle connections fill the server; the seventh is refused at once.
+    let idle: Vec<TcpStream> = (0..6).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let (status, head, body) = raw_request(&s.base, "GET", "/health", &["Host: 127.0.0.1"], "");
+    assert_eq!(status, 503, "{head}{body}");
+    assert!(head.contains("retry-after: 1"), "{head}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["type"], "unavailable_error");
+    // The idle ones are closed by the header timeout; then requests are served.
+    std::thread::sleep(Duration::from_secs(3));
+    let (status, _, body) = raw_request(&s.base, "GET", "/health", &["Host: 127.0.0.1"], "");
+    assert_eq!(status, 200, "{body}");
+    drop(idle);
+}

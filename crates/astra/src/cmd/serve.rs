@@ -65,6 +65,14 @@ pub struct Args {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health.
     #[arg(long, env = "ASTRA_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Open connections at most; one more is answered 503 (with Retry-After) and
+    /// closed.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Seconds a request's head may take to arrive; the connection is closed after
+    /// that. Also how long an idle keep-alive connection stays open.
+    #[arg(long, default_value_t = 10)]
+    header_timeout: u64,
     /// Host names the server answers to besides loopback ones (comma-separated): a
     /// request naming another host gets 403 (against DNS rebinding). Bound to a
     /// non-loopback address with none given, any host is answered.
@@ -130,6 +138,8 @@ pub fn run(args: Args) -> Result<()> {
         keep_alive: args.keep_alive,
         api_key: args.api_key.filter(|k| !k.is_empty()),
         kv_type: args.backend.kv_type.into(),
+        max_connections: args.max_connections,
+        header_timeout: Duration::from_secs(args.header_timeout),
         allowed_hosts: args.allowed_hosts,
         cors_origins: args.cors_origins,
     };
