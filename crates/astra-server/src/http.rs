@@ -15,7 +15,6 @@ use axum::routing::{get, post};
 use axum::Router;
 use serde_json::{json, Map, Value};
 use sha2::Digest;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use astra_tokenizer::{ChatTemplate, EncodeOptions, Tokenizer};
 
@@ -23,7 +22,9 @@ use crate::api::{self, ApiError, CompletionRequest, Prompt};
 use crate::generation::{FinishReason, GenParams, ThinkingParams, TokenLogprob, WRAP_UP};
 use crate::keep_awake::{AwakeGuard, KeepAwake};
 use crate::metrics::{Metrics, Outcome};
-use crate::scheduler::{Event, Job, ModelStatus, PromptKey, Status, Usage};
+use crate::scheduler::{
+    event_channel, Event, EventReceiver, Job, ModelStatus, PromptKey, Status, Usage,
+};
 
 /// What a text-only model does with image content parts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -587,7 +588,7 @@ async fn completions(State(state): State<Shared>, body: Body) -> Response {
 
 /// A request accepted into the queue: its jobs' events and what the response needs.
 struct Accepted {
-    events: UnboundedReceiver<Event>,
+    events: EventReceiver,
     req: CompletionRequest,
     chat: bool,
     id: String,
@@ -632,7 +633,7 @@ async fn complete(state: Shared, body: Body, chat: bool) -> Response {
 /// A request accepted into the queue, before the response starts.
 struct Queued {
     req: CompletionRequest,
-    events: UnboundedReceiver<Event>,
+    events: EventReceiver,
     warnings: Vec<String>,
 }
 
@@ -723,7 +724,7 @@ async fn accept(state: &AppState, body: Body, chat: bool) -> Result<Queued, ApiE
             thinking.then(|| thinking_params(r, &req)),
         ));
     }
-    let (tx, rx) = unbounded_channel();
+    let (tx, rx) = event_channel();
     for (p, (tokens, max_tokens, thinking)) in jobs.into_iter().enumerate() {
         for choice in 0..req.n {
             let index = p * req.n + choice;

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use astra_engine::{Backend, Model, Session, Step, MAX_BATCH};
 use astra_tokenizer::Tokenizer;
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::generation::{Emitted, FinishReason, GenParams, Generation};
 use crate::metrics::Metrics;
@@ -81,13 +81,78 @@ impl ModelStatus {
     }
 }
 
+/// Events a request's response has not taken yet beyond which its generation pauses:
+/// a client that stops reading holds this much, not everything generated since.
+pub const MAX_BACKLOG: usize = 64;
+
+/// A request's events on their way from the scheduler to its response, counted until
+/// the response takes them.
+pub fn event_channel() -> (EventSender, EventReceiver) {
+    let (tx, rx) = unbounded_channel();
+    let backlog = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    (
+        EventSender {
+            tx,
+            backlog: Arc::clone(&backlog),
+        },
+        EventReceiver { rx, backlog },
+    )
+}
+
+#[derive(Clone)]
+pub struct EventSender {
+    tx: UnboundedSender<Event>,
+    backlog: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl EventSender {
+    pub fn send(&self, e: Event) {
+        self.backlog.fetch_add(1, Ordering::SeqCst);
+        if self.tx.send(e).is_err() {
+            self.backlog.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// The response is gone (its client disconnected).
+    pub fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+
+    /// Events sent and not yet taken.
+    pub fn backlog(&self) -> usize {
+        self.backlog.load(Ordering::SeqCst)
+    }
+}
+
+pub struct EventReceiver {
+    rx: UnboundedReceiver<Event>,
+    backlog: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl EventReceiver {
+    pub async fn recv(&mut self) -> Option<Event> {
+        let e = self.rx.recv().await;
+        if e.is_some() {
+            self.backlog.fetch_sub(1, Ordering::SeqCst);
+        }
+        e
+    }
+
+    /// An event if one is waiting.
+    pub fn try_recv(&mut self) -> Result<Event, tokio::sync::mpsc::error::TryRecvError> {
+        let e = self.rx.try_recv()?;
+        self.backlog.fetch_sub(1, Ordering::SeqCst);
+        Ok(e)
+    }
+}
+
 /// One sequence to generate: a request's prompt (one per requested choice).
 pub struct Job {
     pub key: PromptKey,
     pub params: GenParams,
     /// The choice index within the request.
     pub index: usize,
-    pub events: UnboundedSender<Event>,
+    pub events: EventSender,
     pub received: Instant,
     /// How long the model stays loaded after this request (`Some(None)`: for good;
     /// `None`: the server's `--keep-alive`).
@@ -140,6 +205,9 @@ struct Active<B: Backend> {
     cached: usize,
     prompt_done: Option<Instant>,
     last_token: Instant,
+    /// Since when the response has held MAX_BACKLOG events untaken (its client not
+    /// reading): the sequence waits, and after `Limits::stall_timeout` is cancelled.
+    stalled_since: Option<Instant>,
 }
 
 /// Loads the model (again, after an idle unload).
@@ -156,6 +224,8 @@ pub struct Limits {
     pub budget: usize,
     /// Idle time before the model is unloaded; `None`: never.
     pub keep_alive: Option<Duration>,
+    /// How long a sequence whose client stopped reading waits before it is cancelled.
+    pub stall_timeout: Duration,
 }
 
 pub struct Scheduler<B: Backend> {
@@ -277,11 +347,16 @@ impl<B: Backend> Scheduler<B> {
             self.drop_abandoned();
             self.sample_device();
             self.publish_slots();
-            if !self.active.is_empty() {
-                self.step();
+            if self.active.is_empty() {
+                continue;
+            }
+            if self.step() {
                 // Requests that finished in the step free their slots now, not when the
                 // next request arrives.
                 self.publish_slots();
+            } else {
+                // Every sequence waits for its client to read.
+                std::thread::sleep(Duration::from_millis(5));
             }
         }
     }
@@ -332,7 +407,7 @@ impl<B: Backend> Scheduler<B> {
             Ok(m) => m,
             Err(e) => {
                 let message = format!("loading the model: {e}");
-                let _ = job.events.send(Event::Failed {
+                job.events.send(Event::Failed {
                     index: job.index,
                     message: message.clone(),
                 });
@@ -365,7 +440,7 @@ impl<B: Backend> Scheduler<B> {
             None => match model.session(self.limits.ctx) {
                 Ok(s) => (s, 0),
                 Err(e) => {
-                    let _ = job.events.send(Event::Failed {
+                    job.events.send(Event::Failed {
                         index: job.index,
                         message: e.to_string(),
                     });
@@ -388,6 +463,7 @@ impl<B: Backend> Scheduler<B> {
             cached: keep,
             prompt_done: None,
             last_token: Instant::now(),
+            stalled_since: None,
         });
         Ok(())
     }
@@ -396,7 +472,20 @@ impl<B: Backend> Scheduler<B> {
     fn drop_abandoned(&mut self) {
         let mut i = 0;
         while i < self.active.len() {
-            if self.active[i].job.events.is_closed() {
+            let a = &self.active[i];
+            let stalled = a
+                .stalled_since
+                .is_some_and(|t| t.elapsed() >= self.limits.stall_timeout);
+            if stalled {
+                a.job.events.send(Event::Failed {
+                    index: a.job.index,
+                    message: format!(
+                        "the client read nothing for {:?}; the request was cancelled",
+                        self.limits.stall_timeout
+                    ),
+                });
+            }
+            if stalled || a.job.events.is_closed() {
                 let a = self.active.swap_remove(i);
                 self.retire(a);
             } else {
@@ -426,12 +515,19 @@ impl<B: Backend> Scheduler<B> {
         }
     }
 
-    fn step(&mut self) {
-        // Decoding sequences first (one token each), prompt chunks in the room left.
+    /// Runs one batch; false when every sequence waits for its client to read.
+    fn step(&mut self) -> bool {
+        // Decoding sequences first (one token each), prompt chunks in the room left;
+        // a sequence whose client has not taken its last MAX_BACKLOG events waits.
         let mut room = MAX_BATCH;
         let mut plan: Vec<(usize, usize)> = Vec::with_capacity(self.active.len()); // (active index, tokens)
-        for (i, a) in self.active.iter().enumerate() {
+        for (i, a) in self.active.iter_mut().enumerate() {
             if a.fed == a.job.key.tokens.len() {
+                if a.job.events.backlog() >= MAX_BACKLOG {
+                    a.stalled_since.get_or_insert_with(Instant::now);
+                    continue;
+                }
+                a.stalled_since = None;
                 plan.push((i, a.next.len()));
                 room = room.saturating_sub(a.next.len());
             }
@@ -443,6 +539,9 @@ impl<B: Backend> Scheduler<B> {
                 plan.push((i, n));
                 room -= n;
             }
+        }
+        if plan.is_empty() {
+            return false;
         }
         plan.sort_unstable();
         let mut steps = Vec::with_capacity(plan.len());
@@ -483,12 +582,12 @@ impl<B: Backend> Scheduler<B> {
             Ok(l) => l,
             Err(e) => {
                 for a in std::mem::take(&mut self.active) {
-                    let _ = a.job.events.send(Event::Failed {
+                    a.job.events.send(Event::Failed {
                         index: a.job.index,
                         message: e.to_string(),
                     });
                 }
-                return;
+                return true;
             }
         };
         let mut finished = Vec::new();
@@ -528,7 +627,7 @@ impl<B: Backend> Scheduler<B> {
                 a.next = tokens.clone();
             }
             let finish = emitted.finish;
-            let _ = a.job.events.send(Event::Token {
+            a.job.events.send(Event::Token {
                 index: a.job.index,
                 emitted,
             });
@@ -560,13 +659,14 @@ impl<B: Backend> Scheduler<B> {
                 let injected = if a.generation.injected { "yes" } else { "no" };
                 eprintln!("astra: INFO reasoning budget: {} thinking_tokens={} wrap_up_injected={injected}", t.log.as_deref().unwrap_or(""), usage.reasoning_tokens);
             }
-            let _ = a.job.events.send(Event::Done {
+            a.job.events.send(Event::Done {
                 index: a.job.index,
                 finish,
                 usage,
             });
             self.retire(a);
         }
+        true
     }
 }
 

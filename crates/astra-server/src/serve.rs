@@ -46,6 +46,8 @@ pub struct ServeOptions {
     pub keep_alive: Option<Duration>,
     /// Require `Authorization: Bearer KEY`.
     pub api_key: Option<String>,
+    /// How long a request whose client stopped reading waits before it is cancelled.
+    pub stall_timeout: Duration,
     /// Open connections at most; more get 503.
     pub max_connections: usize,
     /// How long a request's head may take to arrive (and a keep-alive connection may
@@ -140,6 +142,7 @@ fn load<B: Backend>(
         ctx,
         budget,
         keep_alive: opts.keep_alive,
+        stall_timeout: opts.stall_timeout,
     };
     let scheduler = Scheduler::new(model, loader, status, tok, jobs, metrics, limits);
     Ok((ready, scheduler))

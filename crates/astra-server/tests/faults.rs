@@ -266,6 +266,7 @@ fn options(model: PathBuf, port: u16) -> ServeOptions {
         api_key: None,
         kv_type: astra_engine::KvType::F16,
         max_connections: 64,
+        stall_timeout: Duration::from_secs(30),
         header_timeout: Duration::from_secs(10),
         allowed_hosts: Vec::new(),
         cors_origins: Vec::new(),

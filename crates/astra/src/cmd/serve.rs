@@ -65,6 +65,10 @@ pub struct Args {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health.
     #[arg(long, env = "ASTRA_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Seconds a streamed request may wait for its client to read (its generation
+    /// paused, a bounded backlog of output held) before it is cancelled.
+    #[arg(long, default_value_t = 30)]
+    stall_timeout: u64,
     /// Open connections at most; one more is answered 503 (with Retry-After) and
     /// closed.
     #[arg(long, default_value_t = 1024)]
@@ -139,6 +143,7 @@ pub fn run(args: Args) -> Result<()> {
         api_key: args.api_key.filter(|k| !k.is_empty()),
         kv_type: args.backend.kv_type.into(),
         max_connections: args.max_connections,
+        stall_timeout: Duration::from_secs(args.stall_timeout),
         header_timeout: Duration::from_secs(args.header_timeout),
         allowed_hosts: args.allowed_hosts,
         cors_origins: args.cors_origins,
