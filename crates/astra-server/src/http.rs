@@ -126,9 +126,12 @@ pub struct AppState {
     pub status: Arc<ModelStatus>,
     pub keep_awake: Arc<KeepAwake>,
     pub body_limit: usize,
+    /// How long a request's body may take to arrive.
+    pub body_timeout: std::time::Duration,
     /// SHA-256 of the API key, when one is required.
     pub api_key: Option<[u8; 32]>,
     pub access: Access,
+    pub drain: Drain,
     next_id: AtomicU64,
     started: u64,
 }
@@ -138,6 +141,7 @@ impl AppState {
         metrics: Arc<Metrics>,
         keep_awake: Arc<KeepAwake>,
         body_limit: usize,
+        body_timeout: std::time::Duration,
         api_key: Option<&str>,
         access: Access,
     ) -> AppState {
@@ -147,12 +151,64 @@ impl AppState {
             status: Arc::new(ModelStatus::default()),
             keep_awake,
             body_limit,
+            body_timeout,
             api_key: api_key.map(|k| sha2::Sha256::digest(k.as_bytes()).into()),
             access,
+            drain: Drain::default(),
             next_id: AtomicU64::new(1),
             started: unix_now(),
         }
     }
+}
+
+/// The server's shutdown: while draining, new requests get 503 and in-flight ones run
+/// on; at the end of the grace the ones still running are cut.
+pub struct Drain {
+    draining: std::sync::atomic::AtomicBool,
+    cut: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for Drain {
+    fn default() -> Drain {
+        Drain {
+            draining: std::sync::atomic::AtomicBool::new(false),
+            cut: tokio::sync::watch::channel(false).0,
+        }
+    }
+}
+
+impl Drain {
+    /// New requests are refused from now on.
+    pub fn start(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Requests still running end now: streams with an error event and `[DONE]`,
+    /// whole responses with a server error.
+    pub fn cut(&self) {
+        self.cut.send_replace(true);
+    }
+
+    fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+}
+
+/// While the server drains, every new request gets 503 and its connection is closed.
+async fn refuse_while_draining(
+    State(state): State<Shared>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if !state.drain.draining() {
+        return next.run(req).await;
+    }
+    let mut r = unavailable("the server is shutting down".into()).into_response();
+    r.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    r
 }
 
 type Shared = Arc<AppState>;
@@ -279,10 +335,15 @@ async fn check_access(
             header::ACCESS_CONTROL_ALLOW_METHODS,
             header::HeaderValue::from_static("GET, POST, OPTIONS"),
         );
-        h.insert(
-            header::ACCESS_CONTROL_ALLOW_HEADERS,
-            header::HeaderValue::from_static("authorization, content-type"),
-        );
+        // The headers the page asks to send (client libraries add their own).
+        let asked = req
+            .headers()
+            .get(header::ACCESS_CONTROL_REQUEST_HEADERS)
+            .cloned()
+            .unwrap_or(header::HeaderValue::from_static(
+                "authorization, content-type",
+            ));
+        h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, asked);
         h.insert(
             header::ACCESS_CONTROL_MAX_AGE,
             header::HeaderValue::from_static("600"),
@@ -293,7 +354,7 @@ async fn check_access(
     };
     let h = response.headers_mut();
     h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, origin);
-    h.insert(header::VARY, header::HeaderValue::from_static("Origin"));
+    h.append(header::VARY, header::HeaderValue::from_static("Origin"));
     response
 }
 
@@ -376,6 +437,10 @@ pub fn router(state: Shared) -> Router {
         .layer(axum::middleware::from_fn_with_state(
             Arc::clone(&state),
             check_access,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state),
+            refuse_while_draining,
         ))
         .with_state(state)
 }
@@ -497,9 +562,19 @@ async fn read_body(state: &AppState, body: Body) -> Result<Map<String, Value>, A
     if body.size_hint().lower() > state.body_limit as u64 {
         return Err(too_large());
     }
-    let bytes = axum::body::to_bytes(body, state.body_limit)
-        .await
-        .map_err(|_| too_large())?;
+    // A body dribbled in holds a connection: it must arrive within the timeout.
+    let bytes = tokio::time::timeout(
+        state.body_timeout,
+        axum::body::to_bytes(body, state.body_limit),
+    )
+    .await
+    .map_err(|_| ApiError {
+        status: 408,
+        message: format!("the body did not arrive within {:?}", state.body_timeout),
+        kind: "invalid_request_error",
+        param: None,
+    })?
+    .map_err(|_| too_large())?;
     api::parse_object(&bytes)
 }
 
@@ -589,6 +664,8 @@ async fn completions(State(state): State<Shared>, body: Body) -> Response {
 /// A request accepted into the queue: its jobs' events and what the response needs.
 struct Accepted {
     events: EventReceiver,
+    /// Set when the shutdown grace runs out.
+    cut: tokio::sync::watch::Receiver<bool>,
     req: CompletionRequest,
     chat: bool,
     id: String,
@@ -612,6 +689,7 @@ async fn complete(state: Shared, body: Body, chat: bool) -> Response {
             let n = state.next_id.fetch_add(1, Ordering::Relaxed);
             let a = Accepted {
                 events,
+                cut: state.drain.cut.subscribe(),
                 id: format!("{}-{n}", if chat { "chatcmpl" } else { "cmpl" }),
                 model: r.model_name.clone(),
                 created: unix_now(),
@@ -918,11 +996,32 @@ fn server_error(message: String) -> ApiError {
     }
 }
 
+impl Accepted {
+    /// The scheduler's next event for this request, or a failure when the shutdown
+    /// grace runs out first.
+    async fn next_event(&mut self) -> Option<Event> {
+        if *self.cut.borrow() {
+            return Some(cut_event());
+        }
+        tokio::select! {
+            e = self.events.recv() => e,
+            _ = self.cut.wait_for(|cut| *cut) => Some(cut_event()),
+        }
+    }
+}
+
+fn cut_event() -> Event {
+    Event::Failed {
+        index: 0,
+        message: "the server shut down before the request finished".into(),
+    }
+}
+
 async fn whole_response(mut a: Accepted) -> Response {
     let mut choices: Vec<Choice> = (0..a.req.choices()).map(|_| Choice::default()).collect();
     let mut left = choices.len();
     while left > 0 {
-        match a.events.recv().await {
+        match a.next_event().await {
             Some(Event::Token { index, emitted }) => {
                 let c = &mut choices[index];
                 c.reasoning.push_str(&emitted.reasoning);
@@ -1068,7 +1167,7 @@ impl Streaming {
             return Some(Bytes::from(out));
         }
         loop {
-            match self.a.events.recv().await {
+            match self.a.next_event().await {
                 Some(Event::Token { index, emitted }) => {
                     let logprobs = match (&emitted.logprob, self.a.req.logprobs) {
                         (Some(l), Some(_)) if self.a.chat => {
@@ -1106,12 +1205,17 @@ impl Streaming {
                 Some(Event::Failed { message, .. }) => {
                     self.finished = true;
                     self.a.tracker.outcome = Some(Outcome::Error);
-                    return Some(sse(&server_error(message).body()));
+                    let mut out = sse(&server_error(message).body()).to_vec();
+                    out.extend_from_slice(b"data: [DONE]\n\n");
+                    return Some(Bytes::from(out));
                 }
                 None => {
                     self.finished = true;
                     self.a.tracker.outcome = Some(Outcome::Error);
-                    return Some(sse(&server_error("the scheduler stopped".into()).body()));
+                    let mut out =
+                        sse(&server_error("the scheduler stopped".into()).body()).to_vec();
+                    out.extend_from_slice(b"data: [DONE]\n\n");
+                    return Some(Bytes::from(out));
                 }
             }
         }

@@ -53,6 +53,8 @@ pub struct ServeOptions {
     /// How long a request's head may take to arrive (and a keep-alive connection may
     /// stay idle).
     pub header_timeout: Duration,
+    /// How long a request's body may take to arrive (408 after).
+    pub body_timeout: Duration,
     /// What the backend's KV caches store (for the arena check before the port opens).
     pub kv_type: KvType,
     /// Host names answered besides loopback ones (bound to loopback), or instead of any
@@ -101,7 +103,7 @@ fn load<B: Backend>(
     let template = ChatTemplate::for_model(model.file.metadata(), &tok).map_err(|e| e.0)?;
     let ctx = opts.ctx.min(model.cfg.ctx_train.max(1));
     let per_sequence = model.session(ctx).map_err(|e| e.to_string())?.kv_bytes();
-    let budget = opts.arena_mib << 20;
+    let budget = opts.arena_mib.saturating_mul(1 << 20);
     check_arena(opts, ctx, per_sequence)?;
     let (queue, jobs) = sync_channel(opts.queue);
     let capabilities = Capabilities {
@@ -151,18 +153,18 @@ fn load<B: Backend>(
 /// That `--parallel` sequences of `ctx` positions, `per_sequence` bytes of KV cache
 /// each, fit in `--arena-mib`; the error says what would.
 fn check_arena(opts: &ServeOptions, ctx: usize, per_sequence: usize) -> Result<(), String> {
-    let budget = opts.arena_mib << 20;
-    if opts.parallel.saturating_mul(per_sequence) <= budget {
+    let budget = opts.arena_mib.saturating_mul(1 << 20);
+    let need = opts.parallel.saturating_mul(per_sequence);
+    if need <= budget {
         return Ok(());
     }
+    let need_mib = need.div_ceil(1 << 20);
     Err(format!(
-        "{} sequences of {ctx} positions need {} MiB of KV cache; --arena-mib {} holds {} \
-         (lower --parallel or --ctx, or raise --arena-mib to {})",
+        "{} sequences of {ctx} positions need {need_mib} MiB of KV cache; --arena-mib {} \
+         holds {} (lower --parallel or --ctx, or raise --arena-mib to {need_mib})",
         opts.parallel,
-        (opts.parallel * per_sequence).div_ceil(1 << 20),
         opts.arena_mib,
         budget / per_sequence.max(1),
-        (opts.parallel * per_sequence).div_ceil(1 << 20),
     ))
 }
 
@@ -197,6 +199,12 @@ async fn shutdown_signal() {
     }
 }
 
+/// The most `--max-connections` may be (far above any descriptor limit).
+const MAX_CONNECTIONS: usize = 1 << 20;
+
+/// Connections over the cap being answered at once; past this they are dropped.
+const MAX_REFUSING: usize = 256;
+
 /// What one connection may take.
 #[derive(Clone, Copy, Debug)]
 struct ConnectionLimits {
@@ -215,11 +223,21 @@ async fn accept_loop(
     limits: ConnectionLimits,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> std::io::Result<()> {
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut graceful = Some(hyper_util::server::graceful::GracefulShutdown::new());
     let permits = Arc::new(tokio::sync::Semaphore::new(limits.max));
+    let refusals = Arc::new(tokio::sync::Semaphore::new(MAX_REFUSING));
     tokio::pin!(shutdown);
+    // Until the shutdown signal, then until the connections open at that moment have
+    // finished; connections accepted meanwhile are answered 503 by the router.
+    let mut drained: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> = None;
     loop {
         let stream = tokio::select! {
+            _ = &mut shutdown, if graceful.is_some() => {
+                let watching = graceful.take().expect("guarded");
+                drained = Some(Box::pin(watching.shutdown()));
+                continue;
+            }
+            _ = async { drained.as_mut().expect("guarded").await }, if drained.is_some() => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
                 Err(e) => {
@@ -230,10 +248,14 @@ async fn accept_loop(
                     continue;
                 }
             },
-            _ = &mut shutdown => break,
         };
         let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
-            tokio::spawn(refuse_connection(stream));
+            if let Ok(refusing) = Arc::clone(&refusals).try_acquire_owned() {
+                tokio::spawn(async move {
+                    refuse_connection(stream).await;
+                    drop(refusing);
+                });
+            }
             continue;
         };
         let _ = stream.set_nodelay(true);
@@ -242,20 +264,28 @@ async fn accept_loop(
             .timer(hyper_util::rt::TokioTimer::new())
             .header_read_timeout(limits.header_timeout)
             .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-        let conn = graceful.watch(conn);
-        tokio::spawn(async move {
-            let _ = conn.await;
-            drop(permit);
-        });
+        match &graceful {
+            Some(watching) => {
+                let conn = watching.watch(conn);
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                    drop(permit);
+                });
+            }
+            None => {
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                    drop(permit);
+                });
+            }
+        }
     }
-    drop(listener);
-    graceful.shutdown().await;
     Ok(())
 }
 
 /// A connection over `--max-connections`: a 503 in OpenAI's shape, then closed.
 async fn refuse_connection(mut stream: tokio::net::TcpStream) {
-    use tokio::io::AsyncWriteExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let body = serde_json::json!({"error": {
         "message": "too many open connections; try again shortly",
         "type": "unavailable_error", "param": null, "code": null,
@@ -266,9 +296,13 @@ async fn refuse_connection(mut stream: tokio::net::TcpStream) {
          retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
-    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
         let _ = stream.write_all(response.as_bytes()).await;
         let _ = stream.shutdown().await;
+        // The request is read and dropped: closing with it unread would reset the
+        // connection, and the client might not see the answer.
+        let mut sink = [0u8; 4096];
+        while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
     })
     .await;
 }
@@ -279,6 +313,14 @@ async fn refuse_connection(mut stream: tokio::net::TcpStream) {
 pub fn serve_on<B: Backend>(opts: ServeOptions, backend: BackendFactory<B>) -> Result<(), String> {
     if opts.parallel == 0 || opts.queue == 0 {
         return Err("--parallel and --queue must be at least 1".into());
+    }
+    if !(1..=MAX_CONNECTIONS).contains(&opts.max_connections) {
+        return Err(format!(
+            "--max-connections must be between 1 and {MAX_CONNECTIONS}"
+        ));
+    }
+    if opts.header_timeout.is_zero() || opts.body_timeout.is_zero() {
+        return Err("--header-timeout and --body-timeout must be at least 1 second".into());
     }
     check_arena_early(&opts)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -299,6 +341,7 @@ pub fn serve_on<B: Backend>(opts: ServeOptions, backend: BackendFactory<B>) -> R
             Arc::clone(&metrics),
             keep_awake,
             opts.body_limit,
+            opts.body_timeout,
             opts.api_key.as_deref(),
             Access {
                 loopback: addr.ip().is_loopback(),
@@ -328,11 +371,19 @@ pub fn serve_on<B: Backend>(opts: ServeOptions, backend: BackendFactory<B>) -> R
             max: opts.max_connections,
             header_timeout: opts.header_timeout,
         };
-        let server = accept_loop(listener, router(state), connections, async move {
-            shutdown_signal().await;
-            println!("astra: shutting down; finishing in-flight requests");
-            let _ = stop_tx.send(true);
-        });
+        let draining = Arc::clone(&state);
+        let server = accept_loop(
+            listener,
+            router(Arc::clone(&state)),
+            connections,
+            async move {
+                shutdown_signal().await;
+                println!("astra: shutting down; finishing in-flight requests");
+                draining.drain.start();
+                let _ = stop_tx.send(true);
+            },
+        );
+        tokio::pin!(server);
         let grace = opts.shutdown_grace;
         let bound = async move {
             while !*stop_rx.borrow() {
@@ -343,8 +394,13 @@ pub fn serve_on<B: Backend>(opts: ServeOptions, backend: BackendFactory<B>) -> R
             tokio::time::sleep(grace).await;
         };
         tokio::select! {
-            r = server => r.map_err(|e| format!("serving: {e}"))?,
-            _ = bound => eprintln!("astra: requests still running after {grace:?}; exiting"),
+            r = &mut server => r.map_err(|e| format!("serving: {e}"))?,
+            _ = bound => {
+                eprintln!("astra: requests still running after {grace:?}; ending them");
+                state.drain.cut();
+                // The cut responses' last bytes go out before the process ends.
+                let _ = tokio::time::timeout(Duration::from_secs(2), &mut server).await;
+            }
         }
         Ok(())
     })

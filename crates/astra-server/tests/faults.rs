@@ -268,6 +268,7 @@ fn options(model: PathBuf, port: u16) -> ServeOptions {
         max_connections: 64,
         stall_timeout: Duration::from_secs(30),
         header_timeout: Duration::from_secs(10),
+        body_timeout: Duration::from_secs(30),
         allowed_hosts: Vec::new(),
         cors_origins: Vec::new(),
     }

@@ -802,10 +802,38 @@ fn an_arena_too_small_fails_before_listening() {
 /// and a JSON body; once idle ones time out, requests are served again.
 #[test]
 fn slow_and_idle_connections_are_bounded() {
-    let Some(s) = Server::start(&["--max-connections", "6", "--header-timeout", "2"]) else {
+    let Some(s) = Server::start(&[
+        "--max-connections",
+        "6",
+        "--header-timeout",
+        "2",
+        "--body-timeout",
+        "2",
+    ]) else {
         return;
     };
     let addr = s.base.trim_start_matches("http://").to_owned();
+    // A body that never ends: 408 once its time is up.
+    let mut dribble = TcpStream::connect(&addr).unwrap();
+    dribble
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let started = Instant::now();
+    dribble
+        .write_all(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n\
+              Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"",
+        )
+        .unwrap();
+    let mut answer = String::new();
+    let _ = dribble.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(dribble);
     // A head that never ends.
     let mut slow = TcpStream::connect(&addr).unwrap();
     slow.set_read_timeout(Some(Duration::from_secs(30)))
@@ -833,4 +861,51 @@ fn slow_and_idle_connections_are_bounded() {
     let (status, _, body) = raw_request(&s.base, "GET", "/health", &["Host: 127.0.0.1"], "");
     assert_eq!(status, 200, "{body}");
     drop(idle);
+}
+
+/// The drain: after SIGTERM a new request gets 503 while the listener is still open; a
+/// stream still running when the grace ends is cut with an error event and `[DONE]`,
+/// its body terminated; then the server exits.
+#[test]
+fn a_drain_refuses_new_requests_and_cuts_streams_cleanly() {
+    let Some(mut s) = Server::start(&["--shutdown-grace", "2"]) else {
+        return;
+    };
+    let base = s.base.clone();
+    let mut body = user("Write a very long story about the sea.", 1500);
+    body["stream"] = json!(true);
+    body["temperature"] = json!(1.0);
+    let long =
+        std::thread::spawn(move || post_to(&base, "/v1/chat/completions", &body.to_string()));
+    std::thread::sleep(Duration::from_millis(500));
+    let pid = s.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    std::thread::sleep(Duration::from_millis(300));
+    let (status, head, body) = raw_request(&s.base, "GET", "/v1/models", &["Host: 127.0.0.1"], "");
+    assert_eq!(status, 503, "{head}{body}");
+    assert!(head.contains("retry-after"), "{head}");
+    let (status, text) = long.join().unwrap();
+    assert_eq!(status, 200);
+    let events = sse_events(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let error: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("shut down"),
+        "{error}"
+    );
+    let t0 = Instant::now();
+    while s.child.try_wait().unwrap().is_none() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the server did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

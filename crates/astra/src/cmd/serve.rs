@@ -77,6 +77,9 @@ pub struct Args {
     /// that. Also how long an idle keep-alive connection stays open.
     #[arg(long, default_value_t = 10)]
     header_timeout: u64,
+    /// Seconds a request's body may take to arrive once its head has (408 after).
+    #[arg(long, default_value_t = 30)]
+    body_timeout: u64,
     /// Host names the server answers to besides loopback ones (comma-separated): a
     /// request naming another host gets 403 (against DNS rebinding). Bound to a
     /// non-loopback address with none given, any host is answered.
@@ -145,6 +148,7 @@ pub fn run(args: Args) -> Result<()> {
         max_connections: args.max_connections,
         stall_timeout: Duration::from_secs(args.stall_timeout),
         header_timeout: Duration::from_secs(args.header_timeout),
+        body_timeout: Duration::from_secs(args.body_timeout),
         allowed_hosts: args.allowed_hosts,
         cors_origins: args.cors_origins,
     };
