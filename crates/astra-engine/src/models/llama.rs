@@ -40,14 +40,27 @@ pub(crate) fn forward<B: Backend>(
     cfg: &Config,
     token_embd: &B::Matrix,
     layers: &[Layer<B>],
+    p: Pass<'_, '_, B>,
+) {
+    forward_with_rope(be, cfg, token_embd, layers, p, false)
+}
+
+/// Llama's forward pass with RoPE on adjacent pairs or, `neox`, on the two halves of
+/// each head (what Qwen3 changes, with its layers' QK-norm).
+pub(crate) fn forward_with_rope<B: Backend>(
+    be: &B,
+    cfg: &Config,
+    token_embd: &B::Matrix,
+    layers: &[Layer<B>],
     mut p: Pass<'_, '_, B>,
+    neox: bool,
 ) {
     be.embed(token_embd, p.tokens, None, &mut p.acts.x);
     p.show(Stage::Embedding);
     let rope = Rope {
         dims: cfg.rope_dim,
         base: cfg.rope_base,
-        neox: false,
+        neox,
     };
     for (l, layer) in layers.iter().enumerate() {
         let at = AttentionParams {

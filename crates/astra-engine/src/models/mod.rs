@@ -6,6 +6,7 @@
 mod blocks;
 mod gemma3;
 mod llama;
+mod qwen3;
 
 use std::sync::Arc;
 
@@ -25,16 +26,19 @@ pub enum Arch {
     Llama,
     /// Gemma 3: [`gemma3`].
     Gemma3,
+    /// Qwen3, dense: [`qwen3`].
+    Qwen3,
 }
 
 impl Arch {
-    const ALL: [Arch; 2] = [Arch::Llama, Arch::Gemma3];
+    const ALL: [Arch; 3] = [Arch::Llama, Arch::Gemma3, Arch::Qwen3];
 
     /// The name GGUF metadata gives the architecture, and the prefix of its keys.
     pub fn name(self) -> &'static str {
         match self {
             Arch::Llama => "llama",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen3 => "qwen3",
         }
     }
 
@@ -60,6 +64,7 @@ pub(crate) fn config(md: &Metadata) -> Result<Config, EngineError> {
     match arch {
         Arch::Llama => llama::hparams(md, &mut cfg)?,
         Arch::Gemma3 => gemma3::hparams(md, &mut cfg)?,
+        Arch::Qwen3 => qwen3::hparams(md, &mut cfg)?,
     }
     Ok(cfg)
 }
@@ -76,6 +81,7 @@ pub(crate) struct Weights<B: Backend> {
 enum Layers<B: Backend> {
     Llama(Vec<llama::Layer<B>>),
     Gemma3(Vec<gemma3::Layer<B>>),
+    Qwen3(Vec<qwen3::Layer<B>>),
 }
 
 impl<B: Backend> Weights<B> {
@@ -98,6 +104,7 @@ impl<B: Backend> Weights<B> {
         let layers = match cfg.arch {
             Arch::Llama => Layers::Llama(l.layers(cfg, llama::load_layer)?),
             Arch::Gemma3 => Layers::Gemma3(l.layers(cfg, gemma3::load_layer)?),
+            Arch::Qwen3 => Layers::Qwen3(l.layers(cfg, qwen3::load_layer)?),
         };
         let bytes = l.bytes_per_token(output.is_none());
         let w = Weights {
@@ -119,6 +126,7 @@ impl<B: Backend> Weights<B> {
         match &self.layers {
             Layers::Llama(layers) => llama::forward(be, cfg, &self.token_embd, layers, p),
             Layers::Gemma3(layers) => gemma3::forward(be, cfg, &self.token_embd, layers, p),
+            Layers::Qwen3(layers) => qwen3::forward(be, cfg, &self.token_embd, layers, p),
         }
     }
 }

@@ -1,0 +1,134 @@
+//! Architectures without a real model here, against llama.cpp on random-weight files
+//! (`tests/data/synth`, made and measured as their README says): perplexity, greedy
+//! runs and, feeding llama.cpp's tokens, the top token at every step. Their
+//! distributions are flat (top-2 gaps of a few 1e-3), so greedy runs are compared only
+//! up to the first step whose top-2 gap is small.
+
+use astra_engine::perplexity::perplexity;
+use astra_engine::sampler::{argmax, softmax};
+use astra_engine::{Arithmetic, CpuBackend, Model};
+use astra_tokenizer::{EncodeOptions, Tokenizer};
+use serde_json::Value;
+
+fn path(file: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/synth")
+        .join(file)
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// llama-perplexity's final estimates (GPL-3 text, `-c 256`).
+const PPL: [(&str, f64); 2] = [
+    ("qwen3-tiny-Q8_0", 50117.8552),
+    ("qwen3-tiny-Q4_0", 50039.363),
+];
+
+#[test]
+fn qwen3_perplexity_is_llama_cpps() {
+    let text = std::fs::read_to_string(format!(
+        "{}/tests/data/GPL-3.txt",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap();
+    for (name, want) in PPL {
+        let file = path(&format!("{name}.gguf"));
+        let arithmetics: &[Arithmetic] = if name.ends_with("Q8_0") {
+            &[Arithmetic::Astra, Arithmetic::Ggml]
+        } else {
+            &[Arithmetic::Astra]
+        };
+        for &arithmetic in arithmetics {
+            let be = CpuBackend::new(2).with_arithmetic(arithmetic).unwrap();
+            let model = Model::load_on(be, &file).unwrap();
+            let tok = Tokenizer::from_metadata(model.file.metadata()).unwrap();
+            let tokens = tok.encode(
+                &text,
+                EncodeOptions {
+                    add_special: true,
+                    parse_special: false,
+                },
+            );
+            let bos = if tok.vocab().add_bos { tok.bos() } else { None };
+            let r = perplexity(&model, &tokens, 256, bos, |_, _, _| {}).unwrap();
+            eprintln!("{name} {arithmetic:?}: PPL {:.4} (llama.cpp {want})", r.ppl);
+            assert!(
+                (r.ppl / want - 1.0).abs() < 0.005,
+                "{name} {arithmetic:?}: {} vs {want}",
+                r.ppl
+            );
+        }
+    }
+}
+
+/// Feeding llama.cpp's tokens: at every step where llama.cpp's top two are at least
+/// 0.01 apart in log-probability, the same top token, its log-probability within 0.02;
+/// greedy runs in step until the first closer call. (Closer calls go either way:
+/// rounding differences of a few 1e-3 decide them.)
+#[test]
+fn qwen3_follows_llama_cpps_tokens() {
+    for (name, arithmetic) in [
+        ("qwen3-tiny-Q8_0", Arithmetic::Astra),
+        ("qwen3-tiny-Q8_0", Arithmetic::Ggml),
+        ("qwen3-tiny-Q4_0", Arithmetic::Astra),
+    ] {
+        let be = CpuBackend::new(2).with_arithmetic(arithmetic).unwrap();
+        let model = Model::load_on(be, &path(&format!("{name}.gguf"))).unwrap();
+        let oracle: Value =
+            serde_json::from_slice(&std::fs::read(path(&format!("{name}.greedy.json"))).unwrap())
+                .unwrap();
+        let (mut steps, mut agree, mut clear, mut worst) = (0, 0, 0, 0.0f64);
+        for case in oracle["results"].as_array().unwrap() {
+            let prompt = ids(&case["prompt_token_ids"]);
+            let want = ids(&case["generated_token_ids"]);
+            let mut s = model.session(2048).unwrap();
+            let mut logits = model.forward(&mut s, &prompt, prompt.len() - 1).unwrap();
+            let mut free_running = true;
+            for (k, &w) in want.iter().enumerate() {
+                let got = argmax(&logits);
+                if let Some(top) = case["top5"][k].as_array() {
+                    let lp = |i: usize| top[i]["logprob"].as_f64().unwrap();
+                    let gap = lp(0) - lp(1);
+                    let same = got as u64 == top[0]["id"].as_u64().unwrap();
+                    steps += 1;
+                    agree += usize::from(same);
+                    if gap >= 0.01 {
+                        clear += 1;
+                        assert!(
+                            same,
+                            "{name} {arithmetic:?} {}: step {k}, top-2 gap {gap:.4}",
+                            case["name"]
+                        );
+                        let probs = softmax(&logits);
+                        let got_lp = (probs[got as usize] as f64).ln();
+                        worst = worst.max((got_lp - lp(0)).abs());
+                    } else {
+                        free_running = false;
+                    }
+                    if free_running {
+                        assert_eq!(
+                            got, w,
+                            "{name} {arithmetic:?} {}: greedy step {k}",
+                            case["name"]
+                        );
+                    }
+                }
+                logits = model.forward(&mut s, &[w], 0).unwrap();
+            }
+        }
+        eprintln!(
+            "{name} {arithmetic:?}: top-1 as llama.cpp at {agree}/{steps} steps, all {clear} \
+             with a top-2 gap of 0.01 or more; largest log-probability difference there {worst:.5}"
+        );
+        assert!(
+            worst < 0.02,
+            "{name} {arithmetic:?}: log-probability off by {worst}"
+        );
+    }
+}
