@@ -34,6 +34,11 @@ impl ApiError {
         }
     }
 
+    /// Busy or not ready: a client may try again shortly (`Retry-After: 1`).
+    pub fn retry_shortly(&self) -> bool {
+        matches!(self.status, 429 | 503)
+    }
+
     pub fn body(&self) -> Value {
         let code = match self.status {
             404 => "not_found",

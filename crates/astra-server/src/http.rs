@@ -224,8 +224,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::BAD_REQUEST);
         let mut response = (status, axum::Json(self.body())).into_response();
-        // Busy or not ready: a client may try again shortly.
-        if matches!(self.status, 429 | 503) {
+        if self.retry_shortly() {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
@@ -715,7 +714,7 @@ struct Queued {
     warnings: Vec<String>,
 }
 
-fn unavailable(message: String) -> ApiError {
+pub(crate) fn unavailable(message: String) -> ApiError {
     ApiError {
         status: 503,
         message,

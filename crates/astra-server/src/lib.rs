@@ -3,6 +3,7 @@
 //! scheduler on its own thread while tokio serves HTTP.
 
 pub mod api;
+mod connection;
 pub mod generation;
 pub mod http;
 pub mod keep_awake;

@@ -10,6 +10,7 @@ use astra_engine::attention::KvLayout;
 use astra_engine::{Backend, Config, KvType, Model, MAX_BATCH};
 use astra_tokenizer::{ChatTemplate, Tokenizer};
 
+use crate::connection::{accept_loop, ConnectionLimits, MAX_CONNECTIONS};
 use crate::http::{router, Access, AppState, Capabilities, ImagePolicy, Ready};
 use crate::keep_awake::KeepAwake;
 use crate::metrics::Metrics;
@@ -46,7 +47,8 @@ pub struct ServeOptions {
     pub keep_alive: Option<Duration>,
     /// Require `Authorization: Bearer KEY`.
     pub api_key: Option<String>,
-    /// How long a request whose client stopped reading waits before it is cancelled.
+    /// How long a request whose client stopped reading waits before it is cancelled (and
+    /// a connection's stalled write before the connection is closed).
     pub stall_timeout: Duration,
     /// Open connections at most; more get 503.
     pub max_connections: usize,
@@ -199,114 +201,6 @@ async fn shutdown_signal() {
     }
 }
 
-/// The most `--max-connections` may be (far above any descriptor limit).
-const MAX_CONNECTIONS: usize = 1 << 20;
-
-/// Connections over the cap being answered at once; past this they are dropped.
-const MAX_REFUSING: usize = 256;
-
-/// What one connection may take.
-#[derive(Clone, Copy, Debug)]
-struct ConnectionLimits {
-    /// Open connections; the next gets 503 and is closed.
-    max: usize,
-    /// For a request's head to arrive, counted from when the connection starts waiting
-    /// for it (so also the longest an idle keep-alive connection stays open).
-    header_timeout: Duration,
-}
-
-/// Serves HTTP/1.1 connections on `listener` until `shutdown` completes, then waits for
-/// the open ones to finish their requests.
-async fn accept_loop(
-    listener: tokio::net::TcpListener,
-    app: axum::Router,
-    limits: ConnectionLimits,
-    shutdown: impl std::future::Future<Output = ()>,
-) -> std::io::Result<()> {
-    let mut graceful = Some(hyper_util::server::graceful::GracefulShutdown::new());
-    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max));
-    let refusals = Arc::new(tokio::sync::Semaphore::new(MAX_REFUSING));
-    tokio::pin!(shutdown);
-    // Until the shutdown signal, then until the connections open at that moment have
-    // finished; connections accepted meanwhile are answered 503 by the router.
-    let mut drained: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> = None;
-    loop {
-        let stream = tokio::select! {
-            _ = &mut shutdown, if graceful.is_some() => {
-                let watching = graceful.take().expect("guarded");
-                drained = Some(Box::pin(watching.shutdown()));
-                continue;
-            }
-            _ = async { drained.as_mut().expect("guarded").await }, if drained.is_some() => break,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    // Out of file descriptors, or a connection reset before it was
-                    // taken: the listener itself is fine.
-                    eprintln!("astra: WARN accepting a connection: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
-            if let Ok(refusing) = Arc::clone(&refusals).try_acquire_owned() {
-                tokio::spawn(async move {
-                    refuse_connection(stream).await;
-                    drop(refusing);
-                });
-            }
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        let service = hyper_util::service::TowerToHyperService::new(app.clone());
-        let conn = hyper::server::conn::http1::Builder::new()
-            .timer(hyper_util::rt::TokioTimer::new())
-            .header_read_timeout(limits.header_timeout)
-            .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-        match &graceful {
-            Some(watching) => {
-                let conn = watching.watch(conn);
-                tokio::spawn(async move {
-                    let _ = conn.await;
-                    drop(permit);
-                });
-            }
-            None => {
-                tokio::spawn(async move {
-                    let _ = conn.await;
-                    drop(permit);
-                });
-            }
-        }
-    }
-    Ok(())
-}
-
-/// A connection over `--max-connections`: a 503 in OpenAI's shape, then closed.
-async fn refuse_connection(mut stream: tokio::net::TcpStream) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let body = serde_json::json!({"error": {
-        "message": "too many open connections; try again shortly",
-        "type": "unavailable_error", "param": null, "code": null,
-    }})
-    .to_string();
-    let response = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
-         retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let _ = tokio::time::timeout(Duration::from_secs(2), async {
-        let _ = stream.write_all(response.as_bytes()).await;
-        let _ = stream.shutdown().await;
-        // The request is read and dropped: closing with it unread would reset the
-        // connection, and the client might not see the answer.
-        let mut sink = [0u8; 4096];
-        while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
-    })
-    .await;
-}
-
 /// Runs the server until a shutdown signal (SIGTERM, Ctrl-C) and the end of in-flight
 /// requests, the model on backends made by `backend`. Prints `astra: listening on
 /// http://ADDR` once the port is open.
@@ -319,8 +213,11 @@ pub fn serve_on<B: Backend>(opts: ServeOptions, backend: BackendFactory<B>) -> R
             "--max-connections must be between 1 and {MAX_CONNECTIONS}"
         ));
     }
-    if opts.header_timeout.is_zero() || opts.body_timeout.is_zero() {
-        return Err("--header-timeout and --body-timeout must be at least 1 second".into());
+    if opts.header_timeout.is_zero() || opts.body_timeout.is_zero() || opts.stall_timeout.is_zero()
+    {
+        return Err(
+            "--header-timeout, --body-timeout and --stall-timeout must be at least 1 second".into(),
+        );
     }
     check_arena_early(&opts)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -370,6 +267,7 @@ pub fn serve_on<B: Backend>(opts: ServeOptions, backend: BackendFactory<B>) -> R
         let connections = ConnectionLimits {
             max: opts.max_connections,
             header_timeout: opts.header_timeout,
+            write_timeout: opts.stall_timeout,
         };
         let draining = Arc::clone(&state);
         let server = accept_loop(

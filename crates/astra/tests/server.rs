@@ -797,9 +797,39 @@ fn an_arena_too_small_fails_before_listening() {
     assert!(stderr.contains("--arena-mib 100 holds 2"), "{stderr}");
 }
 
-/// Slow and idle clients: a request head dribbled past `--header-timeout` gets its
-/// connection closed; connections past `--max-connections` get a 503 with Retry-After
-/// and a JSON body; once idle ones time out, requests are served again.
+/// Writes `bytes` on a fresh connection and reads until the server closes it.
+fn write_and_read(addr: &str, bytes: &[u8]) -> (Duration, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let started = Instant::now();
+    // The server may answer and stop reading before all of an oversized head is sent.
+    let _ = s.write_all(bytes);
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer);
+    (
+        started.elapsed(),
+        String::from_utf8_lossy(&answer).into_owned(),
+    )
+}
+
+/// `answer` is a whole response with `status`, an OpenAI-shaped error body and its
+/// length.
+fn assert_json_error(answer: &str, status: u16) {
+    let (head, body) = answer.split_once("\r\n\r\n").expect(answer);
+    assert!(head.starts_with(&format!("HTTP/1.1 {status} ")), "{answer}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains(&format!("content-length: {}", body.len())),
+        "{answer}"
+    );
+    let v: Value = serde_json::from_str(body).expect(answer);
+    assert!(v["error"]["message"].is_string(), "{answer}");
+}
+
+/// Slow and idle clients: a request head dribbled past `--header-timeout` gets a 408
+/// and an idle connection is closed; heads hyper cannot parse get JSON bodies;
+/// connections past `--max-connections` get a 503 with Retry-After and a JSON body; once
+/// idle ones time out, requests are served again.
 #[test]
 fn slow_and_idle_connections_are_bounded() {
     let Some(s) = Server::start(&[
@@ -834,20 +864,39 @@ fn slow_and_idle_connections_are_bounded() {
         started.elapsed()
     );
     drop(dribble);
-    // A head that never ends.
-    let mut slow = TcpStream::connect(&addr).unwrap();
-    slow.set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    let started = Instant::now();
-    slow.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-        .unwrap();
-    let mut buf = Vec::new();
-    let _ = slow.read_to_end(&mut buf);
-    let waited = started.elapsed();
+    // A head that never ends: 408 with a JSON body at the header timeout.
+    let (waited, answer) = write_and_read(&addr, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n");
     assert!(
         waited >= Duration::from_millis(1500) && waited < Duration::from_secs(6),
         "{waited:?}"
     );
+    assert_json_error(&answer, 408);
+    // An idle connection is closed at the header timeout without a word.
+    let (waited, answer) = write_and_read(&addr, b"");
+    assert!(waited < Duration::from_secs(6), "{waited:?}");
+    assert_eq!(answer, "");
+    // Heads hyper cannot parse get its status with a JSON body.
+    for (head, status) in [
+        (b"NOT HTTP AT ALL\r\n\r\n".to_vec(), 400),
+        (
+            b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nno colon here\r\n\r\n".to_vec(),
+            400,
+        ),
+        (
+            [
+                &b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: "[..],
+                &vec![b'a'; 1 << 19],
+                b"\r\n\r\n",
+            ]
+            .concat(),
+            431,
+        ),
+    ] {
+        let (_, answer) = write_and_read(&addr, &head);
+        assert_json_error(&answer, status);
+    }
+    // The server holds each of those connections until it has read the client's close.
+    std::thread::sleep(Duration::from_millis(500));
     // Six idle connections fill the server; the seventh is refused at once.
     let idle: Vec<TcpStream> = (0..6).map(|_| TcpStream::connect(&addr).unwrap()).collect();
     std::thread::sleep(Duration::from_millis(200));

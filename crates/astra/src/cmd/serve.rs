@@ -65,8 +65,9 @@ pub struct Args {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health.
     #[arg(long, env = "ASTRA_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// Seconds a streamed request may wait for its client to read (its generation
-    /// paused, a bounded backlog of output held) before it is cancelled.
+    /// Seconds a client may stop reading: a streamed request waits that long (its
+    /// generation paused, a bounded backlog of output held) before it is cancelled, and
+    /// a connection whose writes make no progress for that long is closed.
     #[arg(long, default_value_t = 30)]
     stall_timeout: u64,
     /// Open connections at most; one more is answered 503 (with Retry-After) and
