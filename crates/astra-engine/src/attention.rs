@@ -228,6 +228,7 @@ struct Partial {
     acc: Vec<f32>, // (head_dim)
 }
 
+#[derive(Clone, Copy)]
 pub struct AttnLayer<'a> {
     cache: &'a LayerCache,
     head_dim: usize,
@@ -286,90 +287,201 @@ impl AttnLayer<'_> {
         out.iter_mut().for_each(|v| *v *= inv);
     }
 
-    /// Attention for a batch: `q` holds `(token, head, head_dim)` for tokens at positions
-    /// `n_past..`; the result goes to `out`, shaped the same.
+    /// Attention for a batch of one sequence: `q` holds `(token, head, head_dim)` for
+    /// tokens at positions `n_past..`; the result goes to `out`, shaped the same.
     pub fn attend(&self, par: &dyn Parallel, q: &[f32], n_past: usize, out: &mut [f32]) {
-        let hd = self.head_dim;
-        let tokens = q.len() / (self.n_head * hd);
-        if tokens == 1 {
-            return self.attend_one(par, q, n_past, out);
-        }
-        // Tasks: (KV head, block of queries); each returns (token, head, output) rows.
-        let tasks: Vec<(usize, usize)> = (0..self.n_head_kv)
-            .flat_map(|g| (0..tokens.div_ceil(QUERY_BLOCK)).map(move |b| (g, b)))
-            .collect();
-        let results: Vec<Mutex<HeadRows>> = tasks.iter().map(|_| Mutex::new(Vec::new())).collect();
-        par.run(tasks.len(), &|task| {
-            let (g, b) = tasks[task];
-            let rows = {
-                let toks = b * QUERY_BLOCK..((b + 1) * QUERY_BLOCK).min(tokens);
-                let heads = g * self.group..(g + 1) * self.group;
-                let last = n_past + toks.end - 1;
-                let lo = self.first(n_past + toks.start);
-                let mut partials: Vec<Vec<Partial>> =
-                    (0..toks.len() * self.group).map(|_| Vec::new()).collect();
-                for c in lo / CHUNK..=last / CHUNK {
-                    for (i, t) in toks.clone().enumerate() {
-                        let pos = n_past + t;
-                        if !self.chunks(pos).contains(&c) {
-                            continue;
-                        }
-                        let (qa, qb) = (
-                            (c * CHUNK).max(self.first(pos)),
-                            (c * CHUNK + CHUNK - 1).min(pos),
-                        );
-                        for (j, h) in heads.clone().enumerate() {
-                            let qh = &q[(t * self.n_head + h) * hd..][..hd];
-                            partials[i * self.group + j].push(self.partial(qh, g, qa, qb));
-                        }
-                    }
-                }
-                let mut rows = Vec::with_capacity(partials.len());
-                for (i, t) in toks.enumerate() {
-                    for (j, h) in heads.clone().enumerate() {
-                        let mut o = vec![0.0f32; hd];
-                        Self::merge(&partials[i * self.group + j], &mut o);
-                        rows.push((t, h, o));
-                    }
-                }
-                rows
-            };
-            *results[task].lock().expect("own slot") = rows;
-        });
-        for (t, h, o) in results
-            .into_iter()
-            .flat_map(|r| r.into_inner().expect("own slot"))
-        {
-            out[(t * self.n_head + h) * hd..][..hd].copy_from_slice(&o);
+        let seq = SeqQueries {
+            layer: *self,
+            q,
+            n_past,
+        };
+        attend_batch(par, &[seq], &mut [out]);
+    }
+
+    /// Queries in `q` (`(token, head, head_dim)`, tokens from `n_past` on).
+    fn tokens(&self, q: &[f32]) -> usize {
+        q.len() / (self.n_head * self.head_dim)
+    }
+
+    /// The tasks attending `q`: for one query, each KV head's chunks (the chunks of a
+    /// long context in parallel) where `split` says, else each KV head; for several,
+    /// each KV head's blocks of [`QUERY_BLOCK`] queries (the queries of a block sharing
+    /// each chunk while it is in cache).
+    fn tasks(&self, seq: usize, q: &[f32], n_past: usize, split: bool, tasks: &mut Vec<Task>) {
+        let tokens = self.tokens(q);
+        for g in 0..self.n_head_kv {
+            if tokens == 1 && split {
+                tasks.extend(self.chunks(n_past).map(|c| Task::Chunk { seq, g, c }));
+            } else if tokens == 1 {
+                tasks.push(Task::Head { seq, g });
+            } else {
+                let blocks = tokens.div_ceil(QUERY_BLOCK);
+                tasks.extend((0..blocks).map(|b| Task::Block { seq, g, b }));
+            }
         }
     }
 
-    /// One query token: the chunks of each KV head in parallel, then merged in order.
-    fn attend_one(&self, par: &dyn Parallel, q: &[f32], pos: usize, out: &mut [f32]) {
+    /// The partials of KV head `g`'s query heads over chunk `c`, for the one query in
+    /// `q` (at position `pos`).
+    fn chunk_partials(&self, q: &[f32], pos: usize, g: usize, c: usize) -> Vec<Partial> {
         let hd = self.head_dim;
         let lo = self.first(pos);
-        let tasks: Vec<(usize, usize)> = (0..self.n_head_kv)
-            .flat_map(|g| self.chunks(pos).map(move |c| (g, c)))
-            .collect();
-        let slots: Vec<Mutex<Vec<Partial>>> =
-            tasks.iter().map(|_| Mutex::new(Vec::new())).collect();
-        par.run(tasks.len(), &|task| {
-            let (g, c) = tasks[task];
-            let (a, b) = ((c * CHUNK).max(lo), (c * CHUNK + CHUNK - 1).min(pos));
-            let heads = (g * self.group..(g + 1) * self.group)
-                .map(|h| self.partial(&q[h * hd..(h + 1) * hd], g, a, b));
-            *slots[task].lock().expect("own slot") = heads.collect();
-        });
-        // Tasks run KV head by KV head, chunks in order: moving each task's partials to
-        // their query heads leaves every head's list in chunk order.
-        let mut per_head: Vec<Vec<Partial>> = (0..self.n_head).map(|_| Vec::new()).collect();
-        for (&(g, _), slot) in tasks.iter().zip(slots) {
-            for (j, p) in slot.into_inner().expect("own slot").into_iter().enumerate() {
-                per_head[g * self.group + j].push(p);
+        let (a, b) = ((c * CHUNK).max(lo), (c * CHUNK + CHUNK - 1).min(pos));
+        (g * self.group..(g + 1) * self.group)
+            .map(|h| self.partial(&q[h * hd..(h + 1) * hd], g, a, b))
+            .collect()
+    }
+
+    /// The outputs of KV head `g`'s query heads for the one query in `q` (at position
+    /// `pos`): its chunks' partials in order, merged.
+    fn head_rows(&self, q: &[f32], pos: usize, g: usize) -> HeadRows {
+        let mut partials: Vec<Vec<Partial>> = (0..self.group).map(|_| Vec::new()).collect();
+        for c in self.chunks(pos) {
+            for (j, p) in self.chunk_partials(q, pos, g, c).into_iter().enumerate() {
+                partials[j].push(p);
             }
         }
-        for (h, partials) in per_head.iter().enumerate() {
-            Self::merge(partials, &mut out[h * hd..(h + 1) * hd]);
+        let hd = self.head_dim;
+        (0..self.group)
+            .map(|j| {
+                let mut o = vec![0.0f32; hd];
+                Self::merge(&partials[j], &mut o);
+                (0, g * self.group + j, o)
+            })
+            .collect()
+    }
+
+    /// The outputs of KV head `g`'s query heads for block `b` of the queries in `q`
+    /// (from position `n_past` on), chunk by chunk.
+    fn block_rows(&self, q: &[f32], n_past: usize, g: usize, b: usize) -> HeadRows {
+        let hd = self.head_dim;
+        let toks = b * QUERY_BLOCK..((b + 1) * QUERY_BLOCK).min(self.tokens(q));
+        let heads = g * self.group..(g + 1) * self.group;
+        let last = n_past + toks.end - 1;
+        let lo = self.first(n_past + toks.start);
+        let mut partials: Vec<Vec<Partial>> =
+            (0..toks.len() * self.group).map(|_| Vec::new()).collect();
+        for c in lo / CHUNK..=last / CHUNK {
+            for (i, t) in toks.clone().enumerate() {
+                let pos = n_past + t;
+                if !self.chunks(pos).contains(&c) {
+                    continue;
+                }
+                let (qa, qb) = (
+                    (c * CHUNK).max(self.first(pos)),
+                    (c * CHUNK + CHUNK - 1).min(pos),
+                );
+                for (j, h) in heads.clone().enumerate() {
+                    let qh = &q[(t * self.n_head + h) * hd..][..hd];
+                    partials[i * self.group + j].push(self.partial(qh, g, qa, qb));
+                }
+            }
+        }
+        let mut rows = Vec::with_capacity(partials.len());
+        for (i, t) in toks.enumerate() {
+            for (j, h) in heads.clone().enumerate() {
+                let mut o = vec![0.0f32; hd];
+                Self::merge(&partials[i * self.group + j], &mut o);
+                rows.push((t, h, o));
+            }
+        }
+        rows
+    }
+}
+
+/// One sequence's part of [`attend_batch`]: its queries `(token, head, head_dim)` at
+/// positions `n_past..`, attended over `layer` of its own cache.
+pub struct SeqQueries<'a> {
+    pub layer: AttnLayer<'a>,
+    pub q: &'a [f32],
+    pub n_past: usize,
+}
+
+/// A task of [`attend_batch`].
+#[derive(Clone, Copy)]
+enum Task {
+    /// Sequence `seq`'s one query: KV head `g`'s heads over chunk `c`.
+    Chunk { seq: usize, g: usize, c: usize },
+    /// Sequence `seq`'s one query: KV head `g`'s heads over every chunk.
+    Head { seq: usize, g: usize },
+    /// Sequence `seq`'s queries of block `b`: KV head `g`'s heads over every chunk.
+    Block { seq: usize, g: usize, b: usize },
+}
+
+/// What a task of [`attend_batch`] gives.
+enum Done {
+    Partials(Vec<Partial>),
+    Rows(HeadRows),
+}
+
+/// Attention for several sequences in one parallel job: `outs[i]`, shaped like
+/// `seqs[i].q`, gets sequence `i`'s result. Each sequence's tasks and merges are those
+/// it would have alone (a decode query's chunks in parallel when too few sequences'
+/// KV heads would keep the threads busy, else in turn within one task), so its result
+/// has the same bits whatever shares the job.
+pub fn attend_batch(par: &dyn Parallel, seqs: &[SeqQueries<'_>], outs: &mut [&mut [f32]]) {
+    assert_eq!(seqs.len(), outs.len(), "one output per sequence");
+    let decode_heads: usize = seqs
+        .iter()
+        .filter(|s| s.layer.tokens(s.q) == 1)
+        .map(|s| s.layer.n_head_kv)
+        .sum();
+    let split = decode_heads < 4 * par.threads();
+    let mut tasks = Vec::new();
+    for (i, s) in seqs.iter().enumerate() {
+        s.layer.tasks(i, s.q, s.n_past, split, &mut tasks);
+    }
+    let slots: Vec<Mutex<Done>> = tasks
+        .iter()
+        .map(|_| Mutex::new(Done::Rows(Vec::new())))
+        .collect();
+    par.run(tasks.len(), &|task| {
+        let done = match tasks[task] {
+            Task::Chunk { seq, g, c } => {
+                let s = &seqs[seq];
+                Done::Partials(s.layer.chunk_partials(s.q, s.n_past, g, c))
+            }
+            Task::Head { seq, g } => {
+                let s = &seqs[seq];
+                Done::Rows(s.layer.head_rows(s.q, s.n_past, g))
+            }
+            Task::Block { seq, g, b } => {
+                let s = &seqs[seq];
+                Done::Rows(s.layer.block_rows(s.q, s.n_past, g, b))
+            }
+        };
+        *slots[task].lock().expect("own slot") = done;
+    });
+    // Tasks run KV head by KV head, chunks in order: moving each chunk task's partials
+    // to their query heads leaves every head's list in chunk order.
+    let mut per_head: Vec<Vec<Vec<Partial>>> = seqs
+        .iter()
+        .map(|s| match s.layer.tokens(s.q) {
+            1 if split => (0..s.layer.n_head).map(|_| Vec::new()).collect(),
+            _ => Vec::new(),
+        })
+        .collect();
+    for (task, slot) in tasks.iter().zip(slots) {
+        match (*task, slot.into_inner().expect("own slot")) {
+            (Task::Chunk { seq, g, .. }, Done::Partials(partials)) => {
+                let group = seqs[seq].layer.group;
+                for (j, p) in partials.into_iter().enumerate() {
+                    per_head[seq][g * group + j].push(p);
+                }
+            }
+            (Task::Head { seq, .. } | Task::Block { seq, .. }, Done::Rows(rows)) => {
+                let l = &seqs[seq].layer;
+                for (t, h, o) in rows {
+                    outs[seq][(t * l.n_head + h) * l.head_dim..][..l.head_dim].copy_from_slice(&o);
+                }
+            }
+            _ => unreachable!("each task fills its own kind of slot"),
+        }
+    }
+    for (seq, heads) in per_head.iter().enumerate() {
+        let hd = seqs[seq].layer.head_dim;
+        for (h, partials) in heads.iter().enumerate() {
+            AttnLayer::merge(partials, &mut outs[seq][h * hd..(h + 1) * hd]);
         }
     }
 }
@@ -591,5 +703,75 @@ mod tests {
             pos += n;
         }
         assert!(pos > 6 * window);
+    }
+
+    /// Several sequences in one call (decode queries and prompt blocks, short and long
+    /// contexts, a sliding-window layer and a global one) each get the bits they get
+    /// alone, with a decode query's chunks split across tasks (few sequences) or not
+    /// (many).
+    #[test]
+    fn a_batch_of_sequences_gets_each_ones_bits_alone() {
+        let cfg = config(100);
+        let layout = KvLayout::new(&cfg, 700, 64);
+        let pool = Pool::new(2);
+        let mut rng = Rng(11);
+        let (qd, kd) = (cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim);
+        // (positions held, queries)
+        let shapes = [
+            (0, 1),
+            (650, 1),
+            (70, 20),
+            (300, 1),
+            (129, 3),
+            (5, 1),
+            (64, 1),
+        ];
+        let mut caches = Vec::new();
+        let mut queries = Vec::new();
+        for &(held, n) in &shapes {
+            let mut kv = KvCache::new(&layout);
+            for layer in 0..2 {
+                for p in 0..held + n {
+                    kv.store(layer, p, &rng.vec(kd), &rng.vec(kd));
+                }
+            }
+            caches.push(kv);
+            queries.push(rng.vec(n * qd));
+        }
+        for layer in 0..2 {
+            let alone: Vec<Vec<f32>> = caches
+                .iter()
+                .zip(&queries)
+                .zip(&shapes)
+                .map(|((kv, q), &(held, _))| {
+                    let mut out = vec![0.0f32; q.len()];
+                    kv.layer(layer, 0.3).attend(&pool, q, held, &mut out);
+                    out
+                })
+                .collect();
+            for count in [2, shapes.len()] {
+                let seqs: Vec<SeqQueries<'_>> = (0..count)
+                    .map(|i| SeqQueries {
+                        layer: caches[i].layer(layer, 0.3),
+                        q: &queries[i],
+                        n_past: shapes[i].0,
+                    })
+                    .collect();
+                let mut outs: Vec<Vec<f32>> = queries[..count]
+                    .iter()
+                    .map(|q| vec![0.0; q.len()])
+                    .collect();
+                let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+                attend_batch(&pool, &seqs, &mut views);
+                for (i, out) in outs.iter().enumerate() {
+                    assert!(
+                        out.iter()
+                            .zip(&alone[i])
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "layer {layer}, {count} sequences: sequence {i} differs from alone"
+                    );
+                }
+            }
+        }
     }
 }

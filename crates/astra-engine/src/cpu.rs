@@ -8,7 +8,7 @@ use astra_gguf::{GgmlType, GgufFile};
 use astra_quant::matmul::{matmul_many_on, MatmulJob, Parallel, QuantMatrix, QuantizedActivations};
 use astra_quant::{Isa, Kernels};
 
-use crate::attention::{AttnLayer, KvCache, KvLayout, KvType};
+use crate::attention::{attend_batch, KvCache, KvLayout, KvType, SeqQueries};
 use crate::backend::{Activation, Attend, Backend, Rope, SeqRows};
 use crate::ggml_ops;
 use crate::ops::add_inplace;
@@ -49,11 +49,11 @@ struct RowOps {
     rope: fn(head: &mut [f32], pos: usize, dims: usize, base: f32, neox: bool),
     /// `gate = act(gate) · up` over rows of `width`.
     glu: fn(gate: &mut [f32], up: &[f32], width: usize, act: Activation),
-    /// One sequence's queries at positions `n_past..` over a layer of its cache.
-    attend: fn(&CpuBackend, &AttnLayer<'_>, q: &[f32], n_past: usize, out: &mut [f32]),
+    /// Each sequence's queries over a layer of its own cache, into its output.
+    attend: fn(&CpuBackend, &[SeqQueries<'_>], &mut [&mut [f32]]),
 }
 
-/// astra's arithmetic ([`crate::ops`], [`AttnLayer::attend`]).
+/// astra's arithmetic ([`crate::ops`], [`attend_batch`]).
 static ASTRA: RowOps = RowOps {
     name: "astra",
     kernels: |ty, isa| Kernels::new(ty, isa).map_err(|e| EngineError::Invalid(e.to_string())),
@@ -61,10 +61,10 @@ static ASTRA: RowOps = RowOps {
     rms_norm_inplace: crate::ops::rms_norm_inplace,
     rope: crate::ops::rope,
     glu: |gate, up, _, act| crate::ops::glu(gate, up, act == Activation::GeluTanh),
-    attend: |be, layer, q, n_past, out| layer.attend(&be.pool, q, n_past, out),
+    attend: |be, seqs, outs| attend_batch(&be.pool, seqs, outs),
 };
 
-/// llama.cpp's arithmetic ([`crate::ggml_ops`], [`AttnLayer::attend_ggml`]).
+/// llama.cpp's arithmetic ([`crate::ggml_ops`], [`crate::attention::AttnLayer::attend_ggml`]).
 static GGML: RowOps = RowOps {
     name: "ggml",
     kernels: |ty, isa| {
@@ -88,8 +88,12 @@ static GGML: RowOps = RowOps {
             f(g, u)
         }
     },
-    attend: |be, layer, q, n_past, out| {
-        layer.attend_ggml(&be.pool, q, n_past, out, be.threads(), be.isa)
+    // ggml attends one sequence's micro-batch at a time.
+    attend: |be, seqs, outs| {
+        for (s, out) in seqs.iter().zip(outs) {
+            s.layer
+                .attend_ggml(&be.pool, s.q, s.n_past, out, be.threads(), be.isa)
+        }
     },
 };
 
@@ -441,17 +445,37 @@ impl Backend for CpuBackend {
 
     fn attention(&self, a: Attend<'_, '_, Self>, out: &mut CpuTensor) {
         let qw = a.q.width;
-        let attend = self.ops().attend;
-        for s in a.seqs.iter_mut() {
-            let rows = s.rows.start * qw..s.rows.end * qw;
-            let layer = s.kv.layer(a.layer, a.scale);
-            attend(
-                self,
-                &layer,
-                &a.q.data[rows.clone()],
-                s.pos,
-                &mut out.data[rows],
-            );
-        }
+        let seqs: Vec<SeqQueries<'_>> = a
+            .seqs
+            .iter()
+            .map(|s| SeqQueries {
+                layer: s.kv.layer(a.layer, a.scale),
+                q: &a.q.data[s.rows.start * qw..s.rows.end * qw],
+                n_past: s.pos,
+            })
+            .collect();
+        let mut outs = rows_of(&mut out.data, a.seqs.iter().map(|s| s.rows.clone()), qw);
+        (self.ops().attend)(self, &seqs, &mut outs);
     }
+}
+
+/// The rows `ranges` (in increasing order, disjoint) of `data`, rows of `width`, as
+/// separate slices.
+fn rows_of(
+    data: &mut [f32],
+    ranges: impl Iterator<Item = std::ops::Range<usize>>,
+    width: usize,
+) -> Vec<&mut [f32]> {
+    let mut rest = data;
+    let mut taken = 0;
+    let mut out = Vec::new();
+    for r in ranges {
+        assert!(r.start >= taken, "a batch's sequences hold increasing rows");
+        let tail = std::mem::take(&mut rest);
+        let (part, tail) = tail[(r.start - taken) * width..].split_at_mut(r.len() * width);
+        out.push(part);
+        rest = tail;
+        taken = r.end;
+    }
+    out
 }
