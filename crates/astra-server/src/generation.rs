@@ -39,9 +39,11 @@ pub struct ThinkingParams {
     pub end: String,
     /// Thinking tokens allowed before the wrap-up is injected; `None`: unlimited.
     pub budget: Option<usize>,
-    /// The wrap-up text (the sentence and the end marker) and its tokens.
-    pub wrap_up_text: String,
-    pub wrap_up_tokens: Vec<u32>,
+    /// The wrap-up (the sentence and the end marker): text and tokens.
+    pub wrap_up: (String, Vec<u32>),
+    /// The end marker fed in place of an end of turn inside the thinking, so that the
+    /// model goes on to answer: text and tokens; `None`: the turn ends there.
+    pub close: Option<(String, Vec<u32>)>,
     /// The budget's terms (cap, answer room, budget) for the per-request log line;
     /// `None`: not logged.
     pub log: Option<String>,
@@ -96,7 +98,28 @@ pub struct Generation {
     answering: bool,
     pub generated: Vec<u32>,
     pub thinking_tokens: usize,
-    pub injected: bool,
+    /// How the thinking ended, if the server ended it.
+    pub injected: Option<Injected>,
+}
+
+/// What the server fed to end a request's thinking.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Injected {
+    /// The wrap-up, when the thinking budget ran out.
+    WrapUp,
+    /// The end marker, when the model ended its turn inside the thinking.
+    Close,
+}
+
+impl Injected {
+    /// The per-request log line's word for it.
+    pub fn name(injected: Option<Injected>) -> &'static str {
+        match injected {
+            Some(Injected::WrapUp) => "wrap_up",
+            Some(Injected::Close) => "end_marker",
+            None => "none",
+        }
+    }
 }
 
 /// Whether a token's text starts a new word (so that text injected before it does not
@@ -126,7 +149,7 @@ impl Generation {
             answering: false,
             generated: Vec::new(),
             thinking_tokens: 0,
-            injected: false,
+            injected: None,
         }
     }
 
@@ -172,7 +195,7 @@ impl Generation {
             return false;
         };
         self.think.is_some()
-            && !self.injected
+            && self.injected.is_none()
             && (self.thinking_tokens >= budget
                 || (self.thinking_tokens + WRAP_UP_WINDOW >= budget && starts_word(bytes)))
     }
@@ -192,6 +215,19 @@ impl Generation {
             ..Emitted::default()
         };
         if tok.vocab().eog.contains(&id) {
+            // Inside the thinking (so nothing injected yet: both injections end it), the
+            // end of turn is dropped and the end marker fed in its place.
+            let close = self
+                .params
+                .thinking
+                .as_ref()
+                .and_then(|t| t.close.clone())
+                .filter(|(_, tokens)| self.think.is_some() && room > tokens.len());
+            if let Some((text, tokens)) = close {
+                self.injected = Some(Injected::Close);
+                self.inject(text, tokens, &mut out);
+                return out;
+            }
             let tail = self.decoder.finish();
             self.route(&tail, &mut out);
             self.release_held(&mut out);
@@ -204,22 +240,18 @@ impl Generation {
             .params
             .thinking
             .as_ref()
-            .is_some_and(|t| room > t.wrap_up_tokens.len());
+            .is_some_and(|t| room > t.wrap_up.1.len());
         if wrap_up_fits && self.wrap_up_due(&bytes) {
             // The sampled token is dropped; the wrap-up is fed in its place.
-            self.injected = true;
-            let t = self
+            self.injected = Some(Injected::WrapUp);
+            let (text, tokens) = self
                 .params
                 .thinking
                 .as_ref()
-                .expect("budget implies thinking");
-            let (text, tokens) = (
-                format!("{}{}", self.decoder.finish(), t.wrap_up_text),
-                t.wrap_up_tokens.clone(),
-            );
-            out.logprob = None;
-            out.inject = Some(tokens);
-            self.route(&text, &mut out);
+                .expect("budget implies thinking")
+                .wrap_up
+                .clone();
+            self.inject(text, tokens, &mut out);
             return out;
         }
         self.generated.push(id);
@@ -239,6 +271,14 @@ impl Generation {
             out.finish = Some(FinishReason::Length);
         }
         out
+    }
+
+    /// Feeds `tokens` (whose text is `text`) in place of the sampled token.
+    fn inject(&mut self, text: String, tokens: Vec<u32>, out: &mut Emitted) {
+        let text = format!("{}{text}", self.decoder.finish());
+        out.logprob = None;
+        out.inject = Some(tokens);
+        self.route(&text, out);
     }
 
     /// Releases text held back for a possible marker or stop string at the end.

@@ -38,7 +38,17 @@ pub enum ImagePolicy {
 /// The wrap-up injected when a thinking budget runs out, ending the thinking with `end`:
 /// its text and tokens.
 pub fn wrap_up(tok: &Tokenizer, end: &str) -> (String, Vec<u32>) {
-    let text = format!("\n{WRAP_UP}\n{end}\n\n");
+    injected(tok, format!("\n{WRAP_UP}\n{end}\n\n"))
+}
+
+/// The end of the thinking injected when a model ends its turn inside it: its text and
+/// tokens.
+pub fn close_thinking(tok: &Tokenizer, end: &str) -> (String, Vec<u32>) {
+    injected(tok, format!("\n{end}\n\n"))
+}
+
+/// `text`, to be fed as if generated, and its tokens (markers as special tokens).
+fn injected(tok: &Tokenizer, text: String) -> (String, Vec<u32>) {
     let tokens = tok.encode(
         &text,
         EncodeOptions {
@@ -65,6 +75,8 @@ pub struct Ready {
     pub think_markers: (String, String),
     /// The thinking wrap-up (sentence and end marker), as text and tokens.
     pub wrap_up: (String, Vec<u32>),
+    /// The end of the thinking injected at an end of turn inside it: text and tokens.
+    pub close_thinking: (String, Vec<u32>),
     pub answer_room: usize,
     pub images: ImagePolicy,
     /// New requests get 503 while available memory is below this (bytes).
@@ -728,6 +740,9 @@ fn thinking_params(r: &Ready, req: &CompletionRequest) -> ThinkingParams {
     let end = r.think_markers.1.clone();
     let cap = req.max_tokens;
     let loggable = |c: usize| c <= 32768;
+    let room = req.thinking.answer_room.unwrap_or(r.answer_room);
+    // An end of turn inside the thinking closes it, unless no room is kept for answers.
+    let close = (room > 0).then(|| r.close_thinking.clone());
     let (budget, log) = match (req.thinking.thinking_budget, cap) {
         (Some(b), cap) => (
             Some(b),
@@ -735,7 +750,6 @@ fn thinking_params(r: &Ready, req: &CompletionRequest) -> ThinkingParams {
                 .map(|c| format!("cap={c} answer_room=off thinking_budget={b} (requested)")),
         ),
         (None, Some(cap)) => {
-            let room = req.thinking.answer_room.unwrap_or(r.answer_room);
             let budget = (room > 0).then(|| cap.saturating_sub(room));
             let shown = budget.map_or_else(|| "unlimited".to_owned(), |b| b.to_string());
             (
@@ -746,12 +760,11 @@ fn thinking_params(r: &Ready, req: &CompletionRequest) -> ThinkingParams {
         }
         (None, None) => (None, None),
     };
-    let (wrap_up_text, wrap_up_tokens) = r.wrap_up.clone();
     ThinkingParams {
         end,
         budget,
-        wrap_up_text,
-        wrap_up_tokens,
+        wrap_up: r.wrap_up.clone(),
+        close,
         log,
     }
 }

@@ -25,7 +25,7 @@ use astra_engine::{Backend, Model, Session, Step, MAX_BATCH};
 use astra_tokenizer::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use crate::generation::{Emitted, FinishReason, GenParams, Generation};
+use crate::generation::{Emitted, FinishReason, GenParams, Generation, Injected};
 use crate::metrics::Metrics;
 
 /// What the prompt cache is keyed by: the prompt's tokens and the digests of the
@@ -656,8 +656,12 @@ impl<B: Backend> Scheduler<B> {
                 .as_ref()
                 .filter(|t| t.log.is_some())
             {
-                let injected = if a.generation.injected { "yes" } else { "no" };
-                eprintln!("astra: INFO reasoning budget: {} thinking_tokens={} wrap_up_injected={injected}", t.log.as_deref().unwrap_or(""), usage.reasoning_tokens);
+                let injected = Injected::name(a.generation.injected);
+                eprintln!(
+                    "astra: INFO reasoning budget: {} thinking_tokens={} injected={injected}",
+                    t.log.as_deref().unwrap_or(""),
+                    usage.reasoning_tokens
+                );
             }
             a.job.events.send(Event::Done {
                 index: a.job.index,

@@ -136,6 +136,7 @@ fn load<B: Backend>(
         slots: opts.parallel,
         capabilities,
         wrap_up: crate::http::wrap_up(&tok, &think_markers.1),
+        close_thinking: crate::http::close_thinking(&tok, &think_markers.1),
         think_markers,
         answer_room: opts.answer_room,
         images: opts.images,

@@ -58,7 +58,7 @@ fn thinking_budget_wraps_up_and_leaves_room_to_answer() {
     );
     let logged = s.wait_for_log("reasoning budget: cap=64 answer_room=16 thinking_budget=48");
     assert_eq!(logged.len(), 1, "{logged:?}");
-    assert!(logged[0].contains("wrap_up_injected=yes"), "{}", logged[0]);
+    assert!(logged[0].contains("injected=wrap_up"), "{}", logged[0]);
     // Streamed: the same reasoning and answer.
     let mut body = thinking_request(16);
     body["stream"] = json!(true);
@@ -73,6 +73,48 @@ fn thinking_budget_wraps_up_and_leaves_room_to_answer() {
     );
 }
 
+/// A model that ends its turn inside the thinking, with answer room left, gets its
+/// thinking closed and answers; with the reservation off, the turn ends there.
+#[test]
+fn an_end_of_turn_inside_the_thinking_still_gets_an_answer() {
+    let Some(s) = Server::start(&[]) else { return };
+    // Prompts on which SmolLM2 ends its turn inside the thinking after a few tokens.
+    for (i, prompt) in ["What is the capital of France?", "Say hello."]
+        .into_iter()
+        .enumerate()
+    {
+        let mut body = thinking_request(16);
+        body["messages"][0]["content"] = json!(prompt);
+        let mut off_body = body.clone();
+        off_body["answer_room"] = json!(0);
+        let off = s.chat(&off_body);
+        let off_msg = &off["choices"][0]["message"];
+        assert_eq!(off_msg["content"], "", "{prompt}: {off}");
+        assert!(off["usage"]["completion_tokens"].as_u64().unwrap() < 48);
+        let r = s.chat(&body);
+        let msg = &r["choices"][0]["message"];
+        let (reasoning, content) = (
+            msg["reasoning_content"].as_str().unwrap(),
+            msg["content"].as_str().unwrap(),
+        );
+        assert!(!content.trim().is_empty(), "{prompt}: no answer: {r}");
+        assert!(!content.contains("</think>") && !reasoning.contains("</think>"));
+        assert!(!reasoning.contains(WRAP_UP), "{reasoning:?}");
+        // The thinking is the one the turn ended in.
+        assert_eq!(
+            reasoning.trim_end(),
+            off_msg["reasoning_content"].as_str().unwrap().trim_end()
+        );
+        let t0 = Instant::now();
+        while s.log_lines("injected=end_marker").len() <= i && t0.elapsed().as_secs() < 10 {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let logged = s.log_lines("injected=end_marker");
+        assert_eq!(logged.len(), i + 1, "{logged:?}");
+        assert!(logged[i].contains("answer_room=16"), "{}", logged[i]);
+    }
+}
+
 #[test]
 fn answer_room_zero_turns_the_reservation_off() {
     let Some(s) = Server::start(&[]) else { return };
@@ -83,7 +125,7 @@ fn answer_room_zero_turns_the_reservation_off() {
     assert!(!reasoning.contains(WRAP_UP));
     let logged = s.wait_for_log("reasoning budget: cap=64 answer_room=0 thinking_budget=unlimited");
     assert!(
-        logged.len() == 1 && logged[0].contains("wrap_up_injected=no"),
+        logged.len() == 1 && logged[0].contains("injected=none"),
         "{logged:?}"
     );
     // An explicit thinking_budget replaces the reservation.
