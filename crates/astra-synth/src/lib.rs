@@ -44,7 +44,7 @@ pub struct Shape {
 }
 
 /// Shapes of known models.
-pub const SHAPES: [Shape; 4] = [
+pub const SHAPES: [Shape; 5] = [
     Shape {
         name: "llama3-8b",
         arch: "llama",
@@ -112,6 +112,23 @@ pub const SHAPES: [Shape; 4] = [
         window: Some(512),
         qk_norm: true,
         post_norms: true,
+    },
+    Shape {
+        name: "qwen3-0.6b",
+        arch: "qwen3",
+        n_layer: 28,
+        n_embd: 1024,
+        n_head: 16,
+        n_head_kv: 8,
+        head_dim: 128,
+        n_ff: 3072,
+        n_vocab: 151936,
+        ctx: 40960,
+        rope_base: 1e6,
+        rms_eps: 1e-6,
+        window: None,
+        qk_norm: true,
+        post_norms: false,
     },
 ];
 

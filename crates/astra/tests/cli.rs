@@ -455,7 +455,11 @@ fn perplexity_command_reports_llama_cpp_format() {
 #[test]
 fn synth_writes_loadable_models_of_known_shapes() {
     let dir = tempfile::tempdir().unwrap();
-    for (like, ty, tensors) in [("smollm2-135m", "q4_1", 272), ("gemma3-270m", "q4_k", 236)] {
+    for (like, ty, tensors) in [
+        ("smollm2-135m", "q4_1", 272),
+        ("gemma3-270m", "q4_k", 236),
+        ("qwen3-0.6b", "q4_0", 310),
+    ] {
         let path = dir.path().join(format!("{like}.gguf"));
         let p = path.to_str().unwrap();
         let out = astra(&["synth", "--like", like, "--type", ty, "-o", p]);
