@@ -257,7 +257,7 @@ unsafe impl Sync for SharedOut {}
 /// Rows per task: two tasks per thread (a thread that falls behind leaves the other
 /// one to take over half its share; more tasks cost more claims per step than they
 /// win back in decode), whole cache lines of output (and so whole groups of a
-/// [`Packing`](crate::dot::Packing), which has eight rows).
+/// [`Packing`](crate::dot::Packing), which has eight or sixteen rows).
 fn chunk_rows(rows: usize, threads: usize) -> usize {
     rows.div_ceil(2 * threads).next_multiple_of(16).max(16)
 }

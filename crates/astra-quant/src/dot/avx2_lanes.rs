@@ -8,9 +8,9 @@
 //! cannot leave i16 ([`Lanes8::I16_RUN`]), so every lane ends with its row's exact
 //! integer block sum and no horizontal sums are needed.
 //!
-//! Decode streams each group of eight rows once ([`rows_dot1`]); prefill decodes a
+//! Decode streams each group of eight rows once ([`dot1_groups`]); prefill decodes a
 //! tile of sixteen rows once into scratch, and every token of the batch meets both
-//! halves with the same broadcasts ([`tile_dot`]). Rows as stored are transposed as
+//! halves with the same broadcasts ([`tile_groups`]). Rows as stored are transposed as
 //! they stream past; rows packed at load ([`pack`]) are stored block by block in lane
 //! order already, so decoding a block is loads and masks, with the same results.
 //!
@@ -32,22 +32,16 @@ use crate::blocks::*;
 use crate::GgmlType;
 
 /// Rows per vector.
-const LANES: usize = 8;
+pub(super) const LANES: usize = 8;
 
 /// The entry points for a weight type, if it runs in lanes on AVX2: the dot on bytes,
 /// decode, the batch tile, and the packing with its decode and tile.
 pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, VecDot1Fn, VecDotTileFn, Packing)> {
     macro_rules! entries {
         ($f:ty, $act:expr) => {{
-            let (dot, dot1, tile) = lane_entries!(rows_dot1, tile_dot, $f, $act);
-            fn packed_dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
-                // SAFETY: handed out only where AVX2/FMA/F16C are present (module doc).
-                unsafe { rows_dot1_packed::<$f>(w, row_bytes, a, out) }
-            }
-            fn packed_tile(w: &[u8], row_bytes: usize, a: &[ActRow], out: &mut [[f32; TILE_ROWS]]) {
-                // SAFETY: as for `packed_dot1`.
-                unsafe { tile_dot_packed::<$f>(w, row_bytes, a, out) }
-            }
+            let (dot, dot1, tile) = lane_entries!(dot1_groups, tile_groups, $f, $act, false);
+            let (_, packed_dot1, packed_tile) =
+                lane_entries!(dot1_groups, tile_groups, $f, $act, true);
             let packing = Packing {
                 rows: LANES,
                 pack: pack::<$f>,
@@ -114,7 +108,7 @@ fn pack_dwords(codes: [&[u8]; LANES], n: usize, out: &mut [u8]) {
 
 /// `out` is `w` (whole rows) with each whole group of eight rows packed, block by
 /// block, in the group's place; the rows after the last whole group are copied.
-fn pack<F: Lanes8>(w: &[u8], row_bytes: usize, out: &mut [u8]) {
+pub(super) fn pack<F: Lanes8>(w: &[u8], row_bytes: usize, out: &mut [u8]) {
     assert!(
         row_bytes > 0 && w.len().is_multiple_of(row_bytes) && out.len() == w.len(),
         "packing whole rows"
@@ -339,10 +333,10 @@ impl Lanes8 for Q8_0Lanes {
 /// and `m` lane l are row l's scale and minimum.
 #[derive(Clone, Copy)]
 #[repr(C, align(32))]
-struct LaneBlock {
-    codes: [__m256i; 8],
-    d: __m256,
-    m: __m256,
+pub(super) struct LaneBlock {
+    pub(super) codes: [__m256i; 8],
+    pub(super) d: __m256,
+    pub(super) m: __m256,
 }
 
 // `lane_block` reads a row's first four bytes as d and (Q4_1) m: both blocks begin so.
@@ -472,7 +466,7 @@ unsafe fn finish<F: Lanes8>(acc: __m256, min: __m256) -> [f32; LANES] {
 /// A packed block (at `p`), in lanes: the same values [`lane_block`] makes of the
 /// rows it was packed from.
 #[inline(always)]
-unsafe fn packed_block<F: Lanes8>(p: *const u8) -> LaneBlock {
+pub(super) unsafe fn packed_block<F: Lanes8>(p: *const u8) -> LaneBlock {
     LaneBlock {
         codes: F::packed_codes(p),
         d: _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
@@ -515,8 +509,9 @@ impl<F: Lanes8> Blocks<F> for Packed {
 
 /// `out[i] = K·(row i of w, a)` for consecutive rows of `row_bytes`, eight at a time,
 /// each group decoded as it streams past (from packed groups where `PACKED`, the last
-/// rows, short of a group, as stored) while the next one is prefetched.
-#[inline(always)]
+/// rows, short of a group, as stored; `w` begins at a group) while the next one is
+/// prefetched.
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot1_groups<F: Lanes8, const PACKED: bool>(
     w: &[u8],
     row_bytes: usize,
@@ -568,18 +563,6 @@ unsafe fn group_dot<F: Lanes8, S: Blocks<F>>(
     finish::<F>(acc, min)
 }
 
-/// Decode over rows as stored.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_dot1<F: Lanes8>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
-    dot1_groups::<F, false>(w, row_bytes, a, out)
-}
-
-/// Decode over packed rows (`w` begins at a group).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_dot1_packed<F: Lanes8>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
-    dot1_groups::<F, true>(w, row_bytes, a, out)
-}
-
 thread_local! {
     /// A thread's decoded tile (both halves of each block), reused from call to call.
     static TILE: RefCell<Vec<[LaneBlock; 2]>> = const { RefCell::new(Vec::new()) };
@@ -589,7 +572,7 @@ thread_local! {
 /// decoded once, in two halves of eight (from packed groups where `PACKED` and the
 /// half is a whole group), then every token runs both halves' chains over the tile,
 /// each block's broadcasts shared by the two.
-#[inline(always)]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_groups<F: Lanes8, const PACKED: bool>(
     w: &[u8],
     row_bytes: usize,
@@ -638,28 +621,6 @@ unsafe fn tile_groups<F: Lanes8, const PACKED: bool>(
         }
     }
     TILE.set(tile);
-}
-
-/// The batch tile over rows as stored.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_dot<F: Lanes8>(
-    w: &[u8],
-    row_bytes: usize,
-    a: &[ActRow<'_>],
-    out: &mut [[f32; TILE_ROWS]],
-) {
-    tile_groups::<F, false>(w, row_bytes, a, out)
-}
-
-/// The batch tile over packed rows (`w` begins at a group).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_dot_packed<F: Lanes8>(
-    w: &[u8],
-    row_bytes: usize,
-    a: &[ActRow<'_>],
-    out: &mut [[f32; TILE_ROWS]],
-) {
-    tile_groups::<F, true>(w, row_bytes, a, out)
 }
 
 #[cfg(test)]

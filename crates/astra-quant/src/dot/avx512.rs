@@ -8,9 +8,11 @@
 //! out in scalar code and the kernels match bit for bit (as do AVX2's eight lanes,
 //! `avx2_lanes`).
 //!
-//! Decode streams each 16-row group once, transposing it as it goes ([`rows_dot1`]);
+//! Decode streams each 16-row group once, transposing it as it goes ([`dot1_groups`]);
 //! prefill transposes a group once into a scratch tile that every token of the batch
-//! then meets ([`tile_dot`]). Both run the same per-lane arithmetic.
+//! then meets ([`tile_groups`]). Both run the same per-lane arithmetic. Rows packed at
+//! load ([`pack16`]: AVX2's packing, whose lanes are these kernels' lanes) are already
+//! in lane order, so decoding a block of them is loads and masks, with the same results.
 //!
 //! Q4_K and Q6_K batches run the same way over super-blocks ([`k_tile_dot`]): exact
 //! integer super-block sums (group sums times their integer scales), then AVX2's float
@@ -26,10 +28,11 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
+use super::avx2_lanes::{self, Lanes8};
 use super::lanes::{
     group, lane_entries, tile_rows, Act, LaneFormat, Q4_1Lanes, Q5_0Lanes, Q8_0Lanes,
 };
-use super::{ActRow, ActType, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_ROWS};
+use super::{ActRow, ActType, Packing, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_ROWS};
 use crate::blocks::*;
 use crate::GgmlType;
 
@@ -40,15 +43,25 @@ use crate::GgmlType;
 pub(crate) struct LaneKernels {
     pub single: Option<(VecDotFn, VecDot1Fn)>,
     pub tile: VecDotTileFn,
+    /// The packing at load, where the type has one.
+    pub packing: Option<Packing>,
 }
 
 pub(crate) fn kernels(weights: GgmlType) -> Option<LaneKernels> {
     macro_rules! entries {
         ($f:ty, $act:expr) => {{
-            let (dot, dot1, tile) = lane_entries!(rows_dot1, tile_dot, $f, $act);
+            let (dot, dot1, tile) = lane_entries!(dot1_groups, tile_groups, $f, $act, false);
+            let (_, packed_dot1, packed_tile) =
+                lane_entries!(dot1_groups, tile_groups, $f, $act, true);
             LaneKernels {
                 single: Some((dot, dot1)),
                 tile,
+                packing: Some(Packing {
+                    rows: TILE_ROWS,
+                    pack: pack16::<$f>,
+                    dot1: packed_dot1,
+                    tile: packed_tile,
+                }),
             }
         }};
     }
@@ -61,6 +74,7 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<LaneKernels> {
             LaneKernels {
                 single: None,
                 tile: tile as VecDotTileFn,
+                packing: None,
             }
         }};
     }
@@ -251,9 +265,15 @@ unsafe fn finish<F: Lanes16>(acc: __m512, min: __m512) -> [f32; TILE_ROWS] {
 }
 
 /// `out[i] = K·(row i of w, a)` for consecutive rows of `row_bytes`, 16 at a time, each
-/// group transposed as it streams past while the next one is prefetched.
+/// group decoded as it streams past (from packed groups where `PACKED`; the last rows,
+/// short of a group, as stored; `w` begins at a group) while the next one is prefetched.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows_dot1<F: Lanes16>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
+unsafe fn dot1_groups<F: Packed16, const PACKED: bool>(
+    w: &[u8],
+    row_bytes: usize,
+    a: ActRow<'_>,
+    out: &mut [f32],
+) {
     assert!(
         row_bytes > 0 && w.len() == row_bytes * out.len(),
         "weights are not out.len() rows"
@@ -263,11 +283,16 @@ unsafe fn rows_dot1<F: Lanes16>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: 
     let span = TILE_ROWS * row_bytes;
     for (g, out) in out.chunks_mut(TILE_ROWS).enumerate() {
         let rows = group::<F::W, TILE_ROWS>(w, row_bytes, g * TILE_ROWS, out.len());
+        let packed = (PACKED && out.len() == TILE_ROWS).then(|| w.as_ptr().add(g * span));
         let (mut acc, mut min) = (_mm512_setzero_ps(), _mm512_setzero_ps());
         let next = (g + 1) * span;
         for b in 0..blocks {
             super::avx2::prefetch_ahead(w, next + b * span / blocks, span / blocks);
-            step::<F>(&lane_block::<F>(&rows, b), act, b, &mut acc, &mut min);
+            let x = match packed {
+                Some(p) => packed_lane_block::<F>(p, row_bytes, b),
+                None => lane_block::<F>(&rows, b),
+            };
+            step::<F>(&x, act, b, &mut acc, &mut min);
         }
         out.copy_from_slice(&finish::<F>(acc, min)[..out.len()]);
     }
@@ -279,21 +304,27 @@ thread_local! {
 }
 
 /// `out[t][i] = K·(row i of w, a[t])` for the (at most 16) rows of `w`: the rows are
-/// transposed once, then every token runs its chains over the tile.
+/// decoded once (from a packed group where `PACKED` and the rows are a whole group),
+/// then every token runs its chains over the tile.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile_dot<F: Lanes16>(
+unsafe fn tile_groups<F: Packed16, const PACKED: bool>(
     w: &[u8],
     row_bytes: usize,
     a: &[ActRow<'_>],
     out: &mut [[f32; TILE_ROWS]],
 ) {
     let (rows, blocks) = tile_rows::<F::W>(w, row_bytes, a.len(), out.len());
+    let packed = PACKED && w.len() == TILE_ROWS * row_bytes;
     // Taken out of the thread-local rather than used in a closure: a closure would not
     // inherit this function's target features.
     let mut tile = TILE.take();
     tile.clear();
     for b in 0..blocks {
-        tile.push(lane_block::<F>(&rows, b));
+        tile.push(if packed {
+            packed_lane_block::<F>(w.as_ptr(), row_bytes, b)
+        } else {
+            lane_block::<F>(&rows, b)
+        });
     }
     for (a, out) in a.iter().zip(out.iter_mut()) {
         let act = Act::new::<F>(a, blocks);
@@ -304,6 +335,78 @@ unsafe fn tile_dot<F: Lanes16>(
         *out = finish::<F>(acc, min);
     }
     TILE.set(tile);
+}
+
+/// A [`Lanes16`] format whose rows are packed at load as AVX2's kernels pack them
+/// ([`avx2_lanes::pack`]), in groups of sixteen rows: two of AVX2's groups of eight,
+/// one after the other. AVX2 puts in lane l of its vector k what the transposes here
+/// put in lane l (or l + 8) of vector k, so a packed block is two loads per vector.
+pub(crate) trait Packed16: Lanes16 + Lanes8 {
+    /// AVX2's lane codes as these kernels take them.
+    ///
+    /// # Safety
+    /// The module's features.
+    #[inline(always)]
+    unsafe fn from_lanes8(codes: __m512i) -> __m512i {
+        codes
+    }
+}
+
+impl Packed16 for Q4_1Lanes {}
+
+impl Packed16 for Q5_0Lanes {}
+
+impl Packed16 for Q8_0Lanes {
+    /// AVX2 keeps Q8_0's codes signed; here they are offset.
+    #[inline(always)]
+    unsafe fn from_lanes8(codes: __m512i) -> __m512i {
+        _mm512_xor_si512(codes, _mm512_set1_epi8(-128))
+    }
+}
+
+/// `out` is `w` (whole rows) with each whole group of sixteen rows packed (as two of
+/// AVX2's groups of eight), the rows after the last whole group as stored.
+fn pack16<F: Packed16>(w: &[u8], row_bytes: usize, out: &mut [u8]) {
+    assert!(
+        row_bytes > 0 && w.len().is_multiple_of(row_bytes) && out.len() == w.len(),
+        "packing whole rows"
+    );
+    let whole = w.len() / (TILE_ROWS * row_bytes) * (TILE_ROWS * row_bytes);
+    avx2_lanes::pack::<F>(&w[..whole], row_bytes, &mut out[..whole]);
+    out[whole..].copy_from_slice(&w[whole..]);
+}
+
+/// Two halves of eight lanes as one vector.
+#[inline(always)]
+unsafe fn join_i(low: __m256i, high: __m256i) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low), high)
+}
+
+/// Two halves of eight lanes as one vector.
+#[inline(always)]
+unsafe fn join_f(low: __m256, high: __m256) -> __m512 {
+    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+        _mm512_castpd256_pd512(_mm256_castps_pd(low)),
+        _mm256_castps_pd(high),
+    ))
+}
+
+/// Block `b` of the packed group of sixteen rows of `row_bytes` at `g`: the same values
+/// [`lane_block`] makes of the rows it was packed from.
+#[inline(always)]
+unsafe fn packed_lane_block<F: Packed16>(g: *const u8, row_bytes: usize, b: usize) -> LaneBlock {
+    let at = b * avx2_lanes::LANES * std::mem::size_of::<<F as LaneFormat>::W>();
+    let low = avx2_lanes::packed_block::<F>(g.add(at));
+    let high = avx2_lanes::packed_block::<F>(g.add(avx2_lanes::LANES * row_bytes + at));
+    let mut codes = [_mm512_setzero_si512(); 8];
+    for (k, c) in codes.iter_mut().enumerate() {
+        *c = F::from_lanes8(join_i(low.codes[k], high.codes[k]));
+    }
+    LaneBlock {
+        codes,
+        d: join_f(low.d, high.d),
+        m: join_f(low.m, high.m),
+    }
 }
 
 // ------------------------------------------------------------- 256-element K-quants
@@ -506,7 +609,7 @@ thread_local! {
     static K_TILE: RefCell<Vec<KLaneBlock>> = const { RefCell::new(Vec::new()) };
 }
 
-/// As [`tile_dot`] for a [`KLaneFormat`].
+/// As [`tile_groups`] for a [`KLaneFormat`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn k_tile_dot<F: KLaneFormat>(
     w: &[u8],
@@ -548,13 +651,17 @@ mod tests {
             eprintln!("skipped: this machine has no AVX-512 VNNI");
             return;
         }
-        let LaneKernels { single, tile } = kernels(ty).unwrap();
+        let LaneKernels {
+            single,
+            tile,
+            packing,
+        } = kernels(ty).unwrap();
         let (dot, dot1) = single.expect("a whole set");
-        check_kernels::<F>(ty, act, (dot, dot1, tile), None);
+        check_kernels::<F>(ty, act, (dot, dot1, tile), Some(packing.expect("packed")));
     }
 
-    /// Decode, single-row and tile entry points equal the scalar statement of their
-    /// arithmetic bit for bit, on ragged row counts.
+    /// Decode, single-row and tile entry points, over rows as stored and packed, equal
+    /// the scalar statement of their arithmetic bit for bit, on ragged row counts.
     #[test]
     fn kernels_equal_their_scalar_statement() {
         check::<Q4_1Lanes>(GgmlType::Q4_1, ActType::Q8_1);

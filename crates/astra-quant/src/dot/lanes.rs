@@ -33,19 +33,20 @@ pub(crate) trait LaneFormat {
     fn codes(b: &Self::W) -> [u8; 32];
 }
 
-/// The entry points of a lane kernel family for format `$f`: the dot on bytes, decode
-/// (`$dot1::<$f>`) and the batch tile (`$tile::<$f>`), both unsafe fns that need the
-/// features of the set whose `kernels` hands these out.
+/// The entry points of a lane kernel family for format `$f` over rows as stored
+/// (`$packed` false) or packed at load (true): the dot on bytes, decode
+/// (`$dot1::<$f, $packed>`) and the batch tile (`$tile::<$f, $packed>`), both unsafe
+/// fns that need the features of the set whose `kernels` hands these out.
 macro_rules! lane_entries {
-    ($dot1:ident, $tile:ident, $f:ty, $act:expr) => {{
+    ($dot1:ident, $tile:ident, $f:ty, $act:expr, $packed:expr) => {{
         fn dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
             // SAFETY: handed out only where the set's features are present (the calling
             // module's doc).
-            unsafe { $dot1::<$f>(w, row_bytes, a, out) }
+            unsafe { $dot1::<$f, $packed>(w, row_bytes, a, out) }
         }
         fn tile(w: &[u8], row_bytes: usize, a: &[ActRow], out: &mut [[f32; TILE_ROWS]]) {
             // SAFETY: as for `dot1`.
-            unsafe { $tile::<$f>(w, row_bytes, a, out) }
+            unsafe { $tile::<$f, $packed>(w, row_bytes, a, out) }
         }
         fn dot(w: &[u8], a: &[u8]) -> f32 {
             let mut out = [0.0];

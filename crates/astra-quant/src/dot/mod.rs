@@ -186,8 +186,8 @@ pub enum Isa {
     /// same bits), packed at load; the other types run one row at a time.
     Avx2,
     /// AVX-512 (F, BW, VL) with VNNI (Ice Lake, Sapphire Rapids, Zen 4): Q4_1, Q5_0
-    /// and Q8_0 put sixteen weight rows in the lanes of a 512-bit `vpdpbusd`, as do
-    /// batches of Q4_K and Q6_K; the rest runs AVX2's kernels.
+    /// and Q8_0 put sixteen weight rows in the lanes of a 512-bit `vpdpbusd`, packed at
+    /// load, as do batches of Q4_K and Q6_K; the rest runs AVX2's kernels.
     Avx512Vnni,
 }
 
@@ -333,7 +333,7 @@ impl Kernels {
                     isa,
                     dot4: None,
                     tile: Some(own.tile),
-                    packing: None,
+                    packing: own.packing,
                     ..Kernels::new(weights, Isa::Avx2)?
                 };
                 match own.single {
