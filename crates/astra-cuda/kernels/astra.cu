@@ -960,6 +960,211 @@ struct Q8_0HeldLanes {
 };
 HELD_ENTRIES(matvec_q8_0_held, Q8_0HeldLanes)
 
+// ---------------------------------------------------------------------------------
+// Tiled products of batches (mmq_*): the integer dot products on the tensor cores,
+// each weight block loaded once for every token of a tile. A CTA takes 16 rows and
+// 8·NT tokens, its MMQ_WARPS warps every MMQ_WARPS-th block of the rows from the
+// warp's index on. Grid (row tiles of up to three matrices, token tiles). Each warp
+// sums a (row, token)'s block contributions in block order, each block's as the scalar
+// statement (blk_q4_k, blk_q8_0) computes it, every rounding spelled out; the warps'
+// sums are then added in warp order. A token's result so depends on its own
+// activations alone, whatever else is in the batch and whichever tile it falls in. The
+// order differs from the per-token kernels', so these run only where batching may
+// change the last bits (not --deterministic).
+
+// c = A·B over k = 32 for one 16×8 tile (mma.m16n8k32, s8 × s8 → s32). Lane l, with
+// g = l / 4 and q = l % 4, holds in a[0..3] row g at k 4q..4q+3, row g+8 there, row g
+// at k 16+4q.., row g+8 there; in b0, b1 column g at k 4q.. and 16+4q..; and gets in
+// c[0..3] the entries (g, 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1). Bytes in a word are
+// in k order.
+__device__ __forceinline__ void mma_s8(int c[4], const unsigned int a[4], int b0, int b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+#else
+    __trap();
+#endif
+}
+
+// A tile's rows and tokens: the matrix of the three that CTA blockIdx.x falls in, the
+// tile's first row, the lane's rows (ra, ra + 8) and the tile's first token.
+struct MmqTile {
+    const u8* w;
+    float* out;
+    int rows, row0, ra, tok0;
+    __device__ MmqTile(const u8* w0, const u8* w1, const u8* w2, float* o0, float* o1, float* o2, int r0, int r1, int r2, int nt) {
+        int tile = blockIdx.x, t0 = (r0 + 15) / 16, t1 = (r1 + 15) / 16;
+        if (tile < t0) {
+            w = w0, out = o0, rows = r0;
+        } else if (tile < t0 + t1) {
+            tile -= t0, w = w1, out = o1, rows = r1;
+        } else {
+            tile -= t0 + t1, w = w2, out = o2, rows = r2;
+        }
+        row0 = tile * 16;
+        ra = row0 + threadIdx.x % WARP / 4;
+        tok0 = blockIdx.y * 8 * nt;
+    }
+    // A row to read: past the end, the last (its results are not stored).
+    __device__ int row(int r) const { return min(r, rows - 1); }
+    // The warps' sums added in warp order and stored: sum[n][e] of lane l holds token
+    // tok0 + 8n + 2(l % 4) + e % 2 of row ra + 8(e / 2).
+    template <int NT>
+    __device__ void store(const float (&sum)[NT][4], int acc, int tokens) const {
+        __shared__ float part[MMQ_WARPS][NT][4][WARP];
+        int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) part[warp][n][e][lane] = sum[n][e];
+        __syncthreads();
+        for (int k = threadIdx.x; k < NT * 4 * WARP; k += WARP * MMQ_WARPS) {
+            int l = k % WARP, e = k / WARP % 4, n = k / (4 * WARP);
+            float v = part[0][n][e][l];
+#pragma unroll
+            for (int w = 1; w < MMQ_WARPS; w++) v = __fadd_rn(v, part[w][n][e][l]);
+            int t = tok0 + 8 * n + 2 * (l % 4) + e % 2, r = row0 + l / 4 + 8 * (e / 2);
+            if (t < tokens && r < rows) put(out, (long)t * rows + r, v, acc);
+        }
+    }
+};
+
+// A lane's activation rows (abytes each) in each token tile: column g's, the mma's, and
+// tokens 2q and 2q + 1, its results'; past the batch, its last token.
+template <int NT>
+struct MmqActs {
+    const u8* col[NT];
+    const u8* res[NT][2];
+    __device__ MmqActs(const MmqTile& tl, const u8* a, long abytes, int tokens) {
+        int g = threadIdx.x % WARP / 4, q = threadIdx.x % 4;
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            int t = tl.tok0 + 8 * n;
+            col[n] = a + min(t + g, tokens - 1) * abytes;
+            res[n][0] = a + min(t + 2 * q, tokens - 1) * abytes;
+            res[n][1] = a + min(t + 2 * q + 1, tokens - 1) * abytes;
+        }
+    }
+};
+
+// Q4_K × Q8_K: sub-block j of a block (32 weights, nibble j % 2 of quant bytes
+// 32(j / 2)..) is one mma; its integer sums times the rows' 6-bit scales are added
+// exactly, and the block's minimums come from the activations' 16-sums.
+template <int NT>
+__device__ __forceinline__ void mmq_q4_k(const MmqTile& tl, const u8* a, int nb, int acc, int tokens) {
+    const int q = threadIdx.x % 4;
+    const long abytes = (long)nb * Q8K_BYTES;
+    const u8* wr[2] = {tl.w + (long)tl.row(tl.ra) * nb * 144, tl.w + (long)tl.row(tl.ra + 8) * nb * 144};
+    MmqActs<NT> at(tl, a, abytes, tokens);
+    float sum[NT][4] = {};
+    for (int b = threadIdx.x / WARP; b < nb; b += MMQ_WARPS) {
+        unsigned int qw[2][8];
+        int sc[2][8], mn[2][8];
+        float d[2], dmin[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const u8* blk = wr[h] + (long)b * 144;
+            uint4 head = *(const uint4*)blk;
+            d[h] = h2f((u16)(head.x & 0xffffu));
+            dmin[h] = h2f((u16)(head.x >> 16));
+            u8 scales[12];
+            unsigned int s3[3] = {head.y, head.z, head.w};
+#pragma unroll
+            for (int i = 0; i < 12; i++) scales[i] = (u8)(s3[i / 4] >> (8 * (i % 4)));
+#pragma unroll
+            for (int j = 0; j < 8; j++) scale_min_k4(j, scales, &sc[h][j], &mn[h][j]);
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                qw[h][2 * c] = *(const unsigned int*)(blk + 16 + 32 * c + 4 * q);
+                qw[h][2 * c + 1] = *(const unsigned int*)(blk + 32 + 32 * c + 4 * q);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            const u8* ab = at.col[n] + (long)b * Q8K_BYTES;
+            int is[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                int c = j / 2, sh = 4 * (j % 2);
+                unsigned int aw[4] = {(qw[0][2 * c] >> sh) & 0x0f0f0f0fu, (qw[1][2 * c] >> sh) & 0x0f0f0f0fu,
+                                      (qw[0][2 * c + 1] >> sh) & 0x0f0f0f0fu, (qw[1][2 * c + 1] >> sh) & 0x0f0f0f0fu};
+                int cc[4];
+                mma_s8(cc, aw, *(const int*)(ab + 32 * j + 4 * q), *(const int*)(ab + 32 * j + 16 + 4 * q));
+                is[0] += sc[0][j] * cc[0];
+                is[1] += sc[0][j] * cc[1];
+                is[2] += sc[1][j] * cc[2];
+                is[3] += sc[1][j] * cc[3];
+            }
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const u8* ay = at.res[n][e] + (long)b * Q8K_BYTES;
+                uint4 s0 = *(const uint4*)(ay + Q8K_SUMS), s1 = *(const uint4*)(ay + Q8K_SUMS + 16);
+                unsigned int sw[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+                int ms[2] = {0, 0};
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    int pair = (int)(i16)(sw[j] & 0xffffu) + (int)(i16)(sw[j] >> 16);
+                    ms[0] += mn[0][j] * pair;
+                    ms[1] += mn[1][j] * pair;
+                }
+                float dy = *(const float*)(ay + Q8K_D);
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    float part = __fsub_rn(__fmul_rn((float)is[2 * h + e], __fmul_rn(d[h], dy)), __fmul_rn((float)ms[h], __fmul_rn(dmin[h], dy)));
+                    sum[n][2 * h + e] = __fadd_rn(sum[n][2 * h + e], part);
+                }
+            }
+        }
+    }
+    tl.store<NT>(sum, acc, tokens);
+}
+
+// A word of a Q8_0 row's quants (at a multiple of 4 from the row's start) in loads its
+// alignment allows.
+__device__ __forceinline__ unsigned int ld4_row(const u8* p, int align) {
+    return align >= 4 ? *(const unsigned int*)p : (unsigned int)ld4_2(p);
+}
+
+// Q8_0 × Q8_0 (the device layout of q8_0_scale): one mma a block.
+template <int NT>
+__device__ __forceinline__ void mmq_q8_0(const MmqTile& tl, const u8* a, int nb, int acc, int tokens) {
+    const int q = threadIdx.x % 4, align = q8_0_align(nb);
+    const long abytes = (long)nb * 34;
+    const u8* wr[2] = {tl.w + (long)tl.row(tl.ra) * nb * 34, tl.w + (long)tl.row(tl.ra + 8) * nb * 34};
+    MmqActs<NT> at(tl, a, abytes, tokens);
+    float sum[NT][4] = {};
+    for (int b = threadIdx.x / WARP; b < nb; b += MMQ_WARPS) {
+        unsigned int aw[4] = {ld4_row(wr[0] + 32 * b + 4 * q, align), ld4_row(wr[1] + 32 * b + 4 * q, align),
+                              ld4_row(wr[0] + 32 * b + 16 + 4 * q, align), ld4_row(wr[1] + 32 * b + 16 + 4 * q, align)};
+        float dw[2] = {q8_0_scale(wr[0], nb, b), q8_0_scale(wr[1], nb, b)};
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            const u8* ab = at.col[n] + (long)b * 34;
+            int cc[4];
+            mma_s8(cc, aw, ld4_2(ab + 2 + 4 * q), ld4_2(ab + 18 + 4 * q));
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float dy = ldh(at.res[n][e] + (long)b * 34);
+#pragma unroll
+                for (int h = 0; h < 2; h++) sum[n][2 * h + e] = __fadd_rn(sum[n][2 * h + e], __fmul_rn((float)cc[2 * h + e], __fmul_rn(dw[h], dy)));
+            }
+        }
+    }
+    tl.store<NT>(sum, acc, tokens);
+}
+
+#define MMQ_ENTRY(name, NT)                                                                                              \
+    extern "C" __global__ void __launch_bounds__(WARP * MMQ_WARPS) name##_##NT(const MatvecHeldArgs kargs) { UNPACK_MatvecHeldArgs(kargs) \
+        PDL_START                                                                                                        \
+        MmqTile tl(w0, w1, w2, o0, o1, o2, r0, r1, r2, NT);                                                              \
+        name<NT>(tl, a, nb, acc, tokens);                                                                                \
+    }
+#define MMQ_ENTRIES(name) MMQ_ENTRY(name, 1) MMQ_ENTRY(name, 2) MMQ_ENTRY(name, 4) MMQ_ENTRY(name, 8)
+MMQ_ENTRIES(mmq_q4_k)
+MMQ_ENTRIES(mmq_q8_0)
+
 // A decode row's gated product made by its gate and up matrices' kernel and quantized
 // for the down matrix (32-blocks: kind 0 Q8_0, 1 Q8_1), the gate and up rows never
 // stored: a CTA of 32 warps owns a block of 32 rows, warp l computes gate row and then

@@ -156,7 +156,8 @@ kernel_args! {
         w0: In<u8>, w1: In<u8>, w2: In<u8>, a: In<u8>, o0: Out<f32>, o1: Out<f32>,
         o2: Out<f32>, r0: i32, r1: i32, r2: i32, nb: i32, tokens: i32,
     }
-    /// The held-activations products of up to three matrices.
+    /// The held-activations products of up to three matrices, and the tiled ones
+    /// (`mmq_*`, whose CTAs take 16 rows each: `per_cta`).
     MatvecHeldArgs {
         w0: In<u8>, w1: In<u8>, w2: In<u8>, a: In<u8>, o0: Out<f32>, o1: Out<f32>,
         o2: Out<f32>, r0: i32, r1: i32, r2: i32, nb: i32, per_cta: i32, acc: i32, tokens: i32,

@@ -29,7 +29,7 @@ use crate::launch;
 use crate::nvrtc;
 use crate::shared::{
     glu_code, quant_kind, type_code, CHUNK, HELD_MAX_ROWS_1, HELD_MAX_ROWS_8, HELD_WARPS,
-    MAX_HEAD_DIM, Q8K_BYTES,
+    MAX_HEAD_DIM, MMQ_WARPS, Q8K_BYTES,
 };
 
 fn gpu_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> EngineError + '_ {
@@ -47,6 +47,9 @@ struct Kernels {
     /// [`HeldKernels::max_blocks`] blocks).
     matvec_q4_k_held: HeldKernels,
     matvec_q8_0_held: HeldKernels,
+    /// The tiled products of batches, by token tiles of 8, 16, 32 and 64.
+    mmq_q4_k: [CudaFunction; 4],
+    mmq_q8_0: [CudaFunction; 4],
     matvec_q4_1: MatvecKernels,
     matvec_q5_0: MatvecKernels,
     matvec_q8_0: MatvecKernels,
@@ -112,6 +115,14 @@ impl Kernels {
                 glu,
             })
         };
+        let mmq = |n: &str| -> Result<[CudaFunction; 4], EngineError> {
+            Ok([
+                f(&format!("{n}_1"))?,
+                f(&format!("{n}_2"))?,
+                f(&format!("{n}_4"))?,
+                f(&format!("{n}_8"))?,
+            ])
+        };
         let k = Kernels {
             quantize_q8_32: f("quantize_q8_32")?,
             quantize_q8_k: f("quantize_q8_k")?,
@@ -129,6 +140,8 @@ impl Kernels {
                 ctx,
                 Q8_0_HELD_BLOCKS,
             )?,
+            mmq_q4_k: mmq("mmq_q4_k")?,
+            mmq_q8_0: mmq("mmq_q8_0")?,
             matvec_q4_1: mv("matvec_q4_1", false, true)?,
             matvec_q5_0: mv("matvec_q5_0", true, false)?,
             matvec_q8_0: mv("matvec_q8_0", true, false)?,
@@ -317,6 +330,10 @@ pub struct CudaBackend {
     dequantized: Mutex<Option<CudaSlice<f32>>>,
     /// Products run through `gemm`.
     gemm_products: AtomicU64,
+    /// Batches of this many tokens or more take the tiled products where their weight
+    /// type has them; 0 where none do (`--deterministic`, devices before compute
+    /// capability 8.0, `ASTRA_CUDA_MMQ=0`).
+    mmq_min_tokens: usize,
     /// Up to how many sequences' decode rows run as their own recorded steps rather
     /// than one batch (`ASTRA_CUDA_SEPARATE_DECODE`; [`SEPARATE_DECODE_STEPS`] unless set).
     separate_steps: usize,
@@ -386,6 +403,10 @@ pub struct GpuKv {
 /// separate steps measured faster on every shape (commit dc69ed3). To retune,
 /// compare `astra bench -s N` with `ASTRA_CUDA_SEPARATE_DECODE` set around it.
 const SEPARATE_DECODE_STEPS: usize = 2;
+
+/// The fewest tokens of a batch whose products take the tiled kernels (`mmq_*`) rather
+/// than the per-token ones, where the weight type has them.
+const MMQ_MIN_TOKENS: usize = 2;
 
 /// The most CTAs a head's decode attention spreads its chunks over: the fastest of the
 /// values tried (commit 57aea41); to retune, time decode deep in a conversation
@@ -511,6 +532,13 @@ impl CudaBackend {
             failure: Mutex::new(None),
             replays: AtomicU64::new(0),
             gemm,
+            mmq_min_tokens: match mode {
+                Mode::Fast if major >= 8 => std::env::var("ASTRA_CUDA_MMQ")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(MMQ_MIN_TOKENS),
+                _ => 0,
+            },
             dequantized: Mutex::new(None),
             gemm_products: AtomicU64::new(0),
             separate_steps: std::env::var("ASTRA_CUDA_SEPARATE_DECODE")
@@ -684,13 +712,19 @@ impl CudaBackend {
                 quantized = Some(w.act);
             }
             let acts = scratch.buf.as_ref().expect("quantized above");
-            if let Some(held) = self
+            // Tiled products for a batch where the type has them; else, held activations
+            // where the rows are short enough. Both take up to three matrices a launch.
+            let held = self
                 .held_kernels(w.ty)
-                .filter(|h| nb as usize <= h.max_blocks())
-            {
+                .filter(|h| nb as usize <= h.max_blocks());
+            let grouped = self.mmq_kernel(w.ty, tokens).map(Ok).or(held.map(Err));
+            if let Some(kind) = grouped {
                 let (rows, weights, outs_ptr) =
                     self.group_args(&mut outs[i..i + n], add_to.as_deref_mut());
-                let (f, cfg, per_cta) = held.launch(rows.map(|r| r as usize), nb as usize, tokens);
+                let (f, cfg, per_cta) = match kind {
+                    Ok(f) => (f, mmq_grid(rows, tokens), 16),
+                    Err(held) => held.launch(rows.map(|r| r as usize), nb as usize, tokens),
+                };
                 let args = MatvecHeldArgs {
                     w0: In::of(weights[0], &self.stream),
                     w1: In::of(weights[1], &self.stream),
@@ -811,6 +845,20 @@ impl CudaBackend {
             *p = buf.device_ptr_mut(&self.stream).0;
         }
         (rows, weights, outs)
+    }
+
+    /// The tiled-product kernel for `tokens` tokens of weight type `ty`, where it has one
+    /// and the batch is large enough.
+    fn mmq_kernel(&self, ty: GgmlType, tokens: usize) -> Option<&CudaFunction> {
+        if self.mmq_min_tokens == 0 || tokens < self.mmq_min_tokens {
+            return None;
+        }
+        let by_tiles = match ty {
+            GgmlType::Q4_K => &self.k().mmq_q4_k,
+            GgmlType::Q8_0 => &self.k().mmq_q8_0,
+            _ => return None,
+        };
+        Some(&by_tiles[mmq_tiles(tokens).trailing_zeros() as usize])
     }
 
     /// The held-activations matrix kernels of weight type `ty`, where it has them.
@@ -1152,6 +1200,26 @@ fn q8k_to_device(block: &[u8]) -> [u8; Q8K_BYTES] {
     out[256..288].copy_from_slice(&block[260..292]);
     out[288..292].copy_from_slice(&block[..4]);
     out
+}
+
+/// A tiled product's launch (astra.cu, `mmq_*`): a CTA for every 16 rows of each of the
+/// three matrices, and for every 8·NT tokens, NT the kernel's token tiles.
+fn mmq_grid(rows: [i32; 3], tokens: usize) -> LaunchConfig {
+    let ctas: usize = rows.iter().map(|&r| (r as usize).div_ceil(16)).sum();
+    LaunchConfig {
+        grid_dim: (
+            ctas as u32,
+            tokens.div_ceil(8 * mmq_tiles(tokens)) as u32,
+            1,
+        ),
+        block_dim: (32 * MMQ_WARPS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The token tiles of 8 a tiled-product CTA takes for a batch of `tokens`: 1, 2, 4 or 8.
+fn mmq_tiles(tokens: usize) -> usize {
+    tokens.div_ceil(8).next_power_of_two().min(8)
 }
 
 /// The matrix kernels' launch: a warp per output row (four warps per block of 128

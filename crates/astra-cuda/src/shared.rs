@@ -20,6 +20,9 @@ pub const HELD_WARPS: usize = 8;
 pub const HELD_MAX_ROWS_1: usize = 128;
 pub const HELD_MAX_ROWS_8: usize = 64;
 
+/// Warps of a tiled-product CTA, which share its 16 rows' blocks.
+pub const MMQ_WARPS: usize = 8;
+
 /// KV positions per attention chunk: the engine's, which fixes where split attention
 /// splits (and so the bits of its results).
 pub const CHUNK: usize = astra_engine::attention::CHUNK;
@@ -84,6 +87,7 @@ pub fn prelude() -> String {
         ("HELD_WARPS", HELD_WARPS),
         ("HELD_MAX_ROWS_1", HELD_MAX_ROWS_1),
         ("HELD_MAX_ROWS_8", HELD_MAX_ROWS_8),
+        ("MMQ_WARPS", MMQ_WARPS),
         ("CHUNK", CHUNK),
         ("MAX_HEAD_DIM", MAX_HEAD_DIM),
     ]

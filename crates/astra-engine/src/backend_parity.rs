@@ -65,9 +65,11 @@ pub(crate) const EXPERT_TYPES: [GgmlType; 2] = [GgmlType::Q8_0, GgmlType::Q4_K];
 pub(crate) const EXPERTS: usize = 6;
 pub(crate) const EXPERTS_USED: usize = 2;
 pub(crate) const EXPERT_FF: usize = 256;
-/// Batch sizes of the product comparisons: a few tokens, and a batch large enough for
-/// a backend to take another path (the CUDA backend's cuBLAS products).
-pub const BATCHES: [usize; 2] = [3, 64];
+/// Batch sizes of the product comparisons: a few tokens; batches that part-fill the
+/// CUDA backend's token tiles of 8 (its tiled products take up to 8 tiles a CTA); and a
+/// batch large enough for a backend to take another path (the CUDA backend's cuBLAS
+/// products).
+pub const BATCHES: [usize; 4] = [3, 19, 45, 64];
 
 /// The relative L2 distance of `got` from `want` (the absolute one where `want` is all
 /// zero; infinite for different lengths) and the largest absolute difference, in f64.
