@@ -1572,13 +1572,26 @@ extern "C" __global__ void tanh_inplace(const TanhArgs kargs) { UNPACK_TanhArgs(
 // Stores n rows of keys and values (kv_dim = kv_heads · head_dim each) of rows row0..
 // at their positions (read from `positions`, so that a replayed graph follows them);
 // grid (kv_heads, n), head_dim threads.
-extern "C" __global__ void kv_store(const KvStoreArgs kargs) { UNPACK_KvStoreArgs(kargs)
-    PDL_START
-    int d = threadIdx.x, g = blockIdx.x, i = blockIdx.y;
-    long src = (long)(row0 + i) * kv_dim + g * head_dim + d;
-    long dst = ((long)g * slots + (long)(positions[row0 + i] % (unsigned)slots)) * head_dim + d;
+__device__ __forceinline__ void store_kv(const float* k, const float* v, u16* kc, u16* vc, int row, const unsigned int* positions, int slots, int kv_dim, int head_dim) {
+    int d = threadIdx.x, g = blockIdx.x;
+    long src = (long)row * kv_dim + g * head_dim + d;
+    long dst = ((long)g * slots + (long)(positions[row] % (unsigned)slots)) * head_dim + d;
     kc[dst] = (u16)f2h(k[src]);
     vc[dst] = (u16)f2h(v[src]);
+}
+
+extern "C" __global__ void kv_store(const KvStoreArgs kargs) { UNPACK_KvStoreArgs(kargs)
+    PDL_START
+    store_kv(k, v, kc, vc, row0 + blockIdx.y, positions, slots, kv_dim, head_dim);
+}
+
+// The same for the rows of several sequences, each with its own cache (`seqs`, a
+// SeqKv each): grid (kv_heads, the most rows of a sequence, sequences).
+extern "C" __global__ void kv_store_batch(const KvStoreBatchArgs kargs) { UNPACK_KvStoreBatchArgs(kargs)
+    PDL_START
+    const SeqKv& e = ((const SeqKv*)seqs)[blockIdx.z];
+    if ((int)blockIdx.y >= e.rows) return;
+    store_kv(k, v, e.kc, e.vc, e.row0 + blockIdx.y, positions, e.slots, kv_dim, head_dim);
 }
 
 // CHUNK (the engine's attention chunk) and MAX_HEAD_DIM come from the prelude.
@@ -1995,7 +2008,7 @@ __device__ __forceinline__ float ld_cg(const float* p) {
 // merge_part's in the same order, so the row is attend's bit for bit, for any S.
 // Rows spanning at most SPLIT_FROM chunks are computed by CTA 0 alone (attend).
 // CHUNK · key_lanes() threads.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_split(const AttentionSplitArgs kargs) { UNPACK_AttentionSplitArgs(kargs)
+__device__ __forceinline__ void split_row(const float* q, const u16* kc, const u16* vc, float* out, int row0, const unsigned int* positions, int slots, int window, int n_head, int group, int head_dim, float scale, u8* qout, int qkind, float* parts, unsigned int* tickets, int max_chunks) {
     __shared__ float sq[1][MAX_HEAD_DIM];
     __shared__ bool last;
     int h = blockIdx.x, s = blockIdx.y, t = threadIdx.x, S = gridDim.y;
@@ -2058,4 +2071,16 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_split(con
         }
     }
     attend_out<1>(run, 1, out, row0, h, width, head_dim, qout, qkind);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_split(const AttentionSplitArgs kargs) { UNPACK_AttentionSplitArgs(kargs)
+    split_row(q, kc, vc, out, row0, positions, slots, window, n_head, group, head_dim, scale, qout, qkind, parts, tickets, max_chunks);
+}
+
+// The decode rows of several sequences in one launch, each with its own cache and
+// scratch (`seqs`, a SeqKv each, its one row at row0): grid (n_head, S, sequences).
+// Every row is attention_split's, bit for bit.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_split_batch(const AttentionBatchArgs kargs) { UNPACK_AttentionBatchArgs(kargs)
+    const SeqKv& e = ((const SeqKv*)seqs)[blockIdx.z];
+    split_row(q, e.kc, e.vc, out, e.row0, positions, e.slots, window, n_head, group, head_dim, scale, 0, -1, e.parts, e.tickets, e.max_chunks);
 }

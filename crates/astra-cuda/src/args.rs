@@ -213,6 +213,24 @@ kernel_args! {
         k: In<f32>, v: In<f32>, kc: Out<u16>, vc: Out<u16>, row0: i32, positions: In<u32>,
         slots: i32, kv_dim: i32, head_dim: i32,
     }
+    /// Not a kernel's arguments: an entry of the table of sequences that the batched
+    /// launches below read (device memory, one entry a sequence): its layer's cache, its
+    /// decode attention's scratch, its rows of the batch and the cache's slots.
+    SeqKv {
+        kc: Out<u16>, vc: Out<u16>, parts: Out<f32>, tickets: Out<u32>, row0: i32, rows: i32,
+        slots: i32, max_chunks: i32,
+    }
+    /// `kv_store_batch`: `kv_store` for the rows of every sequence of `seqs` (SeqKv
+    /// entries).
+    KvStoreBatchArgs {
+        k: In<f32>, v: In<f32>, positions: In<u32>, seqs: In<u8>, kv_dim: i32, head_dim: i32,
+    }
+    /// `attention_split_batch`: `attention_split` for the decode row of every sequence
+    /// of `seqs` (SeqKv entries).
+    AttentionBatchArgs {
+        q: In<f32>, out: Out<f32>, positions: In<u32>, seqs: In<u8>, window: i32, n_head: i32,
+        group: i32, head_dim: i32, scale: f32,
+    }
     /// `attention_4`: a batch's rows over their cached positions.
     AttentionArgs {
         q: In<f32>, kc: In<u16>, vc: In<u16>, out: Out<f32>, row0: i32, positions: In<u32>,

@@ -74,9 +74,13 @@ struct Kernels {
     mul: CudaFunction,
     tanh: CudaFunction,
     kv_store: CudaFunction,
+    /// The cache stores of several sequences' rows in one launch.
+    kv_store_batch: CudaFunction,
     /// Attention of a decode row with its chunks spread over CTAs, and of four query
     /// rows per CTA (prefill).
     attention: (CudaFunction, CudaFunction),
+    /// Attention of several sequences' decode rows in one launch.
+    attention_batch: CudaFunction,
     _module: Arc<CudaModule>,
 }
 
@@ -164,7 +168,9 @@ impl Kernels {
             mul: f("mul")?,
             tanh: f("tanh_inplace")?,
             kv_store: f("kv_store")?,
+            kv_store_batch: f("kv_store_batch")?,
             attention: (f("attention_split")?, f("attention_4")?),
+            attention_batch: f("attention_split_batch")?,
             _module: Arc::clone(&module),
         };
         // The IQ2_S codebook, from the one table the CPU kernels use.
@@ -337,6 +343,9 @@ pub struct CudaBackend {
     /// Up to how many sequences' decode rows run as their own recorded steps rather
     /// than one batch (`ASTRA_CUDA_SEPARATE_DECODE`; [`SEPARATE_DECODE_STEPS`] unless set).
     separate_steps: usize,
+    /// Each layer's table of the sequences of the last batch launched over it (astra.cu's
+    /// `SeqKv`), kept on the device and uploaded again only when it changes.
+    seq_tables: Mutex<Vec<Option<SeqTable>>>,
     /// Page-locked host memory that results are downloaded through, grown as needed;
     /// `None` inside where `ASTRA_CUDA_PINNED=0` (a download straight into pageable
     /// memory, which the driver stages itself).
@@ -348,6 +357,21 @@ pub struct CudaBackend {
 /// to be stale).
 struct Scratch {
     buf: Option<CudaSlice<u8>>,
+}
+
+/// A layer's table of sequences on the device, and the entries it holds.
+struct SeqTable {
+    entries: Vec<u8>,
+    buf: CudaSlice<u8>,
+}
+
+/// What the sequences of a batched launch share: their heads and the layer's window.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct BatchShape {
+    n_head: usize,
+    n_head_kv: usize,
+    head_dim: usize,
+    window: Option<usize>,
 }
 
 /// A recorded decode step ([`Backend::record`]).
@@ -546,6 +570,7 @@ impl CudaBackend {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(SEPARATE_DECODE_STEPS)
                 .max(1),
+            seq_tables: Mutex::new(Vec::new()),
             staging: std::env::var("ASTRA_CUDA_PINNED")
                 .map_or(true, |v| v != "0")
                 .then(|| Mutex::new(None)),
@@ -859,6 +884,72 @@ impl CudaBackend {
             _ => return None,
         };
         Some(&by_tiles[mmq_tiles(tokens).trailing_zeros() as usize])
+    }
+
+    /// For a batch of several sequences (not while recording), the device address of
+    /// `layer`'s table of them, uploaded where it changed, and the shape the sequences
+    /// share; `None` where a launch per sequence is needed.
+    fn batch_of(&self, layer: usize, seqs: &mut [SeqRows<'_, GpuKv>]) -> Option<(u64, BatchShape)> {
+        if seqs.len() < 2 || self.capturing.load(Ordering::Relaxed) {
+            return None;
+        }
+        let shape = |kv: &GpuKv| BatchShape {
+            n_head: kv.n_head,
+            n_head_kv: kv.n_head_kv,
+            head_dim: kv.head_dim,
+            window: kv.layers[layer].window,
+        };
+        let first = shape(seqs[0].kv);
+        if seqs.iter().any(|s| shape(s.kv) != first) {
+            return None;
+        }
+        let mut entries = Vec::with_capacity(seqs.len() * std::mem::size_of::<SeqKv>());
+        for s in seqs.iter_mut() {
+            let kv = &mut *s.kv;
+            let l = &mut kv.layers[layer];
+            let e = SeqKv {
+                kc: Out::of(&mut l.k, &self.stream),
+                vc: Out::of(&mut l.v, &self.stream),
+                parts: Out::of(&mut kv.parts, &self.stream),
+                tickets: Out::of(&mut kv.tickets, &self.stream),
+                row0: s.rows.start as i32,
+                rows: s.rows.len() as i32,
+                slots: l.slots as i32,
+                max_chunks: kv.max_chunks as i32,
+            };
+            // SAFETY: SeqKv is #[repr(C)] of 8-byte addresses and i32s, with no padding.
+            entries.extend_from_slice(unsafe {
+                std::slice::from_raw_parts(
+                    (&e as *const SeqKv).cast::<u8>(),
+                    std::mem::size_of::<SeqKv>(),
+                )
+            });
+        }
+        let mut tables = self.seq_tables.lock().expect("table lock");
+        if tables.len() <= layer {
+            tables.resize_with(layer + 1, || None);
+        }
+        let slot = &mut tables[layer];
+        if slot.as_ref().is_none_or(|t| t.entries != entries) {
+            // The stream orders this upload after every launch that read the table.
+            let upload = match slot.take() {
+                Some(mut t) if t.buf.len() >= entries.len() => self
+                    .stream
+                    .memcpy_htod(&entries[..], &mut t.buf)
+                    .map(|()| t.buf),
+                _ => self.stream.clone_htod(&entries[..]),
+            };
+            match upload {
+                Ok(buf) => *slot = Some(SeqTable { entries, buf }),
+                Err(e) => {
+                    self.fail("uploading a batch's sequences", e);
+                    return None;
+                }
+            }
+        }
+        let table = slot.as_ref().expect("uploaded above");
+        let addr = table.buf.device_ptr(&self.stream).0;
+        Some((addr, first))
     }
 
     /// The held-activations matrix kernels of weight type `ty`, where it has them.
@@ -1805,6 +1896,23 @@ impl Backend for CudaBackend {
         k: &GpuTensor,
         v: &GpuTensor,
     ) {
+        if let Some((table, kv)) = self.batch_of(layer, seqs) {
+            let rows = seqs.iter().map(|s| s.rows.len()).max().unwrap_or(0);
+            let cfg = LaunchConfig {
+                grid_dim: (kv.n_head_kv as u32, rows as u32, seqs.len() as u32),
+                block_dim: (kv.head_dim as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let args = KvStoreBatchArgs {
+                k: In::of(&k.buf, &self.stream),
+                v: In::of(&v.buf, &self.stream),
+                positions: In::of(positions, &self.stream),
+                seqs: In::addr(table),
+                kv_dim: (kv.n_head_kv * kv.head_dim) as i32,
+                head_dim: kv.head_dim as i32,
+            };
+            return self.launch(&self.k().kv_store_batch, &args, cfg);
+        }
         for s in seqs.iter_mut() {
             let kv = &mut *s.kv;
             let (hd, kv_dim) = (kv.head_dim, kv.n_head_kv * kv.head_dim);
@@ -1833,6 +1941,35 @@ impl Backend for CudaBackend {
     }
 
     fn attention(&self, mut a: Attend<'_, '_, Self>, out: &mut GpuTensor) {
+        let decode_rows = a.seqs.iter().all(|s| s.rows.len() == 1);
+        if let Some((table, kv)) = self.batch_of(a.layer, a.seqs).filter(|_| decode_rows) {
+            // As many CTAs a head as the longest row spans chunks (this launch is not
+            // recorded, so the positions are known); a row's bits do not depend on how
+            // many (astra.cu, `attention_split`).
+            let split = a
+                .seqs
+                .iter()
+                .map(|s| (s.pos + 1).div_ceil(CHUNK).min(SPLIT_CTAS))
+                .max()
+                .unwrap_or(1);
+            let cfg = LaunchConfig {
+                grid_dim: (kv.n_head as u32, split as u32, a.seqs.len() as u32),
+                block_dim: (attention_threads(kv.head_dim), 1, 1),
+                shared_mem_bytes: (CHUNK * (kv.head_dim + 8) * 2) as u32,
+            };
+            let args = AttentionBatchArgs {
+                q: In::of(&a.q.buf, &self.stream),
+                out: Out::of(&mut out.buf, &self.stream),
+                positions: In::of(a.positions, &self.stream),
+                seqs: In::addr(table),
+                window: kv.window.map_or(0, |w| w as i32),
+                n_head: kv.n_head as i32,
+                group: (kv.n_head / kv.n_head_kv) as i32,
+                head_dim: kv.head_dim as i32,
+                scale: a.scale,
+            };
+            return self.launch(&self.k().attention_batch, &args, cfg);
+        }
         for seq in 0..a.seqs.len() {
             self.launch_attention(&mut a, seq, out, None);
         }
