@@ -966,7 +966,8 @@ HELD_ENTRIES(matvec_q8_0_held, Q8_0HeldLanes)
 // 8·NT tokens, its MMQ_WARPS warps every MMQ_WARPS-th block of the rows from the
 // warp's index on. Grid (row tiles of up to three matrices, token tiles). Each warp
 // sums a (row, token)'s block contributions in block order, each block's as the scalar
-// statement (blk_q4_k, blk_q8_0) computes it, every rounding spelled out; the warps'
+// statement computes it (blk_q4_k; the integer sum times both scales for Q8_0; blk_q4_1
+// with its minimum's term added to the block's), every rounding spelled out; the warps'
 // sums are then added in warp order. A token's result so depends on its own
 // activations alone, whatever else is in the batch and whichever tile it falls in. The
 // order differs from the per-token kernels', so these run only where batching may
@@ -1155,6 +1156,41 @@ __device__ __forceinline__ void mmq_q8_0(const MmqTile& tl, const u8* a, int nb,
     tl.store<NT>(sum, acc, tokens);
 }
 
+// Q4_1 × Q8_1: one mma a block (its 16 quant bytes' low nibbles weights 0..15, high
+// nibbles 16..31), the minimum's term m·s added to the block's part. Blocks (20 and 36
+// bytes) are 4-byte aligned.
+template <int NT>
+__device__ __forceinline__ void mmq_q4_1(const MmqTile& tl, const u8* a, int nb, int acc, int tokens) {
+    const int q = threadIdx.x % 4;
+    const long abytes = (long)nb * 36;
+    const u8* wr[2] = {tl.w + (long)tl.row(tl.ra) * nb * 20, tl.w + (long)tl.row(tl.ra + 8) * nb * 20};
+    MmqActs<NT> at(tl, a, abytes, tokens);
+    float sum[NT][4] = {};
+    for (int b = threadIdx.x / WARP; b < nb; b += MMQ_WARPS) {
+        unsigned int qs[2] = {*(const unsigned int*)(wr[0] + (long)b * 20 + 4 + 4 * q), *(const unsigned int*)(wr[1] + (long)b * 20 + 4 + 4 * q)};
+        unsigned int aw[4] = {qs[0] & 0x0f0f0f0fu, qs[1] & 0x0f0f0f0fu, (qs[0] >> 4) & 0x0f0f0f0fu, (qs[1] >> 4) & 0x0f0f0f0fu};
+        unsigned int dm[2] = {*(const unsigned int*)(wr[0] + (long)b * 20), *(const unsigned int*)(wr[1] + (long)b * 20)};
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            const u8* ab = at.col[n] + (long)b * 36;
+            int cc[4];
+            mma_s8(cc, aw, *(const int*)(ab + 4 + 4 * q), *(const int*)(ab + 20 + 4 * q));
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                unsigned int ds = *(const unsigned int*)(at.res[n][e] + (long)b * 36);
+                float dy = h2f((u16)(ds & 0xffffu)), sy = h2f((u16)(ds >> 16));
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    float dw = h2f((u16)(dm[h] & 0xffffu)), mw = h2f((u16)(dm[h] >> 16));
+                    float part = __fadd_rn(__fmul_rn((float)cc[2 * h + e], __fmul_rn(dw, dy)), __fmul_rn(mw, sy));
+                    sum[n][2 * h + e] = __fadd_rn(sum[n][2 * h + e], part);
+                }
+            }
+        }
+    }
+    tl.store<NT>(sum, acc, tokens);
+}
+
 #define MMQ_ENTRY(name, NT)                                                                                              \
     extern "C" __global__ void __launch_bounds__(WARP * MMQ_WARPS) name##_##NT(const MatvecHeldArgs kargs) { UNPACK_MatvecHeldArgs(kargs) \
         PDL_START                                                                                                        \
@@ -1164,6 +1200,7 @@ __device__ __forceinline__ void mmq_q8_0(const MmqTile& tl, const u8* a, int nb,
 #define MMQ_ENTRIES(name) MMQ_ENTRY(name, 1) MMQ_ENTRY(name, 2) MMQ_ENTRY(name, 4) MMQ_ENTRY(name, 8)
 MMQ_ENTRIES(mmq_q4_k)
 MMQ_ENTRIES(mmq_q8_0)
+MMQ_ENTRIES(mmq_q4_1)
 
 // A decode row's gated product made by its gate and up matrices' kernel and quantized
 // for the down matrix (32-blocks: kind 0 Q8_0, 1 Q8_1), the gate and up rows never

@@ -50,6 +50,7 @@ struct Kernels {
     /// The tiled products of batches, by token tiles of 8, 16, 32 and 64.
     mmq_q4_k: [CudaFunction; 4],
     mmq_q8_0: [CudaFunction; 4],
+    mmq_q4_1: [CudaFunction; 4],
     matvec_q4_1: MatvecKernels,
     matvec_q5_0: MatvecKernels,
     matvec_q8_0: MatvecKernels,
@@ -146,6 +147,7 @@ impl Kernels {
             )?,
             mmq_q4_k: mmq("mmq_q4_k")?,
             mmq_q8_0: mmq("mmq_q8_0")?,
+            mmq_q4_1: mmq("mmq_q4_1")?,
             matvec_q4_1: mv("matvec_q4_1", false, true)?,
             matvec_q5_0: mv("matvec_q5_0", true, false)?,
             matvec_q8_0: mv("matvec_q8_0", true, false)?,
@@ -431,6 +433,12 @@ const SEPARATE_DECODE_STEPS: usize = 2;
 /// The fewest tokens of a batch whose products take the tiled kernels (`mmq_*`) rather
 /// than the per-token ones, where the weight type has them.
 const MMQ_MIN_TOKENS: usize = 2;
+
+/// The most tokens of a batch whose products take the tiled kernels rather than cuBLAS,
+/// where every matrix has them (and cuBLAS would take the batch): 64 sequences' decode
+/// of the 8B shape measured faster tiled, a 512-token prompt faster through cuBLAS
+/// (docs/performance.md). Between the two is not measured.
+const MMQ_MAX_TOKENS: usize = 64;
 
 /// The most CTAs a head's decode attention spreads its chunks over: the fastest of the
 /// values tried (commit 57aea41); to retune, time decode deep in a conversation
@@ -881,6 +889,7 @@ impl CudaBackend {
         let by_tiles = match ty {
             GgmlType::Q4_K => &self.k().mmq_q4_k,
             GgmlType::Q8_0 => &self.k().mmq_q8_0,
+            GgmlType::Q4_1 => &self.k().mmq_q4_1,
             _ => return None,
         };
         Some(&by_tiles[mmq_tiles(tokens).trailing_zeros() as usize])
@@ -1054,11 +1063,17 @@ impl CudaBackend {
         self.launch(&self.k().attention.1, &args, cfg);
     }
 
-    /// The products of a batch of `tokens` through cuBLAS, where they go there.
-    fn batched(&self, tokens: usize) -> Option<&Gemm> {
-        self.gemm
-            .as_ref()
-            .filter(|_| tokens >= gemm::MIN_TOKENS && !self.capturing.load(Ordering::Relaxed))
+    /// The products of `outs` for a batch of `tokens` through cuBLAS, where they go
+    /// there: from [`gemm::MIN_TOKENS`] tokens, and past [`MMQ_MAX_TOKENS`] where every
+    /// matrix has tiled kernels.
+    fn batched(&self, tokens: usize, outs: &[(&GpuMatrix, &mut GpuTensor)]) -> Option<&Gemm> {
+        let tiled = tokens <= MMQ_MAX_TOKENS
+            && outs
+                .iter()
+                .all(|(w, _)| self.mmq_kernel(w.ty, tokens).is_some());
+        self.gemm.as_ref().filter(|_| {
+            tokens >= gemm::MIN_TOKENS && !tiled && !self.capturing.load(Ordering::Relaxed)
+        })
     }
 
     /// `input`'s rows (made in f32: normed into `normed`, gated over `gate`) times each
@@ -1615,7 +1630,7 @@ impl Backend for CudaBackend {
         add_to: Option<&mut GpuTensor>,
     ) {
         let tokens = input_rows(&input).rows;
-        if let Some(gemm) = self.batched(tokens) {
+        if let Some(gemm) = self.batched(tokens, outs) {
             self.products_through(gemm, input, outs, add_to);
             return;
         }
