@@ -7,6 +7,8 @@ pub struct StopMatcher {
     stops: Vec<String>,
     /// Text received but not yet released (it may begin a stop string).
     held: String,
+    /// The stop string found, once one is.
+    matched: Option<String>,
 }
 
 /// What pushing text gave.
@@ -23,7 +25,13 @@ impl StopMatcher {
         StopMatcher {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             held: String::new(),
+            matched: None,
         }
+    }
+
+    /// The stop string that ended the text, if one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     pub fn push(&mut self, text: &str) -> StopOutcome {
@@ -46,7 +54,9 @@ impl StopMatcher {
             .min();
         if let Some((at, inv_len)) = found {
             let before = self.held[..at].to_owned();
-            let after = self.held[at + (usize::MAX - inv_len)..].to_owned();
+            let len = usize::MAX - inv_len;
+            let after = self.held[at + len..].to_owned();
+            self.matched = Some(self.held[at..at + len].to_owned());
             self.held.clear();
             return (StopOutcome::Stopped(before), after);
         }
@@ -88,6 +98,7 @@ mod tests {
         );
         assert_eq!(m.push("2</ans"), StopOutcome::Continue("2".into()));
         assert_eq!(m.push("wer> trailing"), StopOutcome::Stopped(String::new()));
+        assert_eq!(m.matched(), Some("</answer>"));
     }
 
     #[test]

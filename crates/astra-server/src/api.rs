@@ -2,9 +2,12 @@
 //! message that names the offending field for every rejection.
 
 use astra_engine::sampler::SamplerConfig;
+use astra_grammar::Spec;
 use astra_tokenizer::ChatMessage;
 use serde_json::{Map, Value};
 use sha2::Digest;
+
+use crate::tools::{Tool, ToolChoice, Tools};
 
 /// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone)]
@@ -102,6 +105,11 @@ pub struct CompletionRequest {
     pub thinking: ThinkingRequest,
     /// Capabilities the request needs beyond text (`tools`, `response_format`).
     pub needs: Vec<&'static str>,
+    /// What the answer is constrained to, and the field that asked for it
+    /// (`response_format`, `json_schema`, `grammar`, `regex`).
+    pub output: Option<(&'static str, Spec)>,
+    /// The tools offered, when any are.
+    pub tools: Option<Tools>,
     /// ollama's `keep_alive`: `Some(None)` keeps the model loaded for good.
     pub keep_alive: Option<Option<std::time::Duration>>,
     pub sampler: SamplerConfig,
@@ -358,12 +366,225 @@ fn messages(f: &Fields, images: &mut Vec<ImagePart>) -> Result<Vec<ChatMessage>,
                     ),
                 ));
             }
-            Ok(ChatMessage::new(
-                role,
-                message_content(m.get("content"), i, role, images)?,
-            ))
+            let content = match m.get("content") {
+                None | Some(Value::Null) if m.get("tool_calls").is_some() => String::new(),
+                c => message_content(c, i, role, images)?,
+            };
+            let mut message = ChatMessage::new(role, content);
+            let param = format!("messages[{i}]");
+            if let Some(calls) = m.get("tool_calls").filter(|c| !c.is_null()) {
+                message.tool_calls = Some(tool_calls(calls, &param)?);
+            }
+            let text = |key: &str| -> Result<Option<String>, ApiError> {
+                match m.get(key) {
+                    None | Some(Value::Null) => Ok(None),
+                    Some(Value::String(s)) => Ok(Some(s.clone())),
+                    Some(_) => Err(ApiError::invalid(
+                        &param,
+                        format!("{param}.{key} must be a string"),
+                    )),
+                }
+            };
+            message.tool_call_id = text("tool_call_id")?;
+            message.name = text("name")?.filter(|_| role == "tool");
+            if role == "tool" && message.tool_call_id.is_none() {
+                return Err(ApiError::invalid(
+                    &param,
+                    format!("{param}: a 'tool' message needs 'tool_call_id'"),
+                ));
+            }
+            Ok(message)
         })
         .collect()
+}
+
+/// An assistant message's `tool_calls`: `[{"id", "type": "function", "function":
+/// {"name", "arguments": string}}]`.
+fn tool_calls(v: &Value, param: &str) -> Result<Value, ApiError> {
+    let bad = |what: &str| ApiError::invalid(param, format!("{param}.tool_calls{what}"));
+    let list = v.as_array().ok_or_else(|| bad(" must be an array"))?;
+    for (j, c) in list.iter().enumerate() {
+        let name = c.pointer("/function/name").and_then(Value::as_str);
+        let args = c.pointer("/function/arguments");
+        if name.is_none() || !args.is_some_and(|a| a.is_string() || a.is_object()) {
+            return Err(bad(&format!(
+                "[{j}] must have function.name and function.arguments (a JSON string)"
+            )));
+        }
+    }
+    Ok(v.clone())
+}
+
+/// Tools a request may offer.
+pub const MAX_TOOLS: usize = 128;
+
+/// `tools`, `tool_choice` and `parallel_tool_calls`; `None` when no tools are offered.
+fn tools(f: &Fields) -> Result<Option<Tools>, ApiError> {
+    let list = match f.get("tools") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a.clone(),
+        Some(_) => return Err(ApiError::invalid("tools", "'tools' must be an array")),
+    };
+    if list.len() > MAX_TOOLS {
+        return Err(ApiError::invalid(
+            "tools",
+            format!("at most {MAX_TOOLS} tools, got {}", list.len()),
+        ));
+    }
+    let mut out: Vec<Tool> = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let bad = |what: &str| ApiError::invalid("tools", format!("tools[{i}]{what}"));
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(bad(": only tools of type 'function' are supported"));
+        }
+        let func = t
+            .get("function")
+            .and_then(Value::as_object)
+            .ok_or_else(|| bad(".function must be an object"))?;
+        let name = func
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(".function.name must be a string"))?;
+        if name.is_empty()
+            || name.len() > 64
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        {
+            return Err(bad(
+                ".function.name must be 1 to 64 letters, digits, '_' or '-'",
+            ));
+        }
+        if out.iter().any(|o| o.name == name) {
+            return Err(bad(&format!(": the name '{name}' is used twice")));
+        }
+        let parameters = match func.get("parameters") {
+            None | Some(Value::Null) => serde_json::json!({"type": "object", "properties": {}}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(_) => return Err(bad(".function.parameters must be a JSON schema object")),
+        };
+        out.push(Tool {
+            name: name.to_owned(),
+            description: func
+                .get("description")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            parameters,
+        });
+    }
+    let choice = match f.get("tool_choice") {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => ToolChoice::Auto,
+            "none" => ToolChoice::None,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("'tool_choice' must be \"auto\", \"none\", \"required\" or a function, got {other:?}"),
+                ))
+            }
+        },
+        Some(v) => {
+            let name = v
+                .pointer("/function/name")
+                .and_then(Value::as_str)
+                .filter(|_| v.get("type").and_then(Value::as_str) == Some("function"))
+                .ok_or_else(|| ApiError::invalid("tool_choice", "a named 'tool_choice' must be {\"type\": \"function\", \"function\": {\"name\": ...}}"))?;
+            if !out.iter().any(|t| t.name == name) {
+                return Err(ApiError::invalid("tool_choice", format!("'tool_choice' names '{name}', which is not among the tools")));
+            }
+            ToolChoice::Named(name.to_owned())
+        }
+    };
+    if out.is_empty() {
+        if matches!(choice, ToolChoice::Required | ToolChoice::Named(_)) {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "'tool_choice' requires 'tools'",
+            ));
+        }
+        return Ok(None);
+    }
+    Ok(Some(Tools {
+        list: out,
+        choice,
+        parallel: f.boolean("parallel_tool_calls")?.unwrap_or(true),
+    }))
+}
+
+/// `response_format`, or astra's `grammar` (Lark, or GBNF when it has `::=`) and
+/// `regex` extensions (llama-server's `json_schema` field too); at most one of them.
+fn output_format(f: &Fields) -> Result<Option<(&'static str, Spec)>, ApiError> {
+    let mut found: Vec<(&'static str, Spec)> = Vec::new();
+    if let Some(rf) = f.get("response_format") {
+        let kind = rf.get("type").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::invalid(
+                "response_format",
+                "'response_format' must be an object with a 'type'",
+            )
+        })?;
+        match kind {
+            "text" => {}
+            "json_object" => found.push((
+                "response_format",
+                match rf.get("schema") {
+                    Some(schema) if !schema.is_null() => Spec::JsonSchema(schema.clone()),
+                    _ => Spec::JsonObject,
+                },
+            )),
+            "json_schema" => {
+                let schema = rf
+                    .pointer("/json_schema/schema")
+                    .or_else(|| rf.get("schema"))
+                    .filter(|s| !s.is_null())
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "response_format",
+                            "'response_format' of type json_schema needs json_schema.schema",
+                        )
+                    })?;
+                found.push(("response_format", Spec::JsonSchema(schema.clone())));
+            }
+            other => {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    format!(
+                    "'response_format' type {other:?} is not one of text, json_object, json_schema"
+                ),
+                ))
+            }
+        }
+    }
+    if let Some(schema) = f.get("json_schema") {
+        found.push(("json_schema", Spec::JsonSchema(schema.clone())));
+    }
+    for key in ["grammar", "regex"] {
+        match f.get(key) {
+            None => {}
+            Some(Value::String(s)) if key == "regex" => found.push((key, Spec::Regex(s.clone()))),
+            Some(Value::String(s)) if s.contains("::=") => found.push((
+                key,
+                Spec::Lark(
+                    astra_grammar::gbnf_to_lark(s)
+                        .map_err(|e| ApiError::invalid(key, e.to_string()))?,
+                ),
+            )),
+            Some(Value::String(s)) => found.push((key, Spec::Lark(s.clone()))),
+            Some(_) => return Err(ApiError::invalid(key, format!("'{key}' must be a string"))),
+        }
+    }
+    match found.len() {
+        0 => Ok(None),
+        1 => Ok(found.pop()),
+        _ => Err(ApiError::invalid(
+            found[1].0,
+            format!(
+                "'{}' and '{}' both constrain the output; give one",
+                found[0].0, found[1].0
+            ),
+        )),
+    }
 }
 
 /// A list of token ids (field `param`), each below `n_vocab`.
@@ -453,20 +674,19 @@ pub fn completion_request(
         prompt(&f, n_vocab)?
     };
     let mut needs = Vec::new();
-    if f.get("tools")
-        .and_then(Value::as_array)
-        .is_some_and(|t| !t.is_empty())
-    {
+    let tools = if chat { tools(&f)? } else { None };
+    if tools.is_some() {
         needs.push("tools");
     }
-    if let Some(kind) = f
-        .get("response_format")
-        .and_then(|r| r.get("type"))
-        .and_then(Value::as_str)
-    {
-        if kind != "text" {
-            needs.push("structured_output");
-        }
+    let output = output_format(&f)?;
+    if output.is_some() {
+        needs.push("structured_output");
+    }
+    if output.is_some() && tools.as_ref().is_some_and(Tools::forced) {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "a required tool call and a constrained 'response_format' cannot be combined",
+        ));
     }
     let thinking = ThinkingRequest {
         think: f.boolean("think")?.unwrap_or(false),
@@ -542,6 +762,8 @@ pub fn completion_request(
         images,
         thinking,
         needs,
+        output,
+        tools,
         keep_alive: keep_alive(&f)?,
         sampler,
         max_tokens: max_tokens.map(|n| n as usize),
@@ -773,6 +995,43 @@ mod tests {
                 json!({"messages": [{"role": "user", "content": "x"}], "answer_room": -1}),
                 "answer_room",
             ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "a b"}}]}),
+                "tools",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "retrieval"}]}),
+                "tools",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}),
+                "tool_choice",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+                       "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+                "tool_choice",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}),
+                "response_format",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}),
+                "response_format",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}, "regex": "a+"}),
+                "regex",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "grammar": "root ::= \"a"}),
+                "grammar",
+            ),
+            (
+                json!({"messages": [{"role": "tool", "content": "42"}]}),
+                "messages[0]",
+            ),
         ] {
             let e = chat(body.clone()).unwrap_err();
             assert_eq!(
@@ -782,6 +1041,57 @@ mod tests {
                 e.message
             );
         }
+    }
+
+    #[test]
+    fn tools_and_output_formats_are_read() {
+        let r = chat(json!({
+            "messages": [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "parallel_tool_calls": false,
+        }))
+        .unwrap();
+        let tools = r.tools.unwrap();
+        assert_eq!(
+            (tools.list[0].name.as_str(), &tools.choice, tools.parallel),
+            (
+                "get_weather",
+                &ToolChoice::Named("get_weather".into()),
+                false
+            )
+        );
+        let Prompt::Chat(m) = &r.prompt else {
+            panic!("chat")
+        };
+        assert_eq!(
+            (m[1].content.as_str(), m[1].tool_calls.is_some()),
+            ("", true)
+        );
+        assert_eq!(m[2].tool_call_id.as_deref(), Some("c1"));
+        let r = chat(json!({"messages": [{"role": "user", "content": "x"}], "grammar": "root ::= \"yes\" | \"no\""}))
+            .unwrap();
+        assert_eq!(
+            r.output,
+            Some((
+                "grammar",
+                Spec::Lark("start: g_root\ng_root: \"yes\" | \"no\"\n".into())
+            ))
+        );
+        let schema = json!({"type": "object"});
+        let r = chat(json!({"messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": schema, "strict": true}}}))
+        .unwrap();
+        assert_eq!(
+            r.output,
+            Some(("response_format", Spec::JsonSchema(schema)))
+        );
+        assert!(chat(json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "text"}}))
+            .unwrap()
+            .output
+            .is_none());
     }
 
     #[test]

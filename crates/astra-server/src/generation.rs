@@ -5,6 +5,7 @@
 
 use astra_engine::sampler::{Sampler, SamplerConfig};
 use astra_engine::{StopMatcher, StopOutcome};
+use astra_grammar::Constraint;
 use astra_tokenizer::{StreamDecoder, Tokenizer};
 
 /// Why a sequence ended, in OpenAI's words.
@@ -59,6 +60,8 @@ pub struct GenParams {
     pub logprobs: Option<usize>,
     /// `Some` when the generation starts inside the thinking.
     pub thinking: Option<ThinkingParams>,
+    /// The grammar the answer follows (from the end of the thinking on).
+    pub constraint: Option<Constraint>,
 }
 
 /// A token's log probability under the model (before any bias or penalty), with the
@@ -85,6 +88,10 @@ pub struct Emitted {
     pub content: String,
     pub logprob: Option<TokenLogprob>,
     pub finish: Option<FinishReason>,
+    /// The sequence failed (its grammar broke down): the request fails with this.
+    pub error: Option<String>,
+    /// The stop string that ended the sequence, if one did.
+    pub stop_string: Option<String>,
 }
 
 pub struct Generation {
@@ -92,6 +99,7 @@ pub struct Generation {
     sampler: Sampler,
     decoder: StreamDecoder,
     stops: StopMatcher,
+    constraint: Option<Constraint>,
     /// Splits the thinking off while it lasts.
     think: Option<StopMatcher>,
     /// The answer has started (leading whitespace after the thinking is dropped).
@@ -132,7 +140,8 @@ fn starts_word(bytes: &[u8]) -> bool {
 
 impl Generation {
     /// A generation continuing `prompt` (seen by the repetition penalties).
-    pub fn new(params: GenParams, prompt: &[u32]) -> Generation {
+    pub fn new(mut params: GenParams, prompt: &[u32]) -> Generation {
+        let constraint = params.constraint.take();
         let mut sampler = Sampler::new(params.sampler.clone());
         sampler.accept(prompt);
         let stops = StopMatcher::new(params.stop.clone());
@@ -145,6 +154,7 @@ impl Generation {
             sampler,
             decoder: StreamDecoder::new(),
             stops,
+            constraint,
             think,
             answering: false,
             generated: Vec::new(),
@@ -184,6 +194,7 @@ impl Generation {
             }
             StopOutcome::Stopped(t) => {
                 out.content.push_str(&t);
+                out.stop_string = self.stops.matched().map(str::to_owned);
                 true
             }
         }
@@ -204,6 +215,17 @@ impl Generation {
     /// context holds after this token.
     pub fn step(&mut self, tok: &Tokenizer, logits: &mut [f32], room: usize) -> Emitted {
         let log_probs = self.params.logprobs.map(|n| (log_softmax(logits), n));
+        // The grammar takes over once the thinking is over.
+        let constraint = self.constraint.as_mut().filter(|_| self.think.is_none());
+        let constrained = constraint.is_some();
+        if let Some(c) = constraint {
+            if let Err(e) = c.mask(logits) {
+                return Emitted {
+                    error: Some(e.to_string()),
+                    ..Emitted::default()
+                };
+            }
+        }
         let id = self.sampler.sample(logits);
         let logprob = log_probs.map(|(lp, n)| TokenLogprob {
             id,
@@ -254,6 +276,14 @@ impl Generation {
             self.inject(text, tokens, &mut out);
             return out;
         }
+        let mut complete = false;
+        if let Some(c) = self.constraint.as_mut().filter(|_| constrained) {
+            if let Err(e) = c.accept(id) {
+                out.error = Some(e.to_string());
+                return out;
+            }
+            complete = c.is_complete();
+        }
         self.generated.push(id);
         if self.think.is_some() {
             self.thinking_tokens += 1;
@@ -262,6 +292,13 @@ impl Generation {
         let piece = self.decoder.push(&bytes);
         let stopped = self.route(&piece, &mut out);
         if stopped {
+            out.finish = Some(FinishReason::Stop);
+        } else if complete {
+            // A complete grammar allows only an end of generation: it ends here.
+            let tail = self.decoder.finish();
+            if !self.route(&tail, &mut out) {
+                self.release_held(&mut out);
+            }
             out.finish = Some(FinishReason::Stop);
         } else if self.generated.len() >= self.params.max_tokens || room == 0 {
             let tail = self.decoder.finish();

@@ -16,6 +16,7 @@ use axum::Router;
 use serde_json::{json, Map, Value};
 use sha2::Digest;
 
+use astra_grammar::{Constraint, Grammars};
 use astra_tokenizer::{ChatTemplate, EncodeOptions, Tokenizer};
 
 use crate::api::{self, ApiError, CompletionRequest, Prompt};
@@ -25,6 +26,10 @@ use crate::metrics::{Metrics, Outcome};
 use crate::scheduler::{
     event_channel, Event, EventReceiver, Job, ModelStatus, PromptKey, Status, Usage,
 };
+use crate::tools::{self, Call, CallFormat, Tools};
+
+mod anthropic;
+mod responses;
 
 /// What a text-only model does with image content parts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,6 +68,10 @@ fn injected(tok: &Tokenizer, text: String) -> (String, Vec<u32>) {
 pub struct Ready {
     pub tok: Arc<Tokenizer>,
     pub template: ChatTemplate,
+    /// How the model writes tool calls.
+    pub call_format: CallFormat,
+    /// The grammar compiler over the vocabulary; `None` where it could not be built.
+    pub grammars: Option<Arc<Grammars>>,
     pub queue: SyncSender<Job>,
     pub model_name: String,
     /// The model's file name (never its path: `/props` is readable by any client).
@@ -386,20 +395,26 @@ async fn require_key(
     if req.uri().path() == "/health" {
         return next.run(req).await;
     }
-    let given = req
+    let bearer = req
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim_start().split_once(' '))
         // The scheme is case-insensitive (RFC 9110).
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, k)| sha2::Sha256::digest(k.trim().as_bytes()).into());
+        .map(|(_, k)| k);
+    // Anthropic's clients send the key as `x-api-key`.
+    let given = bearer
+        .or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok()))
+        .map(|k| sha2::Sha256::digest(k.trim().as_bytes()).into());
     match given {
         Some(d) if same_digest(&d, want) => next.run(req).await,
         _ => {
             let e = ApiError {
                 status: 401,
-                message: "a valid API key is required (Authorization: Bearer KEY)".into(),
+                message:
+                    "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)"
+                        .into(),
                 kind: "invalid_request_error",
                 param: None,
             };
@@ -423,6 +438,9 @@ pub fn router(state: Shared) -> Router {
         .route("/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/completions", post(completions))
+        .route("/v1/responses", post(responses::responses))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .fallback(|| async {
@@ -683,38 +701,65 @@ struct Accepted {
     model: String,
     created: u64,
     tok: Arc<Tokenizer>,
+    /// How the model writes tool calls.
+    format: CallFormat,
     tracker: Tracker,
     warnings: Vec<String>,
 }
 
 async fn complete(state: Shared, body: Body, chat: bool) -> Response {
     let mut tracker = Tracker::new(&state);
-    match accept(&state, body, chat).await {
+    let parsed = parse_body(&state, body, |b, r| {
+        api::completion_request(b, chat, r.n_vocab)
+    })
+    .await;
+    match parsed.and_then(|req| accept(&state, req, chat)) {
         Err(e) => tracker.fail(e).into_response(),
-        Ok(Queued {
-            req,
-            events,
-            warnings,
-        }) => {
-            let r = state.ready.get().expect("accepted only when ready");
-            let n = state.next_id.fetch_add(1, Ordering::Relaxed);
-            let a = Accepted {
-                events,
-                cut: state.drain.cut.subscribe(),
-                id: format!("{}-{n}", if chat { "chatcmpl" } else { "cmpl" }),
-                model: r.model_name.clone(),
-                created: unix_now(),
-                tok: Arc::clone(&r.tok),
-                chat,
+        Ok(q) => {
+            let a = Accepted::new(
+                &state,
+                q,
                 tracker,
-                req,
-                warnings,
-            };
+                chat,
+                if chat { "chatcmpl-" } else { "cmpl-" },
+            );
             if a.req.stream {
                 stream_response(a)
             } else {
                 whole_response(a).await
             }
+        }
+    }
+}
+
+/// The body of a request read and parsed by `parse`, once a model is ready.
+async fn parse_body<T>(
+    state: &AppState,
+    body: Body,
+    parse: impl FnOnce(&Map<String, Value>, &Ready) -> Result<T, ApiError>,
+) -> Result<T, ApiError> {
+    let r = ready(state)?;
+    let body = read_body(state, body).await?;
+    parse(&body, r)
+}
+
+impl Accepted {
+    /// The response's side of a queued request; its id is `prefix` and a number.
+    fn new(state: &AppState, q: Queued, tracker: Tracker, chat: bool, prefix: &str) -> Accepted {
+        let r = state.ready.get().expect("accepted only when ready");
+        let n = state.next_id.fetch_add(1, Ordering::Relaxed);
+        Accepted {
+            events: q.events,
+            cut: state.drain.cut.subscribe(),
+            id: format!("{prefix}{n}"),
+            model: r.model_name.clone(),
+            created: unix_now(),
+            tok: Arc::clone(&r.tok),
+            format: r.call_format,
+            chat,
+            tracker,
+            req: q.req,
+            warnings: q.warnings,
         }
     }
 }
@@ -770,7 +815,7 @@ fn thinking_params(r: &Ready, req: &CompletionRequest) -> ThinkingParams {
 }
 
 /// Validates, tokenizes and queues a completion request.
-async fn accept(state: &AppState, body: Body, chat: bool) -> Result<Queued, ApiError> {
+fn accept(state: &AppState, req: CompletionRequest, chat: bool) -> Result<Queued, ApiError> {
     let r = ready(state)?;
     if let Some(min) = r.min_free_mem {
         let available = state.metrics.available_memory.load(Ordering::Relaxed);
@@ -782,11 +827,10 @@ async fn accept(state: &AppState, body: Body, chat: bool) -> Result<Queued, ApiE
             )));
         }
     }
-    let body = read_body(state, body).await?;
-    let req = api::completion_request(&body, chat, r.n_vocab)?;
     if let Some(need) = req.needs.iter().find(|n| !r.capabilities.has(n)) {
         return Err(missing_capability(need, ""));
     }
+    let constraint = constraint_of(r, &req)?;
     let mut warnings = Vec::new();
     if !req.images.is_empty() && !r.capabilities.images {
         match r.images {
@@ -831,6 +875,7 @@ async fn accept(state: &AppState, body: Body, chat: bool) -> Result<Queued, ApiE
                     stop: req.stop.clone(),
                     logprobs: req.logprobs,
                     thinking: thinking.clone(),
+                    constraint: constraint.clone(),
                 },
                 index,
                 events: tx.clone(),
@@ -860,6 +905,24 @@ async fn accept(state: &AppState, body: Body, chat: bool) -> Result<Queued, ApiE
     })
 }
 
+/// The grammar a request's answers follow: its output format, or the call format of a
+/// required or named tool call. One that does not compile is a 400 naming the field.
+fn constraint_of(r: &Ready, req: &CompletionRequest) -> Result<Option<Constraint>, ApiError> {
+    let (param, spec) = match (&req.output, &req.tools) {
+        (Some((param, spec)), _) => (*param, spec.clone()),
+        (None, Some(t)) if t.forced() => ("tools", tools::forced_grammar(t, r.call_format, &r.tok)),
+        _ => return Ok(None),
+    };
+    let grammars = r
+        .grammars
+        .as_ref()
+        .ok_or_else(|| missing_capability("structured_output", ""))?;
+    grammars
+        .compile(&spec)
+        .map(Some)
+        .map_err(|e| ApiError::invalid(param, format!("'{param}' cannot be enforced: {e}")))
+}
+
 /// One prompt of a request as tokens (the chat template applied, the thinking opened
 /// where asked), and whether the generation starts inside the thinking.
 fn encode_prompt(
@@ -884,12 +947,23 @@ fn encode_prompt(
         }
         Prompt::Chat(_) | Prompt::Text(_) => {
             let mut text = match prompt {
-                Prompt::Chat(messages) => r
-                    .template
-                    .prompt(messages, r.tok.vocab().add_bos)
-                    .map_err(|e| {
-                        ApiError::invalid("messages", format!("the chat template failed: {}", e.0))
-                    })?,
+                Prompt::Chat(messages) => {
+                    let messages =
+                        tools::prepare_messages(messages, req.tools.as_ref(), r.call_format);
+                    let list = req
+                        .tools
+                        .as_ref()
+                        .filter(|t| t.active() && r.call_format.in_template())
+                        .map(Tools::openai_list);
+                    r.template
+                        .prompt_with_tools(&messages, list.as_ref(), r.tok.vocab().add_bos)
+                        .map_err(|e| {
+                            ApiError::invalid(
+                                "messages",
+                                format!("the chat template failed: {}", e.0),
+                            )
+                        })?
+                }
                 Prompt::Text(t) => t.clone(),
                 _ => unreachable!("matched above"),
             };
@@ -996,6 +1070,8 @@ struct Choice {
     text: String,
     logprobs: Vec<TokenLogprob>,
     finish: Option<FinishReason>,
+    /// The stop string that ended it, if one did.
+    stop_string: Option<String>,
     usage: Option<Usage>,
 }
 
@@ -1008,7 +1084,27 @@ fn server_error(message: String) -> ApiError {
     }
 }
 
+/// A call in OpenAI's shape.
+fn call_json(id: &str, call: &Call) -> Value {
+    json!({"id": id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}})
+}
+
 impl Accepted {
+    /// The tool calls an answer makes, with the text around them, when the request
+    /// offered tools.
+    fn calls(&self, text: &str) -> Option<(String, Vec<Call>)> {
+        let t = self.req.tools.as_ref().filter(|t| t.active())?;
+        tools::parse_calls(text, self.format, t)
+    }
+
+    /// The id of choice `choice`'s call `k`.
+    fn call_id(&self, choice: usize, k: usize) -> String {
+        format!(
+            "call_{}_{choice}_{k}",
+            self.id.trim_start_matches("chatcmpl-")
+        )
+    }
+
     /// The scheduler's next event for this request, or a failure when the shutdown
     /// grace runs out first.
     async fn next_event(&mut self) -> Option<Event> {
@@ -1029,37 +1125,49 @@ fn cut_event() -> Event {
     }
 }
 
-async fn whole_response(mut a: Accepted) -> Response {
-    let mut choices: Vec<Choice> = (0..a.req.choices()).map(|_| Choice::default()).collect();
-    let mut left = choices.len();
-    while left > 0 {
-        match a.next_event().await {
-            Some(Event::Token { index, emitted }) => {
-                let c = &mut choices[index];
-                c.reasoning.push_str(&emitted.reasoning);
-                c.text.push_str(&emitted.content);
-                c.logprobs.extend(emitted.logprob);
-            }
-            Some(Event::Done {
-                index,
-                finish,
-                usage,
-            }) => {
-                choices[index].finish = Some(finish);
-                choices[index].usage = Some(usage);
-                left -= 1;
-            }
-            Some(Event::Failed { message, .. }) => {
-                return a.tracker.fail(server_error(message)).into_response()
-            }
-            None => {
-                return a
-                    .tracker
-                    .fail(server_error("the scheduler stopped".into()))
-                    .into_response()
+impl Accepted {
+    /// Every choice, whole; the first failure fails them all.
+    async fn collect(&mut self) -> Result<Vec<Choice>, ApiError> {
+        let mut choices: Vec<Choice> = (0..self.req.choices()).map(|_| Choice::default()).collect();
+        let mut left = choices.len();
+        while left > 0 {
+            match self.next_event().await {
+                Some(Event::Token { index, emitted }) => {
+                    let c = &mut choices[index];
+                    c.reasoning.push_str(&emitted.reasoning);
+                    c.text.push_str(&emitted.content);
+                    c.logprobs.extend(emitted.logprob);
+                    c.stop_string = emitted.stop_string.or(c.stop_string.take());
+                }
+                Some(Event::Done {
+                    index,
+                    finish,
+                    usage,
+                }) => {
+                    choices[index].finish = Some(finish);
+                    choices[index].usage = Some(usage);
+                    left -= 1;
+                }
+                Some(Event::Failed { message, .. }) => {
+                    return Err(self.tracker.fail(server_error(message)))
+                }
+                None => {
+                    return Err(self
+                        .tracker
+                        .fail(server_error("the scheduler stopped".into())))
+                }
             }
         }
+        self.tracker.outcome = Some(Outcome::Ok);
+        Ok(choices)
     }
+}
+
+async fn whole_response(mut a: Accepted) -> Response {
+    let mut choices = match a.collect().await {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
     let usage: Vec<Usage> = choices.iter_mut().filter_map(|c| c.usage.take()).collect();
     let tok = &a.tok;
     let list: Vec<Value> = choices
@@ -1073,6 +1181,16 @@ async fn whole_response(mut a: Accepted) -> Response {
                     .logprobs
                     .map(|_| json!({"content": c.logprobs.iter().map(|l| chat_logprob(tok, l)).collect::<Vec<_>>()}));
                 let mut message = json!({"role": "assistant", "content": c.text});
+                let mut finish = json!(finish);
+                if let Some((rest, calls)) = a.calls(&c.text) {
+                    message["content"] = if rest.is_empty() { Value::Null } else { json!(rest) };
+                    message["tool_calls"] = calls
+                        .iter()
+                        .enumerate()
+                        .map(|(k, call)| call_json(&a.call_id(i, k), call))
+                        .collect();
+                    finish = json!("tool_calls");
+                }
                 if !c.reasoning.is_empty() {
                     message["reasoning_content"] = json!(c.reasoning);
                 }
@@ -1083,7 +1201,6 @@ async fn whole_response(mut a: Accepted) -> Response {
             }
         })
         .collect();
-    a.tracker.outcome = Some(Outcome::Ok);
     let mut body = json!({
         "id": a.id, "object": if a.chat { "chat.completion" } else { "text_completion" }, "created": a.created,
         "model": a.model, "system_fingerprint": concat!("astra-", env!("CARGO_PKG_VERSION")), "choices": list,
@@ -1126,11 +1243,78 @@ struct Streaming {
     left: usize,
     /// Finished choices' usage, by choice index.
     usage: Vec<(usize, Usage)>,
+    /// Per choice, when the request offered tools: answer text held back while it may
+    /// be a call.
+    splits: Vec<Split>,
     finished: bool,
+}
+
+/// A streamed answer of a request with tools, as far as it is known to be text or a
+/// call.
+#[derive(Clone, Debug, PartialEq)]
+enum Split {
+    /// Nothing but blank space yet, or a prefix of a call's opening.
+    Undecided(String),
+    /// Text: streamed as it comes.
+    Text,
+    /// A call (or a forced answer): held until the choice ends, then parsed.
+    Call(String),
+}
+
+impl Split {
+    /// Where a request's streamed answer starts: a call when one is forced, undecided
+    /// when tools are offered, else text.
+    fn of(a: &Accepted) -> Split {
+        match a.req.tools.as_ref().filter(|t| a.chat && t.active()) {
+            Some(t) if t.forced() => Split::Call(String::new()),
+            Some(_) => Split::Undecided(String::new()),
+            None => Split::Text,
+        }
+    }
+
+    /// Takes the next piece of the answer; returns the text to stream now.
+    fn push(&mut self, piece: &str, format: CallFormat) -> String {
+        match self {
+            Split::Text => piece.to_owned(),
+            Split::Call(held) => {
+                held.push_str(piece);
+                String::new()
+            }
+            Split::Undecided(held) => {
+                held.push_str(piece);
+                let t = held.trim_start();
+                let openings = format.openings();
+                if t.is_empty() || openings.iter().any(|o| o.starts_with(t)) {
+                    String::new()
+                } else if openings.iter().any(|o| t.starts_with(o)) {
+                    *self = Split::Call(std::mem::take(held));
+                    String::new()
+                } else {
+                    let out = std::mem::take(held);
+                    *self = Split::Text;
+                    out
+                }
+            }
+        }
+    }
+
+    /// The text held back at the end of the answer.
+    fn take(&mut self) -> String {
+        match std::mem::replace(self, Split::Text) {
+            Split::Undecided(held) | Split::Call(held) => held,
+            Split::Text => String::new(),
+        }
+    }
 }
 
 fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
+}
+
+impl EventSource for Streaming {
+    async fn next(&mut self) -> Option<Bytes> {
+        self.next_events().await
+    }
 }
 
 impl Streaming {
@@ -1154,7 +1338,7 @@ impl Streaming {
     }
 
     /// The bytes for the next event, `None` at the end of the stream.
-    async fn next(&mut self) -> Option<Bytes> {
+    async fn next_events(&mut self) -> Option<Bytes> {
         if self.finished {
             return None;
         }
@@ -1190,18 +1374,19 @@ impl Streaming {
                         }
                         _ => None,
                     };
-                    if emitted.content.is_empty()
-                        && emitted.reasoning.is_empty()
-                        && logprobs.is_none()
-                    {
+                    let content = match self.splits.get_mut(index) {
+                        Some(split) => split.push(&emitted.content, self.a.format),
+                        None => emitted.content,
+                    };
+                    if content.is_empty() && emitted.reasoning.is_empty() && logprobs.is_none() {
                         continue;
                     }
                     let mut delta = json!({});
                     if !emitted.reasoning.is_empty() {
                         delta["reasoning_content"] = json!(emitted.reasoning);
                     }
-                    if !emitted.content.is_empty() || emitted.reasoning.is_empty() {
-                        delta["content"] = json!(emitted.content);
+                    if !content.is_empty() || emitted.reasoning.is_empty() {
+                        delta["content"] = json!(content);
                     }
                     return Some(sse(&self.chunk(index, delta, logprobs, None)));
                 }
@@ -1212,7 +1397,47 @@ impl Streaming {
                 }) => {
                     self.left -= 1;
                     self.usage.push((index, usage));
-                    return Some(sse(&self.chunk(index, json!({}), None, Some(finish))));
+                    let held = self
+                        .splits
+                        .get_mut(index)
+                        .map(Split::take)
+                        .unwrap_or_default();
+                    let mut out = Vec::new();
+                    let mut finish = json!(finish.as_str());
+                    match self.a.calls(&held) {
+                        Some((rest, calls)) => {
+                            if !rest.is_empty() {
+                                out.extend_from_slice(&sse(&self.chunk(
+                                    index,
+                                    json!({"content": rest}),
+                                    None,
+                                    None,
+                                )));
+                            }
+                            // Each call opens with its id and name, then its arguments.
+                            for (k, call) in calls.iter().enumerate() {
+                                let open = json!({"tool_calls": [{"index": k, "id": self.a.call_id(index, k), "type": "function",
+                                    "function": {"name": call.name, "arguments": ""}}]});
+                                let args = json!({"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]});
+                                out.extend_from_slice(&sse(&self.chunk(index, open, None, None)));
+                                out.extend_from_slice(&sse(&self.chunk(index, args, None, None)));
+                            }
+                            finish = json!("tool_calls");
+                        }
+                        None if !held.is_empty() => {
+                            out.extend_from_slice(&sse(&self.chunk(
+                                index,
+                                json!({"content": held}),
+                                None,
+                                None,
+                            )));
+                        }
+                        None => {}
+                    }
+                    let mut last = self.chunk(index, json!({}), None, None);
+                    last["choices"][0]["finish_reason"] = finish;
+                    out.extend_from_slice(&sse(&last));
+                    return Some(Bytes::from(out));
                 }
                 Some(Event::Failed { message, .. }) => {
                     self.finished = true;
@@ -1236,10 +1461,17 @@ impl Streaming {
 
 fn stream_response(a: Accepted) -> Response {
     let left = a.req.choices();
+    let split = Split::of(&a);
+    let splits = if split == Split::Text {
+        Vec::new()
+    } else {
+        vec![split; left]
+    };
     let s = Streaming {
         a,
         left,
         usage: Vec::new(),
+        splits,
         finished: false,
     };
     // Each choice opens with the assistant's role (chat), as OpenAI's streams do.
@@ -1250,8 +1482,19 @@ fn stream_response(a: Accepted) -> Response {
     } else {
         Vec::new()
     };
+    event_stream(opening, s)
+}
+
+/// A response's events as they are made, after `opening`.
+trait EventSource: Send + 'static {
+    /// The bytes of the next events; `None` at the end of the stream.
+    fn next(&mut self) -> impl std::future::Future<Output = Option<Bytes>> + Send;
+}
+
+/// An event-stream response: `opening`, then what `source` makes.
+fn event_stream(opening: Vec<Bytes>, source: impl EventSource) -> Response {
     let first = futures_util::stream::iter(opening.into_iter().map(Ok::<_, Infallible>));
-    let rest = futures_util::stream::unfold(s, |mut s| async move {
+    let rest = futures_util::stream::unfold(source, |mut s| async move {
         s.next().await.map(|b| (Ok::<_, Infallible>(b), s))
     });
     let body = Body::from_stream(futures_util::StreamExt::chain(first, rest));
@@ -1260,6 +1503,126 @@ fn stream_response(a: Accepted) -> Response {
         .header(header::CACHE_CONTROL, "no-cache")
         .body(body)
         .expect("static headers")
+}
+
+/// How a one-choice answer streams in another API's shape (Anthropic's Messages,
+/// Responses): [`AnswerStream`] runs the scheduler's events through it.
+trait AnswerShape: Send + 'static {
+    /// The events before the first token.
+    fn start(&mut self, a: &Accepted, out: &mut Vec<u8>);
+    fn reasoning(&mut self, a: &Accepted, text: &str, out: &mut Vec<u8>);
+    fn text(&mut self, a: &Accepted, text: &str, out: &mut Vec<u8>);
+    /// The end: text held back while it could be a call, and the calls parsed from it.
+    fn done(&mut self, a: &Accepted, end: AnswerEnd, out: &mut Vec<u8>);
+    fn fail(&mut self, a: &Accepted, message: String, out: &mut Vec<u8>);
+}
+
+/// How a streamed answer ended.
+struct AnswerEnd {
+    held: String,
+    calls: Option<(String, Vec<Call>)>,
+    finish: FinishReason,
+    usage: Usage,
+    stop_string: Option<String>,
+}
+
+/// A one-choice answer streamed through an [`AnswerShape`].
+struct AnswerStream<S> {
+    a: Accepted,
+    shape: S,
+    split: Split,
+    stop_string: Option<String>,
+    started: bool,
+    finished: bool,
+}
+
+fn answer_stream(a: Accepted, shape: impl AnswerShape) -> Response {
+    let split = Split::of(&a);
+    event_stream(
+        Vec::new(),
+        AnswerStream {
+            a,
+            shape,
+            split,
+            stop_string: None,
+            started: false,
+            finished: false,
+        },
+    )
+}
+
+impl<S: AnswerShape> EventSource for AnswerStream<S> {
+    async fn next(&mut self) -> Option<Bytes> {
+        if self.finished {
+            return None;
+        }
+        let mut out = Vec::new();
+        if !self.started {
+            self.started = true;
+            self.shape.start(&self.a, &mut out);
+            return Some(Bytes::from(out));
+        }
+        loop {
+            match self.a.next_event().await {
+                Some(Event::Token { emitted, .. }) => {
+                    if !emitted.reasoning.is_empty() {
+                        self.shape.reasoning(&self.a, &emitted.reasoning, &mut out);
+                    }
+                    let text = self.split.push(&emitted.content, self.a.format);
+                    if !text.is_empty() {
+                        self.shape.text(&self.a, &text, &mut out);
+                    }
+                    self.stop_string = emitted.stop_string.or(self.stop_string.take());
+                    if !out.is_empty() {
+                        return Some(Bytes::from(out));
+                    }
+                }
+                Some(Event::Done { finish, usage, .. }) => {
+                    self.finished = true;
+                    let held = self.split.take();
+                    let end = AnswerEnd {
+                        calls: self.a.calls(&held),
+                        held,
+                        finish,
+                        usage,
+                        stop_string: self.stop_string.take(),
+                    };
+                    self.shape.done(&self.a, end, &mut out);
+                    self.a.tracker.outcome = Some(Outcome::Ok);
+                    return Some(Bytes::from(out));
+                }
+                failed => {
+                    let message = match failed {
+                        Some(Event::Failed { message, .. }) => message,
+                        _ => "the scheduler stopped".into(),
+                    };
+                    self.finished = true;
+                    self.a.tracker.outcome = Some(Outcome::Error);
+                    self.shape.fail(&self.a, message, &mut out);
+                    return Some(Bytes::from(out));
+                }
+            }
+        }
+    }
+}
+
+/// Copies `body`'s fields `(from, to)` that are present into `out` under their new names.
+fn copy_fields(body: &Map<String, Value>, out: &mut Map<String, Value>, names: &[(&str, &str)]) {
+    for (from, to) in names {
+        if let Some(v) = body.get(*from).filter(|v| !v.is_null()) {
+            out.insert((*to).into(), v.clone());
+        }
+    }
+}
+
+/// A tool given flat (`{"name", "description", <schema_key>}`, as the Anthropic and
+/// Responses APIs do) in Chat Completions' nested shape.
+fn nested_tool(t: &Value, schema_key: &str) -> Value {
+    let mut f = json!({"name": t.get("name"), "parameters": t.get(schema_key)});
+    if let Some(d) = t.get("description") {
+        f["description"] = d.clone();
+    }
+    json!({"type": "function", "function": f})
 }
 
 #[cfg(test)]

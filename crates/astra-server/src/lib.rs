@@ -11,5 +11,6 @@ pub mod metrics;
 pub mod scheduler;
 mod serve;
 pub mod telemetry;
+pub mod tools;
 
 pub use serve::{serve_on, BackendFactory, ServeOptions};

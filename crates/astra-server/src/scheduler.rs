@@ -626,19 +626,31 @@ impl<B: Backend> Scheduler<B> {
             if let Some(tokens) = &emitted.inject {
                 a.next = tokens.clone();
             }
+            if let Some(message) = emitted.error {
+                a.job.events.send(Event::Failed {
+                    index: a.job.index,
+                    message,
+                });
+                finished.push((i, None));
+                continue;
+            }
             let finish = emitted.finish;
             a.job.events.send(Event::Token {
                 index: a.job.index,
                 emitted,
             });
             if let Some(finish) = finish {
-                finished.push((i, finish));
+                finished.push((i, Some(finish)));
             }
         }
         // Highest index first, so that swap_remove leaves the rest in place.
         finished.sort_unstable_by_key(|&(i, _)| std::cmp::Reverse(i));
         for (i, finish) in finished {
             let a = self.active.swap_remove(i);
+            let Some(finish) = finish else {
+                self.retire(a);
+                continue;
+            };
             let now = Instant::now();
             let prompt_done = a.prompt_done.unwrap_or(now);
             let usage = Usage {

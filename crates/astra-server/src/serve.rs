@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use astra_engine::attention::KvLayout;
 use astra_engine::{Backend, Config, KvType, Model, MAX_BATCH};
+use astra_grammar::Grammars;
+use astra_tokenizer::chat::TemplateKind;
 use astra_tokenizer::{ChatTemplate, Tokenizer};
 
 use crate::connection::{accept_loop, ConnectionLimits, MAX_CONNECTIONS};
@@ -15,6 +17,7 @@ use crate::http::{router, Access, AppState, Capabilities, ImagePolicy, Ready};
 use crate::keep_awake::KeepAwake;
 use crate::metrics::Metrics;
 use crate::scheduler::{Limits, Loader, ModelStatus, Scheduler};
+use crate::tools::CallFormat;
 
 #[derive(Clone, Debug)]
 pub struct ServeOptions {
@@ -38,6 +41,8 @@ pub struct ServeOptions {
     pub shutdown_grace: Duration,
     /// Thinking markers; `None`: from the chat template, else `<think>`/`</think>`.
     pub think_markers: Option<(String, String)>,
+    /// A chat template (Jinja source) in place of the model's own.
+    pub chat_template: Option<String>,
     /// Tokens of a thinking request's cap reserved for its answer, by default.
     pub answer_room: usize,
     pub images: ImagePolicy,
@@ -102,28 +107,47 @@ fn load<B: Backend>(
         Box::new(move || Model::load_on(backend()?, &path).map_err(|e| e.to_string()));
     let model = loader()?;
     let tok = Arc::new(Tokenizer::from_metadata(model.file.metadata()).map_err(|e| e.to_string())?);
-    let template = ChatTemplate::for_model(model.file.metadata(), &tok).map_err(|e| e.0)?;
+    let template = match &opts.chat_template {
+        Some(source) => {
+            let text =
+                |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or("").to_owned();
+            ChatTemplate::new(
+                source,
+                TemplateKind::FromFile,
+                &text(tok.bos()),
+                &text(tok.eos()),
+            )
+        }
+        None => ChatTemplate::for_model(model.file.metadata(), &tok),
+    }
+    .map_err(|e| e.0)?;
     let ctx = opts.ctx.min(model.cfg.ctx_train.max(1));
     let per_sequence = model.session(ctx).map_err(|e| e.to_string())?.kv_bytes();
     let budget = opts.arena_mib.saturating_mul(1 << 20);
     check_arena(opts, ctx, per_sequence)?;
     let (queue, jobs) = sync_channel(opts.queue);
+    let grammars = match Grammars::new(&tok) {
+        Ok(g) => Some(Arc::new(g)),
+        Err(e) => {
+            eprintln!("astra: WARN no structured output or tool calls: {e}");
+            None
+        }
+    };
     let capabilities = Capabilities {
         logit_bias: true,
         images: false,
         thinking: true,
-        tools: false,
-        structured_output: false,
+        tools: grammars.is_some(),
+        structured_output: grammars.is_some(),
         backend: model.backend.name().to_owned(),
     };
     eprintln!("astra: INFO {}", capabilities.line());
-    let think_markers = think_markers(
-        opts,
-        model.file.metadata().str("tokenizer.chat_template").ok(),
-    );
+    let think_markers = think_markers(opts, Some(template.source()));
     let ready = Ready {
         tok: Arc::clone(&tok),
+        call_format: CallFormat::of(&template),
         template,
+        grammars,
         queue,
         model_name: opts.model_name.clone(),
         model_file: opts

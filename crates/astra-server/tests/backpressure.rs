@@ -31,6 +31,7 @@ fn job(tokens: Vec<u32>, max_tokens: usize) -> (Job, astra_server::scheduler::Ev
             stop: Vec::new(),
             logprobs: Some(20),
             thinking: None,
+            constraint: None,
         },
         index: 0,
         events,

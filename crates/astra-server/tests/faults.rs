@@ -259,6 +259,7 @@ fn options(model: PathBuf, port: u16) -> ServeOptions {
         body_limit: 1 << 20,
         shutdown_grace: Duration::from_secs(1),
         think_markers: None,
+        chat_template: None,
         answer_room: 0,
         images: ImagePolicy::Reject,
         min_free_mem_mib: None,

@@ -5,11 +5,21 @@
 use minijinja::{context, Environment, ErrorKind};
 use serde::Serialize;
 
-/// One chat message.
+/// One chat message, with the tool fields templates read (as Hugging Face passes them).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant's calls: `[{"id", "type": "function", "function": {"name",
+    /// "arguments": {...}}}]`, the arguments as an object.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool result's call id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool result's function name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -17,6 +27,9 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
     }
 }
@@ -59,6 +72,9 @@ const GEMMA_TURNS: &str = "{%- set ns = namespace(system='') -%}\
 pub struct ChatTemplate {
     env: Environment<'static>,
     kind: TemplateKind,
+    /// The template reads a `tools` list (it has its own tool-call format).
+    knows_tools: bool,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -87,6 +103,8 @@ impl ChatTemplate {
         Ok(ChatTemplate {
             env,
             kind,
+            knows_tools: source.contains("tools"),
+            source: source.to_owned(),
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
         })
@@ -128,10 +146,31 @@ impl ChatTemplate {
         self.kind
     }
 
+    /// Whether the template renders a `tools` list itself.
+    pub fn knows_tools(&self) -> bool {
+        self.knows_tools
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
     /// Renders the conversation; `add_generation_prompt` opens the assistant's turn.
     pub fn render(
         &self,
         messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Renders the conversation with the request's tools (OpenAI's list of
+    /// `{"type": "function", "function": {...}}`) where there are any.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
         let template = self
@@ -141,6 +180,7 @@ impl ChatTemplate {
         template
             .render(context! {
                 messages => messages,
+                tools => tools,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
@@ -156,7 +196,17 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         tokenizer_adds_bos: bool,
     ) -> Result<String, TemplateError> {
-        let text = self.render(messages, true)?;
+        self.prompt_with_tools(messages, None, tokenizer_adds_bos)
+    }
+
+    /// [`ChatTemplate::prompt`] with the request's tools.
+    pub fn prompt_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        tokenizer_adds_bos: bool,
+    ) -> Result<String, TemplateError> {
+        let text = self.render_with_tools(messages, tools, true)?;
         match text.strip_prefix(self.bos_token.as_str()) {
             Some(rest) if tokenizer_adds_bos && !self.bos_token.is_empty() => Ok(rest.to_owned()),
             _ => Ok(text),

@@ -151,7 +151,8 @@ fn capabilities_are_stated_and_enforced() {
     let line = s.wait_for_log("capabilities: ");
     assert_eq!(line.len(), 1);
     assert!(
-        line[0].contains("capabilities: logit_bias=1 images=0 thinking=1 tools=0"),
+        line[0]
+            .contains("capabilities: logit_bias=1 images=0 thinking=1 tools=1 structured_output=1"),
         "{}",
         line[0]
     );
@@ -159,24 +160,24 @@ fn capabilities_are_stated_and_enforced() {
     let props: Value = serde_json::from_str(&s.get("/props").1).unwrap();
     assert_eq!(props["capabilities"]["logit_bias"], true);
     assert_eq!(props["capabilities"]["images"], false);
+    assert_eq!(
+        (
+            &props["capabilities"]["tools"],
+            &props["capabilities"]["structured_output"]
+        ),
+        (&json!(true), &json!(true))
+    );
     let mut body = user("hi", 4);
     body["tools"] = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
     let (status, v) = s.post("/v1/chat/completions", &body);
-    assert_eq!(
-        (status, v["error"]["param"].as_str()),
-        (400, Some("tools")),
-        "{v}"
-    );
-    assert!(v["error"]["message"]
-        .as_str()
-        .unwrap()
-        .contains("'tools' capability"));
+    assert_eq!(status, 200, "{v}");
+    // A schema that cannot be enforced is refused, naming the field.
     let mut body = user("hi", 4);
-    body["response_format"] = json!({"type": "json_schema", "json_schema": {"schema": {}}});
+    body["response_format"] = json!({"type": "json_schema", "json_schema": {"schema": {"type": "string", "minLength": 5, "maxLength": 1}}});
     let (status, v) = s.post("/v1/chat/completions", &body);
     assert_eq!(
         (status, v["error"]["param"].as_str()),
-        (400, Some("structured_output")),
+        (400, Some("response_format")),
         "{v}"
     );
     // An image on this text-only model, under the default policy (reject).

@@ -212,22 +212,44 @@ fn concurrent_requests_match_their_single_outputs() {
     let Some(s) = Server::start(&["--parallel", "4", "--queue", "32"]) else {
         return;
     };
-    let prompts: Vec<String> = (0..16)
-        .map(|i| format!("Give me fact number {i} about the number {}.", i * 7 + 3))
+    // Every third request is constrained by a JSON schema (sampled, with a logit bias),
+    // so that constrained and free sequences share the batched steps.
+    let schema = json!({"type": "object", "properties": {"fact": {"type": "string", "maxLength": 20}},
+                        "required": ["fact"], "additionalProperties": false});
+    let bodies: Vec<Value> = (0..16)
+        .map(|i| {
+            let mut body = user(
+                &format!("Give me fact number {i} about the number {}.", i * 7 + 3),
+                12,
+            );
+            if i % 3 == 1 {
+                body["max_tokens"] = json!(48);
+                body["temperature"] = json!(0.8);
+                body["seed"] = json!(i);
+                body["logit_bias"] = json!({"28": -2});
+                body["response_format"] =
+                    json!({"type": "json_schema", "json_schema": {"name": "f", "schema": schema}});
+            }
+            body
+        })
         .collect();
-    let single: Vec<String> = prompts
+    let single: Vec<String> = bodies
         .iter()
-        .map(|p| content(&s.chat(&user(p, 12))).to_owned())
+        .map(|b| content(&s.chat(b)).to_owned())
         .collect();
+    for (i, text) in single.iter().enumerate().filter(|(i, _)| i % 3 == 1) {
+        let v: Value =
+            serde_json::from_str(text).unwrap_or_else(|e| panic!("request {i}: {e}: {text}"));
+        assert!(v["fact"].is_string(), "request {i}: {text}");
+    }
     let base = s.base.clone();
-    let handles: Vec<_> = prompts
+    let handles: Vec<_> = bodies
         .iter()
         .cloned()
-        .map(|p| {
+        .map(|b| {
             let base = base.clone();
             std::thread::spawn(move || {
-                let (status, text) =
-                    post_to(&base, "/v1/chat/completions", &user(&p, 12).to_string());
+                let (status, text) = post_to(&base, "/v1/chat/completions", &b.to_string());
                 assert_eq!(status, 200, "{text}");
                 content(&serde_json::from_str(&text).unwrap()).to_owned()
             })
@@ -536,23 +558,18 @@ fn sigterm_finishes_in_flight_requests_then_exits_zero() {
 #[test]
 fn official_openai_python_client() {
     let script = format!("{}/tests/openai_client.py", env!("CARGO_MANIFEST_DIR"));
-    let has_client = Command::new("python3")
-        .args(["-c", "import openai"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_client {
-        let why = "the openai Python package is not importable (scripts/test installs it)";
-        assert!(
-            std::env::var("ASTRA_REQUIRE_OPENAI").map_or(true, |v| v != "1"),
-            "{why}"
-        );
-        eprintln!("SKIPPED: {why}");
+    if !python_has("openai") {
         return;
     }
     let Some(s) = Server::start(&[]) else { return };
+    run_client(&script, &s.base, "");
+}
+
+/// Runs a Python client script against `base`; it must pass all its checks.
+fn run_client(script: &str, base: &str, label: &str) {
     let out = Command::new("python3")
-        .arg(&script)
-        .arg(&s.base)
+        .arg(script)
+        .arg(base)
         .output()
         .expect("run python3");
     let text = format!(
@@ -560,8 +577,57 @@ fn official_openai_python_client() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(out.status.success(), "{text}");
-    assert!(text.contains("all checks passed"), "{text}");
+    assert!(out.status.success(), "{label}: {text}");
+    assert!(text.contains("all checks passed"), "{label}: {text}");
+}
+
+/// Structured output and tool calls through the official clients
+/// (tests/tools_client.py, answers validated with `jsonschema`): on SmolLM2 and Gemma 3,
+/// whose templates have no tool format (the generic JSON format), and on SmolLM2 with a
+/// template in the Hermes format (tests/data/hermes-tools.jinja).
+#[test]
+fn official_clients_structured_output_and_tools() {
+    let script = format!("{}/tests/tools_client.py", env!("CARGO_MANIFEST_DIR"));
+    let template = format!(
+        "{}/tests/data/hermes-tools.jinja",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    if !python_has("openai, anthropic, jsonschema") {
+        return;
+    }
+    for (model, extra) in [
+        ("smollm2-135m", vec![]),
+        (
+            "smollm2-135m",
+            vec!["--chat-template-file", template.as_str()],
+        ),
+        ("gemma3-270m", vec![]),
+    ] {
+        let Some(s) = Server::start_model(model, &extra, &[]) else {
+            return;
+        };
+        run_client(&script, &s.base, &format!("{model} {extra:?}"));
+    }
+}
+
+/// Whether python3 imports `modules`; when not, the test is skipped with the reason,
+/// or fails under `ASTRA_REQUIRE_OPENAI=1` (scripts/test installs them).
+fn python_has(modules: &str) -> bool {
+    let has = Command::new("python3")
+        .args(["-c", &format!("import {modules}")])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has {
+        let why = format!(
+            "the Python packages {modules} are not importable (scripts/test installs them)"
+        );
+        assert!(
+            std::env::var("ASTRA_REQUIRE_OPENAI").map_or(true, |v| v != "1"),
+            "{why}"
+        );
+        eprintln!("SKIPPED: {why}");
+    }
+    has
 }
 
 /// One request written as given over a fresh connection: status, head and body.

@@ -1,5 +1,6 @@
 //! `astra serve`: the OpenAI-compatible HTTP server.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{anyhow, Result};
@@ -47,6 +48,9 @@ pub struct Args {
     /// <think>,</think>).
     #[arg(long, value_parser = parse_markers)]
     think_markers: Option<(String, String)>,
+    /// A Jinja chat template file used in place of the model's own.
+    #[arg(long)]
+    chat_template_file: Option<PathBuf>,
     /// Tokens of a thinking request's max_tokens reserved for the answer when the
     /// request sets neither answer_room nor thinking_budget (0: no reservation).
     #[arg(long, default_value_t = 512)]
@@ -137,6 +141,13 @@ pub fn run(args: Args) -> Result<()> {
         body_limit: args.body_limit,
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
         think_markers: args.think_markers,
+        chat_template: args
+            .chat_template_file
+            .map(|p| {
+                std::fs::read_to_string(&p)
+                    .map_err(|e| anyhow!("cannot read the chat template {}: {e}", p.display()))
+            })
+            .transpose()?,
         answer_room: args.answer_room,
         images: match args.images {
             Images::Reject => ImagePolicy::Reject,

@@ -24,7 +24,12 @@ impl Server {
 
     /// As [`Server::start`], with environment variables set for the server.
     pub fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Option<Server> {
-        let model = astra_models::model_for_test("smollm2-135m")?;
+        Self::start_model("smollm2-135m", extra, env)
+    }
+
+    /// As [`Server::start_with_env`], serving the known model `name`.
+    pub fn start_model(name: &str, extra: &[&str], env: &[(&str, &str)]) -> Option<Server> {
+        let model = astra_models::model_for_test(name)?;
         let mut child = Command::new(env!("CARGO_BIN_EXE_astra"))
             .args([
                 "serve",
