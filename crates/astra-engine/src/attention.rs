@@ -578,6 +578,7 @@ mod tests {
             sliding_window: Some(window),
             layer_local: vec![true, false],
             attn_scale: 1.0,
+            moe: None,
         }
     }
 

@@ -142,6 +142,7 @@ fn attention_config_with(head_dim: usize, n_head_kv: usize) -> Config {
         sliding_window: Some(40),
         layer_local: vec![true, false],
         attn_scale: 1.0,
+        moe: None,
     }
 }
 

@@ -4,6 +4,7 @@
 
 use astra_gguf::Metadata;
 
+use crate::backend::Gating;
 pub use crate::models::Arch;
 use crate::EngineError;
 
@@ -31,6 +32,17 @@ pub struct Config {
     pub layer_local: Vec<bool>,
     /// Factor on q·k.
     pub attn_scale: f32,
+    /// The mixture-of-experts feed-forward, where the layers have one.
+    pub moe: Option<Moe>,
+}
+
+/// A mixture-of-experts feed-forward's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Moe {
+    /// The router's choice: experts, how many each token uses, renormalized or not.
+    pub gating: Gating,
+    /// Each expert's feed-forward width.
+    pub n_ff: usize,
 }
 
 impl Config {
@@ -92,6 +104,7 @@ impl Config {
             sliding_window: None,
             layer_local: vec![false; n_layer],
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            moe: None,
         })
     }
 

@@ -295,7 +295,7 @@ impl<B: Backend> Model<B> {
                 seqs: &mut seqs,
                 probe: Some(&mut probe),
             },
-        );
+        )?;
         s.advance(tokens.len());
         let mut normed = be.tensor(tokens.len(), cfg.n_embd)?;
         let mut logits = be.tensor(tokens.len(), cfg.n_vocab)?;
@@ -367,7 +367,7 @@ impl<B: Backend> Model<B> {
                 seqs: &mut seqs,
                 probe: None,
             };
-            self.weights.forward(be, cfg, pass);
+            self.weights.forward(be, cfg, pass)?;
         }
         for p in parts {
             let s = &mut *steps[p.step].session;
@@ -423,7 +423,8 @@ impl<B: Backend> Model<B> {
                 position,
                 graph,
             } = d;
-            *graph = be.record(&mut || {
+            let mut outcome = Ok(());
+            let mut launches = || {
                 let pass = Pass {
                     acts: &mut *acts,
                     tokens: token,
@@ -435,9 +436,18 @@ impl<B: Backend> Model<B> {
                     }],
                     probe: None,
                 };
-                self.weights.forward(be, cfg, pass);
+                outcome = self.weights.forward(be, cfg, pass);
                 self.head(&acts.x, normed, logits);
-            });
+            };
+            // Routing reads the router's scores on the host mid-pass: such a step
+            // cannot be recorded.
+            *graph = if cfg.moe.is_some() {
+                launches();
+                None
+            } else {
+                be.record(&mut launches)
+            };
+            outcome?;
         }
         let logits = be.read(&d.logits);
         s.advance(1);

@@ -203,6 +203,28 @@ impl<'a, B: Backend> Loader<'a, B> {
         Ok(m)
     }
 
+    /// The experts of the 3-D tensor `name`, each `rows × cols`; a decoded token reads
+    /// `used` of them.
+    pub fn experts(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        used: usize,
+    ) -> Result<Experts<B::Matrix>, EngineError> {
+        let e = load_experts(self.be, self.file, name)?;
+        if (e.rows, e.cols) != (rows, cols) {
+            return Err(EngineError::Invalid(format!(
+                "tensor {name}: experts of {} × {}, expected {rows} × {cols}",
+                e.rows, e.cols
+            )));
+        }
+        let each = MatRef::experts(self.file, name)?[0].bytes();
+        self.matrix_bytes
+            .set(self.matrix_bytes.get() + each * used.min(e.matrices.len()));
+        Ok(e)
+    }
+
     /// The vector `name` of `len` values, as f32.
     pub fn vector(&self, name: &str, len: usize) -> Result<B::Vector, EngineError> {
         let t = tensor(self.file, name)?;

@@ -317,7 +317,12 @@ fn perplexity_with_ggml_arithmetic_is_llama_cpps() {
 /// `kv`. Returns them and the vocabulary's size.
 fn determinism(name: &str, kv: KvType) -> Option<(Vec<f32>, usize)> {
     let path = astra_models::model_for_test(name)?;
-    let tok = Tokenizer::from_metadata(GgufFile::open(&path).unwrap().metadata()).unwrap();
+    Some(determinism_of(&path, name, kv))
+}
+
+/// [`determinism`] for the model file at `path`.
+fn determinism_of(path: &std::path::Path, name: &str, kv: KvType) -> (Vec<f32>, usize) {
+    let tok = Tokenizer::from_metadata(GgufFile::open(path).unwrap().metadata()).unwrap();
     let text = "The history of computing is a story of abstraction layered upon abstraction: \
                 from switches to gates, from gates to instructions, from instructions to languages, \
                 and from languages to the systems that now write programs of their own. Each layer \
@@ -332,7 +337,7 @@ fn determinism(name: &str, kv: KvType) -> Option<(Vec<f32>, usize)> {
     let mut reference: Option<Vec<u32>> = None;
     let mut n_vocab = 0;
     for threads in [1, 2, 3] {
-        let model = Model::load_on(CpuBackend::with_kv_type(threads, kv), &path).unwrap();
+        let model = Model::load_on(CpuBackend::with_kv_type(threads, kv), path).unwrap();
         n_vocab = model.cfg.n_vocab;
         let whole = {
             let mut s = model.session(256).unwrap();
@@ -371,7 +376,27 @@ fn determinism(name: &str, kv: KvType) -> Option<(Vec<f32>, usize)> {
             ),
         }
     }
-    reference.map(|r| (r.into_iter().map(f32::from_bits).collect(), n_vocab))
+    let r = reference.expect("three thread counts ran");
+    (r.into_iter().map(f32::from_bits).collect(), n_vocab)
+}
+
+/// The random-weight qwen3moe file of the synthetic tests (Q4_K, Q5_K, Q6_K and Q8_0
+/// tensors, 8 experts of which each token uses 2).
+fn moe_file() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/synth/qwen3moe-tiny-Q4_K_M.gguf")
+}
+
+/// A mixture of experts routes each token on its own: batches, chunks and thread
+/// counts change no bit of its logits.
+#[test]
+fn moe_logits_are_deterministic() {
+    determinism_of(&moe_file(), "qwen3moe", KvType::F16);
+}
+
+#[test]
+fn moe_batched_sequences_are_independent() {
+    batched_sequences_of(Model::load(&moe_file(), 2).unwrap(), "qwen3moe");
 }
 
 #[test]
@@ -419,6 +444,10 @@ fn an_f32_kv_cache_is_deterministic_and_differs_from_f16_by_rounding() {
 /// decodes, more tokens in all than one batch holds) get the same bits as each alone.
 fn batched_sequences(name: &str) {
     let Some(model) = load(name, 2) else { return };
+    batched_sequences_of(model, name);
+}
+
+fn batched_sequences_of(model: Arc<Model>, name: &str) {
     let prompts: Vec<Vec<u32>> = (0..4u32)
         .map(|s| {
             (0..[300, 1, 45, 290][s as usize])

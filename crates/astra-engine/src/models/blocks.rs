@@ -3,9 +3,9 @@
 //! and the gated feed-forward. A block writes its output into the residual stream.
 
 use crate::backend::{
-    add_to_residual, Activation, Attend, Backend, FeedForward, Heads, Input, Rope,
+    add_to_residual, Activation, Attend, Backend, Experts, FeedForward, Heads, Input, Rope,
 };
-use crate::config::Config;
+use crate::config::{Config, Moe};
 use crate::weights::Loader;
 use crate::EngineError;
 
@@ -27,6 +27,17 @@ pub(crate) struct Activations<B: Backend> {
     pub att: B::Tensor,  // (t, n_head·head_dim): attention's output rows
     pub gate: B::Tensor, // (t, n_ff)
     pub up: B::Tensor,   // (t, n_ff)
+    /// The mixture-of-experts block's buffers, where the model has one.
+    pub moe: Option<MoeActivations<B>>,
+}
+
+/// A mixture-of-experts block's activations: a row per token, or per slot (a token's
+/// `j`-th expert is slot `token·k + j`).
+pub(crate) struct MoeActivations<B: Backend> {
+    pub scores: B::Tensor, // (t, n_expert): the router's
+    pub gate: B::Tensor,   // (t·k, n_ff_expert)
+    pub up: B::Tensor,     // (t·k, n_ff_expert)
+    pub down: B::Tensor,   // (t·k, n_embd)
 }
 
 impl<B: Backend> Activations<B> {
@@ -42,6 +53,18 @@ impl<B: Backend> Activations<B> {
             att: be.tensor(t, qd)?,
             gate: be.tensor(t, ff)?,
             up: be.tensor(t, ff)?,
+            moe: match cfg.moe {
+                Some(m) => {
+                    let slots = t * m.gating.k;
+                    Some(MoeActivations {
+                        scores: be.tensor(t, m.gating.experts)?,
+                        gate: be.tensor(slots, m.n_ff)?,
+                        up: be.tensor(slots, m.n_ff)?,
+                        down: be.tensor(slots, e)?,
+                    })
+                }
+                None => None,
+            },
         })
     }
 }
@@ -201,6 +224,74 @@ impl<B: Backend> GatedFfn<B> {
             up_rows: up,
             out: o,
         });
+    }
+}
+
+/// The mixture-of-experts feed-forward: each token's `n = rms_norm(x) · norm` scored by
+/// the router, the `k` experts the gating picks run as gated feed-forwards on it, and
+/// `x += Σ_j weight_j · down_j(act(gate_j · n) ⊙ (up_j · n))`.
+pub(crate) struct MoeFfn<B: Backend> {
+    pub norm: B::Vector,          // (n_embd)
+    pub router: B::Matrix,        // (n_expert, n_embd)
+    pub gate: Experts<B::Matrix>, // each (n_ff_expert, n_embd)
+    pub up: Experts<B::Matrix>,   // each (n_ff_expert, n_embd)
+    pub down: Experts<B::Matrix>, // each (n_embd, n_ff_expert)
+}
+
+impl<B: Backend> MoeFfn<B> {
+    /// Layer `i`'s router and experts (`ffn_{gate,up,down}_exps`).
+    pub fn load(l: &Loader<'_, B>, cfg: &Config, i: usize, moe: Moe) -> Result<Self, EngineError> {
+        let (e, ff, n, k) = (cfg.n_embd, moe.n_ff, moe.gating.experts, moe.gating.k);
+        let name = |s: &str| blk(i, s);
+        let experts = |s: &str, rows, cols| -> Result<Experts<B::Matrix>, EngineError> {
+            let x = l.experts(&name(s), rows, cols, k)?;
+            if x.matrices.len() != n {
+                return Err(EngineError::Invalid(format!(
+                    "tensor {}: {} experts, the metadata says {n}",
+                    name(s),
+                    x.matrices.len()
+                )));
+            }
+            Ok(x)
+        };
+        Ok(MoeFfn {
+            norm: l.vector(&name("ffn_norm"), e)?,
+            router: l.matrix(&name("ffn_gate_inp"), n, e)?,
+            gate: experts("ffn_gate_exps", ff, e)?,
+            up: experts("ffn_up_exps", ff, e)?,
+            down: experts("ffn_down_exps", e, ff)?,
+        })
+    }
+
+    /// The block over the batch `p`, its output added to `p.acts.x`.
+    pub fn forward(
+        &self,
+        be: &B,
+        cfg: &Config,
+        moe: Moe,
+        act: Activation,
+        p: &mut Pass<'_, '_, B>,
+    ) -> Result<(), EngineError> {
+        let Activations {
+            x,
+            xb,
+            o,
+            moe: acts,
+            ..
+        } = &mut *p.acts;
+        let acts = acts
+            .as_mut()
+            .ok_or_else(|| EngineError::Invalid("no mixture-of-experts buffers".into()))?;
+        be.rms_norm(x, &self.norm, cfg.rms_eps, xb);
+        be.matmul(xb, &mut [(&self.router, &mut acts.scores)]);
+        let routes = be.route(&acts.scores, moe.gating)?;
+        be.routed_matmul(xb, false, &self.gate, &routes, &mut acts.gate)?;
+        be.routed_matmul(xb, false, &self.up, &routes, &mut acts.up)?;
+        be.glu(&mut acts.gate, &acts.up, act);
+        be.routed_matmul(&acts.gate, true, &self.down, &routes, &mut acts.down)?;
+        be.mix_experts(&acts.down, &routes, o)?;
+        be.add(x, o);
+        Ok(())
     }
 }
 

@@ -7,6 +7,7 @@ mod blocks;
 mod gemma3;
 mod llama;
 mod qwen3;
+mod qwen3moe;
 
 use std::sync::Arc;
 
@@ -28,10 +29,12 @@ pub enum Arch {
     Gemma3,
     /// Qwen3, dense: [`qwen3`].
     Qwen3,
+    /// Qwen3 with mixture-of-experts feed-forwards: [`qwen3moe`].
+    Qwen3Moe,
 }
 
 impl Arch {
-    const ALL: [Arch; 3] = [Arch::Llama, Arch::Gemma3, Arch::Qwen3];
+    const ALL: [Arch; 4] = [Arch::Llama, Arch::Gemma3, Arch::Qwen3, Arch::Qwen3Moe];
 
     /// The name GGUF metadata gives the architecture, and the prefix of its keys.
     pub fn name(self) -> &'static str {
@@ -39,6 +42,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Gemma3 => "gemma3",
             Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3moe",
         }
     }
 
@@ -65,6 +69,7 @@ pub(crate) fn config(md: &Metadata) -> Result<Config, EngineError> {
         Arch::Llama => llama::hparams(md, &mut cfg)?,
         Arch::Gemma3 => gemma3::hparams(md, &mut cfg)?,
         Arch::Qwen3 => qwen3::hparams(md, &mut cfg)?,
+        Arch::Qwen3Moe => qwen3moe::hparams(md, &mut cfg)?,
     }
     Ok(cfg)
 }
@@ -82,6 +87,7 @@ enum Layers<B: Backend> {
     Llama(Vec<llama::Layer<B>>),
     Gemma3(Vec<gemma3::Layer<B>>),
     Qwen3(Vec<qwen3::Layer<B>>),
+    Qwen3Moe(Vec<qwen3moe::Layer<B>>),
 }
 
 impl<B: Backend> Weights<B> {
@@ -105,6 +111,7 @@ impl<B: Backend> Weights<B> {
             Arch::Llama => Layers::Llama(l.layers(cfg, llama::load_layer)?),
             Arch::Gemma3 => Layers::Gemma3(l.layers(cfg, gemma3::load_layer)?),
             Arch::Qwen3 => Layers::Qwen3(l.layers(cfg, qwen3::load_layer)?),
+            Arch::Qwen3Moe => Layers::Qwen3Moe(l.layers(cfg, qwen3moe::load_layer)?),
         };
         let bytes = l.bytes_per_token(output.is_none());
         let w = Weights {
@@ -122,12 +129,16 @@ impl<B: Backend> Weights<B> {
     }
 
     /// The embeddings of `p.tokens` through every layer, into `p.acts.x`.
-    pub fn forward(&self, be: &B, cfg: &Config, p: Pass<'_, '_, B>) {
+    pub fn forward(&self, be: &B, cfg: &Config, p: Pass<'_, '_, B>) -> Result<(), EngineError> {
         match &self.layers {
             Layers::Llama(layers) => llama::forward(be, cfg, &self.token_embd, layers, p),
             Layers::Gemma3(layers) => gemma3::forward(be, cfg, &self.token_embd, layers, p),
             Layers::Qwen3(layers) => qwen3::forward(be, cfg, &self.token_embd, layers, p),
+            Layers::Qwen3Moe(layers) => {
+                return qwen3moe::forward(be, cfg, &self.token_embd, layers, p)
+            }
         }
+        Ok(())
     }
 }
 
