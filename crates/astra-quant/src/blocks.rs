@@ -113,6 +113,14 @@ block!(/// 256 activations: `q * d` (d an f32), with sums of each 16 in `bsums`.
 block!(/// 256 weights in 8 groups of 32, each two halves of 16 with a 4-bit scale; weights
     /// from the 1024-entry IQ2_S grid, eight at a time, with explicit signs.
     BlockIq2S, QK_K, 82, { d: F16Le, qs: [u8; 64], qh: [u8; 8], scales: [u8; 8] });
+block!(/// 256 weights in 8 groups of 32: each group's four grid indices (a byte each) and
+    /// its four 7-bit sign codes and 4-bit scale packed in two u32s; weights from the
+    /// 256-entry IQ2_XXS grid, eight at a time.
+    BlockIq2Xxs, QK_K, 66, { d: F16Le, qs: [[u8; 2]; 32] });
+block!(/// 256 weights in 8 groups of 32, each two halves of 16 with a 4-bit scale; each
+    /// eight weights a u16: a 9-bit index into the 512-entry IQ2_XS grid and a 7-bit
+    /// sign code.
+    BlockIq2Xs, QK_K, 74, { d: F16Le, qs: [[u8; 2]; 32], scales: [u8; 8] });
 block!(/// 32 weights: `d * KVALUES_IQ4NL[q]`, q a nibble laid out as in Q4_0.
     BlockIq4Nl, 32, 18, { d: F16Le, qs: [u8; 16] });
 block!(/// 64 weights: `(q - 1) * d`, q two bits, four per byte from the low bits up.

@@ -6,6 +6,7 @@
 
 use crate::blocks::*;
 use crate::iq2s_grid::IQ2S_GRID;
+use crate::iq2xs_grid::{IQ2XS_GRID, IQ2XXS_GRID};
 
 pub fn dequantize_q4_0(blocks: &[BlockQ4_0], out: &mut [f32]) {
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(32)) {
@@ -207,22 +208,97 @@ pub(crate) fn iq2s_signs(b: &BlockIq2S, ib32: usize, l: usize) -> u8 {
     b.qs[32 + 4 * ib32 + l]
 }
 
+/// The scales of the two 16-weight halves of a 32-weight group whose 4-bit scales
+/// are packed in `scales` (IQ2_XS, IQ2_S): `d · (0.5 + s) / 4`.
+#[inline(always)]
+fn half_scales(d: f32, scales: u8) -> [f32; 2] {
+    [
+        d * (0.5 + (scales & 0xF) as f32) * 0.25,
+        d * (0.5 + (scales >> 4) as f32) * 0.25,
+    ]
+}
+
+/// Eight weights `scale · grid[j]`, negated where `signs` has bit j set.
+#[inline(always)]
+fn signed_grid(scale: f32, grid: [u8; 8], signs: u8, y: &mut [f32]) {
+    for j in 0..8 {
+        let sign = if signs & (1 << j) != 0 { -1.0 } else { 1.0 };
+        y[j] = scale * grid[j] as f32 * sign;
+    }
+}
+
 pub fn dequantize_iq2_s(blocks: &[BlockIq2S], out: &mut [f32]) {
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
         let d = b.d.get();
         for (ib32, y) in y.chunks_exact_mut(32).enumerate() {
-            let db = [
-                d * (0.5 + (b.scales[ib32] & 0xF) as f32) * 0.25,
-                d * (0.5 + (b.scales[ib32] >> 4) as f32) * 0.25,
-            ];
+            let db = half_scales(d, b.scales[ib32]);
             for (l, y) in y.chunks_exact_mut(8).enumerate() {
-                let dl = db[l / 2];
-                let grid = iq2s_grid_point(b, ib32, l);
                 let signs = iq2s_signs(b, ib32, l);
-                for j in 0..8 {
-                    let sign = if signs & (1 << j) != 0 { -1.0 } else { 1.0 };
-                    y[j] = dl * grid[j] as f32 * sign;
-                }
+                signed_grid(db[l / 2], iq2s_grid_point(b, ib32, l), signs, y);
+            }
+        }
+    }
+}
+
+/// The eight signs of a 7-bit sign code (bit j set: weight j negative): the eighth is
+/// the parity of the seven, so that an even number of weights is negative (ggml's
+/// `ksigns_iq2xs`).
+#[inline(always)]
+pub(crate) fn iq2_signs(code: u32) -> u8 {
+    let code = (code & 127) as u8;
+    code | (((code.count_ones() & 1) as u8) << 7)
+}
+
+/// The two u32s of 32-weight group `ib32` of an IQ2_XXS block: four grid indices, then
+/// four 7-bit sign codes under a 4-bit scale.
+#[inline(always)]
+pub(crate) fn iq2xxs_group(b: &BlockIq2Xxs, ib32: usize) -> (u32, u32) {
+    let q = |k: usize| u16::from_le_bytes(b.qs[4 * ib32 + k]) as u32;
+    (q(0) | q(1) << 16, q(2) | q(3) << 16)
+}
+
+/// Grid point `l` (0..4) of IQ2_XXS group `(grid, signs)` and its sign byte.
+#[inline(always)]
+pub(crate) fn iq2xxs_point(group: (u32, u32), l: usize) -> ([u8; 8], u8) {
+    let index = (group.0 >> (8 * l)) & 0xFF;
+    (
+        IQ2XXS_GRID[index as usize].to_le_bytes(),
+        iq2_signs(group.1 >> (7 * l)),
+    )
+}
+
+pub fn dequantize_iq2_xxs(blocks: &[BlockIq2Xxs], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let d = b.d.get();
+        for (ib32, y) in y.chunks_exact_mut(32).enumerate() {
+            let group = iq2xxs_group(b, ib32);
+            let db = d * (0.5 + (group.1 >> 28) as f32) * 0.25;
+            for (l, y) in y.chunks_exact_mut(8).enumerate() {
+                let (grid, signs) = iq2xxs_point(group, l);
+                signed_grid(db, grid, signs, y);
+            }
+        }
+    }
+}
+
+/// Grid point `l` (0..4) of 32-weight group `ib32` of an IQ2_XS block and its sign byte.
+#[inline(always)]
+pub(crate) fn iq2xs_point(b: &BlockIq2Xs, ib32: usize, l: usize) -> ([u8; 8], u8) {
+    let q = u16::from_le_bytes(b.qs[4 * ib32 + l]) as u32;
+    (
+        IQ2XS_GRID[(q & 511) as usize].to_le_bytes(),
+        iq2_signs(q >> 9),
+    )
+}
+
+pub fn dequantize_iq2_xs(blocks: &[BlockIq2Xs], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let d = b.d.get();
+        for (ib32, y) in y.chunks_exact_mut(32).enumerate() {
+            let db = half_scales(d, b.scales[ib32]);
+            for (l, y) in y.chunks_exact_mut(8).enumerate() {
+                let (grid, signs) = iq2xs_point(b, ib32, l);
+                signed_grid(db[l / 2], grid, signs, y);
             }
         }
     }

@@ -17,6 +17,7 @@ pub mod blocks;
 pub mod dequant;
 pub mod dot;
 mod iq2s_grid;
+mod iq2xs_grid;
 
 pub use iq2s_grid::IQ2S_GRID;
 pub mod matmul;
@@ -48,7 +49,7 @@ pub enum QuantError {
 }
 
 /// The weight types the CPU kernels handle (SPEC section 1).
-pub const SUPPORTED_TYPES: [GgmlType; 17] = [
+pub const SUPPORTED_TYPES: [GgmlType; 19] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -63,6 +64,8 @@ pub const SUPPORTED_TYPES: [GgmlType; 17] = [
     GgmlType::Q5_K,
     GgmlType::Q6_K,
     GgmlType::Q8_K,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
     GgmlType::IQ2_S,
     GgmlType::IQ4_NL,
     GgmlType::Q2_0,
@@ -107,6 +110,8 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Qua
         GgmlType::Q5_K => dequantize_q5_k(b(bytes), out),
         GgmlType::Q6_K => dequantize_q6_k(b(bytes), out),
         GgmlType::Q8_K => dequantize_q8_k(b(bytes), out),
+        GgmlType::IQ2_XXS => dequantize_iq2_xxs(b(bytes), out),
+        GgmlType::IQ2_XS => dequantize_iq2_xs(b(bytes), out),
         GgmlType::IQ2_S => dequantize_iq2_s(b(bytes), out),
         GgmlType::IQ4_NL => dequantize_iq4_nl(b(bytes), out),
         GgmlType::Q2_0 => dequantize_q2_0(b(bytes), out),

@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 
 use super::{ActRow, VecDot4Fn, VecDotFn};
 use crate::blocks::*;
-use crate::dequant::{iq2s_grid_point, iq2s_signs};
+use crate::dequant::{iq2s_grid_point, iq2s_signs, iq2xs_point, iq2xxs_group, iq2xxs_point};
 use crate::GgmlType;
 
 /// The kernels for a weight type: the dot product on bytes, and the four-token variant
@@ -53,6 +53,8 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, Option<VecDot4Fn>)
         Q5_K => (avx2_dot_fn!(dot_q5_k_q8_k), None),
         Q6_K => (avx2_dot_fn!(dot_q6_k_q8_k), four!(dotn_q6_k_q8_k)),
         Q8_K => (avx2_dot_fn!(dot_q8_k_q8_k), None),
+        IQ2_XXS => (avx2_dot_fn!(dot_iq2_xxs_q8_k), None),
+        IQ2_XS => (avx2_dot_fn!(dot_iq2_xs_q8_k), None),
         IQ2_S => (avx2_dot_fn!(dot_iq2_s_q8_k), None),
         _ => return None,
     })
@@ -515,25 +517,81 @@ unsafe fn dot_q8_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     hsum_f32(acc)
 }
 
+/// One 32-weight group of a 2-bit codebook type: its four grid points (eight
+/// magnitudes and a sign byte each) against 32 activations, each half's sum times its
+/// odd scale `sc` (`scale_pair`), as eight i32 lanes.
+#[inline(always)]
+unsafe fn iq2_group(points: [([u8; 8], u8); 4], q8: &[i8], sc: __m256i) -> __m256i {
+    let g = |l: usize| i64::from_le_bytes(points[l].0);
+    let qx = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
+    let signs = u32::from_le_bytes(std::array::from_fn(|l| points[l].1));
+    // -1 where the weight is negative, +1 elsewhere.
+    let sign = _mm256_or_si256(bits_to_bytes(signs), _mm256_set1_epi8(1));
+    let y = _mm256_sign_epi8(load(q8), sign);
+    _mm256_madd_epi16(_mm256_maddubs_epi16(qx, y), sc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_iq2_xxs_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (w, a) in as_blocks::<BlockIq2Xxs>(w)
+        .iter()
+        .zip(as_blocks::<BlockQ8K>(a))
+    {
+        let mut sumi = _mm256_setzero_si256();
+        for ib32 in 0..8 {
+            let group = iq2xxs_group(w, ib32);
+            let ls = 2 * (group.1 >> 28) as i16 + 1;
+            let points = std::array::from_fn(|l| iq2xxs_point(group, l));
+            let part = iq2_group(points, &a.qs[32 * ib32..], scale_pair(ls, ls));
+            sumi = _mm256_add_epi32(sumi, part);
+        }
+        acc = _mm256_fmadd_ps(
+            _mm256_set1_ps(f16(w.d) * a.d() * 0.125),
+            _mm256_cvtepi32_ps(sumi),
+            acc,
+        );
+    }
+    hsum_f32(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_iq2_xs_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (w, a) in as_blocks::<BlockIq2Xs>(w)
+        .iter()
+        .zip(as_blocks::<BlockQ8K>(a))
+    {
+        let mut sumi = _mm256_setzero_si256();
+        for ib32 in 0..8 {
+            let s = w.scales[ib32];
+            let sc = scale_pair(2 * (s & 0xF) as i16 + 1, 2 * (s >> 4) as i16 + 1);
+            let points = std::array::from_fn(|l| iq2xs_point(w, ib32, l));
+            sumi = _mm256_add_epi32(sumi, iq2_group(points, &a.qs[32 * ib32..], sc));
+        }
+        acc = _mm256_fmadd_ps(
+            _mm256_set1_ps(f16(w.d) * a.d() * 0.125),
+            _mm256_cvtepi32_ps(sumi),
+            acc,
+        );
+    }
+    hsum_f32(acc)
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_iq2_s_q8_k(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
-    let one = _mm256_set1_epi8(1);
     for (w, a) in as_blocks::<BlockIq2S>(w)
         .iter()
         .zip(as_blocks::<BlockQ8K>(a))
     {
         let mut sumi = _mm256_setzero_si256();
         for ib32 in 0..8 {
-            let g = |l: usize| i64::from_le_bytes(iq2s_grid_point(w, ib32, l));
-            let qx = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
-            let signs = u32::from_le_bytes(std::array::from_fn(|l| iq2s_signs(w, ib32, l)));
-            // -1 where the weight is negative, +1 elsewhere.
-            let sign = _mm256_or_si256(bits_to_bytes(signs), one);
-            let y = _mm256_sign_epi8(load(&a.qs[32 * ib32..]), sign);
             let s = w.scales[ib32];
             let sc = scale_pair(2 * (s & 0xF) as i16 + 1, 2 * (s >> 4) as i16 + 1);
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(qx, y), sc));
+            let points =
+                std::array::from_fn(|l| (iq2s_grid_point(w, ib32, l), iq2s_signs(w, ib32, l)));
+            sumi = _mm256_add_epi32(sumi, iq2_group(points, &a.qs[32 * ib32..], sc));
         }
         acc = _mm256_fmadd_ps(
             _mm256_set1_ps(f16(w.d) * a.d() * 0.125),

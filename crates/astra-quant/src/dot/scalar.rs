@@ -11,7 +11,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use crate::blocks::*;
-use crate::dequant::{iq2s_grid_point, iq2s_signs};
+use crate::dequant::{iq2s_grid_point, iq2s_signs, iq2xs_point, iq2xxs_group, iq2xxs_point};
 
 #[inline(always)]
 fn pairs<'a, W: Block, A: Block>(w: &'a [u8], a: &'a [u8]) -> impl Iterator<Item = (&'a W, &'a A)> {
@@ -255,6 +255,62 @@ pub fn dot_q8_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
                 .map(|(&x, &y)| x as i32 * y as i32)
                 .sum();
         sum += isum as f32 * (w.d() * a.d());
+    }
+    sum
+}
+
+/// Σ grid · sign · q8 over the eight weights of a grid point.
+#[inline(always)]
+fn signed_grid_dot(grid: [u8; 8], signs: u8, q8: &[i8]) -> i32 {
+    (0..8)
+        .map(|j| {
+            let v = grid[j] as i32 * q8[j] as i32;
+            if signs & (1 << j) != 0 {
+                -v
+            } else {
+                v
+            }
+        })
+        .sum()
+}
+
+pub fn dot_iq2_xxs_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0.0f32;
+    for (w, a) in pairs::<BlockIq2Xxs, BlockQ8K>(w, a) {
+        let mut isum = 0i32;
+        for ib32 in 0..8 {
+            let group = iq2xxs_group(w, ib32);
+            let gsum: i32 = (0..4)
+                .map(|l| {
+                    let (grid, signs) = iq2xxs_point(group, l);
+                    signed_grid_dot(grid, signs, &a.qs[32 * ib32 + 8 * l..][..8])
+                })
+                .sum();
+            isum += (2 * (group.1 >> 28) as i32 + 1) * gsum;
+        }
+        // Weight scale d * (0.5 + s) / 4 = d * (2s + 1) / 8.
+        sum += isum as f32 * (w.d.get() * a.d()) * 0.125;
+    }
+    sum
+}
+
+pub fn dot_iq2_xs_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0.0f32;
+    for (w, a) in pairs::<BlockIq2Xs, BlockQ8K>(w, a) {
+        let mut isum = 0i32;
+        for ib32 in 0..8 {
+            for half in 0..2 {
+                let hsum: i32 = (2 * half..2 * half + 2)
+                    .map(|l| {
+                        let (grid, signs) = iq2xs_point(w, ib32, l);
+                        signed_grid_dot(grid, signs, &a.qs[32 * ib32 + 8 * l..][..8])
+                    })
+                    .sum();
+                let scale = (w.scales[ib32] >> (4 * half)) & 0xF;
+                isum += (2 * scale as i32 + 1) * hsum;
+            }
+        }
+        sum += isum as f32 * (w.d.get() * a.d()) * 0.125;
     }
     sum
 }
