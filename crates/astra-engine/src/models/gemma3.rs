@@ -7,7 +7,6 @@ use astra_gguf::Metadata;
 
 use crate::backend::{Activation, Backend, Rope};
 use crate::config::Config;
-use crate::weights::Loader;
 use crate::EngineError;
 
 use super::blocks::{AttentionParams, Block, Norms};
@@ -34,21 +33,11 @@ pub(crate) fn hparams(md: &Metadata, cfg: &mut Config) -> Result<(), EngineError
     Ok(())
 }
 
-pub(crate) fn load_layer<B: Backend>(
-    l: &Loader<'_, B>,
-    cfg: &Config,
-    i: usize,
-) -> Result<Layer<B>, EngineError> {
-    Block::load(
-        l,
-        cfg,
-        i,
-        Norms {
-            qk: true,
-            post: true,
-        },
-    )
-}
+/// A layer's optional tensors: the QK-norm and the blocks' post-norms.
+pub(crate) const NORMS: Norms = Norms {
+    qk: true,
+    post: true,
+};
 
 pub(crate) fn forward<B: Backend>(
     be: &B,

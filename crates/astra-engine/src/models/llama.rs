@@ -1,39 +1,20 @@
 //! Llama (SmolLM2, Llama 2 and 3, Mistral), as llama.cpp's `llama` architecture: pre-norm
 //! layers of attention and a SwiGLU feed-forward, RoPE on adjacent pairs, scores scaled
-//! by 1/√head_dim.
-
-use astra_gguf::Metadata;
+//! by 1/√head_dim. It reads nothing beyond the keys every architecture has.
 
 use crate::backend::{Activation, Backend, Rope};
 use crate::config::Config;
-use crate::weights::Loader;
-use crate::EngineError;
 
 use super::blocks::{AttentionParams, Block, Norms};
 use super::{Pass, Stage};
 
 pub(crate) type Layer<B> = Block<B>;
 
-/// Llama reads nothing beyond the keys every architecture has.
-pub(crate) fn hparams(_md: &Metadata, _cfg: &mut Config) -> Result<(), EngineError> {
-    Ok(())
-}
-
-pub(crate) fn load_layer<B: Backend>(
-    l: &Loader<'_, B>,
-    cfg: &Config,
-    i: usize,
-) -> Result<Layer<B>, EngineError> {
-    Block::load(
-        l,
-        cfg,
-        i,
-        Norms {
-            qk: false,
-            post: false,
-        },
-    )
-}
+/// A layer's optional tensors: none.
+pub(crate) const NORMS: Norms = Norms {
+    qk: false,
+    post: false,
+};
 
 pub(crate) fn forward<B: Backend>(
     be: &B,

@@ -19,6 +19,7 @@ use crate::weights::Loader;
 use crate::EngineError;
 
 pub(crate) use blocks::Activations;
+use blocks::Block;
 
 /// The architectures this engine runs (GGUF's `general.architecture`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,9 +67,8 @@ pub(crate) fn config(md: &Metadata) -> Result<Config, EngineError> {
     let arch = Arch::from_name(md.str("general.architecture")?)?;
     let mut cfg = Config::common(md, arch)?;
     match arch {
-        Arch::Llama => llama::hparams(md, &mut cfg)?,
+        Arch::Llama | Arch::Qwen3 => {}
         Arch::Gemma3 => gemma3::hparams(md, &mut cfg)?,
-        Arch::Qwen3 => qwen3::hparams(md, &mut cfg)?,
         Arch::Qwen3Moe => qwen3moe::hparams(md, &mut cfg)?,
     }
     Ok(cfg)
@@ -107,10 +107,12 @@ impl<B: Backend> Weights<B> {
             None => None,
         };
         let output_norm = l.vector("output_norm.weight", e)?;
+        let blocks =
+            |norms| move |l: &Loader<'_, B>, cfg: &Config, i| Block::load(l, cfg, i, norms);
         let layers = match cfg.arch {
-            Arch::Llama => Layers::Llama(l.layers(cfg, llama::load_layer)?),
-            Arch::Gemma3 => Layers::Gemma3(l.layers(cfg, gemma3::load_layer)?),
-            Arch::Qwen3 => Layers::Qwen3(l.layers(cfg, qwen3::load_layer)?),
+            Arch::Llama => Layers::Llama(l.layers(cfg, blocks(llama::NORMS))?),
+            Arch::Gemma3 => Layers::Gemma3(l.layers(cfg, blocks(gemma3::NORMS))?),
+            Arch::Qwen3 => Layers::Qwen3(l.layers(cfg, blocks(qwen3::NORMS))?),
             Arch::Qwen3Moe => Layers::Qwen3Moe(l.layers(cfg, qwen3moe::load_layer)?),
         };
         let bytes = l.bytes_per_token(output.is_none());

@@ -11,7 +11,7 @@ use crate::config::{Config, Moe};
 use crate::weights::Loader;
 use crate::EngineError;
 
-use super::blocks::{Attention, AttentionParams, MoeFfn, Norms};
+use super::blocks::{Attention, AttentionParams, MoeFfn};
 use super::{Pass, Stage};
 
 pub(crate) struct Layer<B: Backend> {
@@ -51,15 +51,7 @@ pub(crate) fn load_layer<B: Backend>(
         .moe
         .ok_or_else(|| EngineError::Invalid("qwen3moe without experts".into()))?;
     Ok(Layer {
-        attn: Attention::load(
-            l,
-            cfg,
-            i,
-            Norms {
-                qk: true,
-                post: false,
-            },
-        )?,
+        attn: Attention::load(l, cfg, i, super::qwen3::NORMS)?,
         moe: MoeFfn::load(l, cfg, i, moe)?,
     })
 }
