@@ -557,6 +557,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
         1
     }
 
+    /// Whether this backend's bits depend on how a prompt is cut into batches, so that
+    /// a prompt must be cut as llama-server cuts it ([`crate::Model::prompt_batch_end`]):
+    /// llama.cpp's arithmetic. Otherwise a prompt runs in batches as large as allowed.
+    fn batches_as_llama_server(&self) -> bool {
+        false
+    }
+
     /// Runs `launches`, recording them as a graph where the backend can replay one: the
     /// work is done either way. `None` where nothing was recorded (the CPU backend, or a
     /// run that could not be captured).

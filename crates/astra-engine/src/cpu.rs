@@ -246,6 +246,10 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn batches_as_llama_server(&self) -> bool {
+        self.arithmetic == Arithmetic::Ggml
+    }
+
     fn matrix(&self, file: &Arc<GgufFile>, m: &MatRef) -> Result<CpuMatrix, EngineError> {
         let kernels = (self.ops().kernels)(m.ty, self.isa)?;
         let packed = packed_copy(&self.pool, &m.view(file), &kernels)?;

@@ -19,6 +19,16 @@ use crate::EngineError;
 /// results, by the determinism of every step).
 pub const MAX_BATCH: usize = 512;
 
+/// How llama-server (`-b 2048`, the default) feeds a prompt to llama.cpp, which
+/// [`Model::prompt_batch_end`] follows where the bits depend on it: batches of at most
+/// [`LLAMA_SERVER_BATCH`] tokens, each run in micro-batches of [`MAX_BATCH`] (its
+/// `n_ubatch`); and, for a model with a sliding window, a batch ends
+/// [`LLAMA_SERVER_CHECKPOINTS`] tokens before the prompt's end, where the server
+/// checkpoints the cache.
+const LLAMA_SERVER_BATCH: usize = 2048;
+/// See [`LLAMA_SERVER_BATCH`]: 4 + `n_ubatch` and 4 tokens before a prompt's end.
+const LLAMA_SERVER_CHECKPOINTS: [usize; 2] = [4 + MAX_BATCH, 4];
+
 pub struct Model<B: Backend = CpuBackend> {
     pub file: Arc<GgufFile>,
     pub cfg: Config,
@@ -190,6 +200,47 @@ impl<B: Backend> Model<B> {
             logits_from,
         }])?;
         Ok(out.pop().expect("one step"))
+    }
+
+    /// Runs a prompt's `tokens` after what `s` holds of it and returns the last token's
+    /// logits: in batches cut as [`Model::prompt_batch_end`] says.
+    pub fn prefill(&self, s: &mut Session<B>, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        if tokens.is_empty() {
+            return Err(EngineError::Invalid("an empty prompt has no logits".into()));
+        }
+        let (from, n) = (s.n_past, s.n_past + tokens.len());
+        let mut fed = from;
+        loop {
+            let end = self.prompt_batch_end(fed, n, None);
+            let part = &tokens[fed - from..end - from];
+            let logits = self.forward(s, part, part.len() - 1)?;
+            if end == n {
+                return Ok(logits);
+            }
+            fed = end;
+        }
+    }
+
+    /// Where the batch starting at position `fed` of an `n`-token prompt ends. With
+    /// astra's arithmetic, at `n`: the bits are the same however a prompt is cut, so it
+    /// runs in the largest batches. Where they depend on the batches (llama.cpp's
+    /// arithmetic), as llama-server cuts it (`LLAMA_SERVER_BATCH`), so that a prompt
+    /// gets llama-server's logits; `user_turn`, the position where a chat prompt's last
+    /// user turn starts, also ends a batch for a sliding-window model, as llama-server
+    /// does where it knows the template's turns.
+    pub fn prompt_batch_end(&self, fed: usize, n: usize, user_turn: Option<usize>) -> usize {
+        if !self.backend.batches_as_llama_server() || fed >= n {
+            return n;
+        }
+        let end = n.min(fed + LLAMA_SERVER_BATCH);
+        if self.cfg.sliding_window.is_none() {
+            return end;
+        }
+        let cuts = LLAMA_SERVER_CHECKPOINTS
+            .iter()
+            .map(|&back| n.saturating_sub(back))
+            .chain(user_turn);
+        cuts.filter(|&c| c > fed && c < end).min().unwrap_or(end)
     }
 
     /// Runs several sequences together, their tokens sharing each batch (up to

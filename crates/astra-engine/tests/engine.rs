@@ -148,33 +148,39 @@ fn server_probabilities(logits: &[f32], n_top: usize) -> Vec<f32> {
     e.into_iter().map(|p| p / sum).collect()
 }
 
-/// The batches llama-server feeds a prompt of `n` tokens in: one, except for a model
-/// with a sliding window, whose cache it checkpoints 4 + 512 and 4 tokens before the
+/// The batches llama-server feeds a prompt of `n` tokens in, as its prompt loop adds
+/// tokens one at a time: at most 2,048 a batch (`-b`); for a model with a sliding
+/// window, whose cache it checkpoints, a batch also ends 4 + 512 and 4 tokens before the
 /// prompt's end and, for a chat request, where the last user turn starts (its template's
-/// user delimiter, the data's `last_user_turn_start`), ending a batch at each. (With
-/// llama.cpp's arithmetic the batches matter: its Q4_K kernels and attention paths
-/// depend on them.)
+/// user delimiter, the data's `last_user_turn_start`). (With llama.cpp's arithmetic the
+/// batches matter: its Q4_K kernels and attention paths depend on them.)
 fn server_batches(
     n: usize,
     sliding_window: bool,
     last_user_turn_start: Option<usize>,
 ) -> Vec<std::ops::Range<usize>> {
-    let mut cuts = vec![0];
-    if sliding_window {
-        cuts.extend(last_user_turn_start);
-        cuts.extend([n.saturating_sub(516), n.saturating_sub(4)]);
-        cuts.retain(|&c| c < n);
-        cuts.sort_unstable();
-        cuts.dedup();
+    let mut batches = Vec::new();
+    let mut pos = 0;
+    while pos < n {
+        let start = pos;
+        while pos < n && pos - start < 2048 {
+            pos += 1;
+            let checkpoint = Some(pos) == last_user_turn_start || n - pos == 516 || n - pos == 4;
+            if sliding_window && checkpoint {
+                break;
+            }
+        }
+        batches.push(start..pos);
     }
-    cuts.push(n);
-    cuts.windows(2).map(|w| w[0]..w[1]).collect()
+    batches
 }
 
-/// With llama.cpp's arithmetic ([`Arithmetic::Ggml`]), the criterion as written:
-/// every greedy token as llama.cpp's (the prompt in llama-server's batches, then token
-/// by token, two threads, as llama-server ran) and the top-5 probabilities within 2e-3
-/// of llama-server's at every step. Computed from astra's logits the way llama-server
+/// With llama.cpp's arithmetic ([`Arithmetic::Ggml`]): every greedy token as
+/// llama.cpp's (the prompt in the batches the engine plans, which must be
+/// llama-server's, then token by token, two threads, a 4,096-token context, as
+/// llama-server ran) and the top-5 probabilities within 2e-3 of llama-server's at every
+/// step, on the prompts of `greedy_llama_cpp.json` and on `greedy_llama_cpp_unseen.json`'s
+/// (short and long prompts, up to 2,845 tokens, none written for these models). Computed from astra's logits the way llama-server
 /// computes them ([`server_probabilities`]), they must agree within 1e-4: what is left
 /// is the order of its f32 sum and its `expf` (about 1e-5), so the logits themselves
 /// are llama.cpp's.
@@ -187,13 +193,29 @@ fn ggml_arithmetic_matches_llama_cpp(name: &str) {
         .unwrap();
     let model = Model::load_on(backend, &path).unwrap();
     let (mut worst_exact, mut worst_server) = (0.0f64, 0.0f64);
-    for case in data("greedy_llama_cpp.json")[name].as_array().unwrap() {
+    let cases = ["greedy_llama_cpp.json", "greedy_llama_cpp_unseen.json"]
+        .map(|file| data(file)[name].as_array().unwrap().clone());
+    for case in cases.iter().flatten() {
         let prompt = ids(&case["prompt_ids"]);
         let want = ids(&case["generated_ids"]);
-        let mut s = model.session(1024).unwrap();
+        let mut s = model.session(4096).unwrap();
         let mut logits = Vec::new();
         let user_turn = case["last_user_turn_start"].as_u64().map(|p| p as usize);
-        for part in server_batches(prompt.len(), model.cfg.sliding_window.is_some(), user_turn) {
+        let batches = server_batches(prompt.len(), model.cfg.sliding_window.is_some(), user_turn);
+        let mut fed = 0;
+        let planned = std::iter::from_fn(|| {
+            let end = model.prompt_batch_end(fed, prompt.len(), user_turn);
+            let part = (fed < prompt.len()).then_some(fed..end);
+            fed = end;
+            part
+        });
+        assert_eq!(
+            planned.collect::<Vec<_>>(),
+            batches,
+            "{name} {}: the engine's cuts",
+            case["name"]
+        );
+        for part in batches {
             logits = model
                 .forward(&mut s, &prompt[part.clone()], part.len() - 1)
                 .unwrap();

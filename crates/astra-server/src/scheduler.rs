@@ -532,10 +532,16 @@ impl<B: Backend> Scheduler<B> {
                 room = room.saturating_sub(a.next.len());
             }
         }
+        // No model loaded means no active sequence, so nothing to run.
+        let Some(model) = self.model.clone() else {
+            return false;
+        };
         for (i, a) in self.active.iter().enumerate() {
-            let left = a.job.key.tokens.len() - a.fed;
-            if left > 0 && room > 0 {
-                let n = left.min(room);
+            let total = a.job.key.tokens.len();
+            if a.fed < total && room > 0 {
+                // A prompt's next batch ends where the model says (for llama.cpp's
+                // arithmetic, where llama-server's would).
+                let n = (model.prompt_batch_end(a.fed, total, None) - a.fed).min(room);
                 plan.push((i, n));
                 room -= n;
             }
@@ -571,11 +577,6 @@ impl<B: Backend> Scheduler<B> {
                 logits_from,
             });
         }
-        let model = Arc::clone(
-            self.model
-                .as_ref()
-                .expect("active sequences imply a loaded model"),
-        );
         let result = model.forward_many(&mut steps);
         drop(steps);
         let logits = match result {

@@ -349,7 +349,7 @@ fn answer<B: Backend>(
     let mut out = std::io::stdout();
     let cached = conv.reuse(ids);
     let t0 = Instant::now();
-    let mut logits = model.forward(&mut conv.session, &ids[cached..], ids.len() - cached - 1)?;
+    let mut logits = model.prefill(&mut conv.session, &ids[cached..])?;
     conv.held.extend_from_slice(&ids[cached..]);
     let prefill_s = t0.elapsed().as_secs_f64();
     let mut sampler = args.sampling.sampler();

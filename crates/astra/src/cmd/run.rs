@@ -129,7 +129,7 @@ fn generate<B: Backend>(args: &Args, model: &Model<B>) -> Result<()> {
     sampler.accept(&ids);
     let mut session = model.session(ctx)?;
     let t0 = Instant::now();
-    let mut logits = model.forward(&mut session, &ids, ids.len() - 1)?;
+    let mut logits = model.prefill(&mut session, &ids)?;
     let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
 
     let mut out = std::io::stdout().lock();
