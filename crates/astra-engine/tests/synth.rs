@@ -143,3 +143,38 @@ fn follows_llama_cpps_tokens() {
         );
     }
 }
+
+/// With llama.cpp's arithmetic, qwen3 (QK-norm, NeoX RoPE at base 1e6, head dim 64) is
+/// llama.cpp's bit for bit: on `qwen3-tiny-Q8_0.avx2.json` (llama-server from the same
+/// commit built for AVX2, as the arithmetic states it) every greedy token is its token
+/// and every top-5 log-probability is within 1e-4 of its (what is left is its f32 sum
+/// over the vocabulary), whatever the top-2 gap.
+#[test]
+fn qwen3_with_ggml_arithmetic_is_llama_cpps_avx2_build() {
+    let be = CpuBackend::new(2)
+        .with_arithmetic(Arithmetic::Ggml)
+        .unwrap();
+    let model = Model::load_on(be, &path("qwen3-tiny-Q8_0.gguf")).unwrap();
+    let oracle: Value =
+        serde_json::from_slice(&std::fs::read(path("qwen3-tiny-Q8_0.avx2.json")).unwrap()).unwrap();
+    let mut worst = 0.0f64;
+    for case in oracle["results"].as_array().unwrap() {
+        let prompt = ids(&case["prompt_token_ids"]);
+        let mut s = model.session(2048).unwrap();
+        let mut logits = model.prefill(&mut s, &prompt).unwrap();
+        for (k, &w) in ids(&case["generated_token_ids"]).iter().enumerate() {
+            assert_eq!(argmax(&logits), w, "{}: step {k}", case["name"]);
+            let probs = softmax(&logits);
+            for t in case["top5"][k].as_array().unwrap() {
+                let got = (probs[t["id"].as_u64().unwrap() as usize] as f64).ln();
+                worst = worst.max((got - t["logprob"].as_f64().unwrap()).abs());
+            }
+            logits = model.forward(&mut s, &[w], 0).unwrap();
+        }
+    }
+    eprintln!("qwen3-tiny-Q8_0 with llama.cpp's arithmetic: top-5 log-probabilities within {worst:.2e} of its AVX2 build");
+    assert!(
+        worst < 1e-4,
+        "top-5 log-probabilities {worst} from llama.cpp's"
+    );
+}
