@@ -41,10 +41,25 @@ pub struct Shape {
     pub qk_norm: bool,
     /// RMSNorm weights of each block's output (post-norms).
     pub post_norms: bool,
+    /// Biases on the query, key and value projections (Qwen2).
+    pub qkv_bias: bool,
+    /// A mixture of experts in every layer's feed-forward, in place of the dense one.
+    pub experts: Option<Experts>,
+}
+
+/// A mixture-of-experts feed-forward's shape.
+#[derive(Clone, Copy, Debug)]
+pub struct Experts {
+    /// Experts per layer.
+    pub count: usize,
+    /// Experts each token uses.
+    pub used: usize,
+    /// Each expert's feed-forward width.
+    pub n_ff: usize,
 }
 
 /// Shapes of known models.
-pub const SHAPES: [Shape; 5] = [
+pub const SHAPES: [Shape; 8] = [
     Shape {
         name: "llama3-8b",
         arch: "llama",
@@ -61,6 +76,8 @@ pub const SHAPES: [Shape; 5] = [
         window: None,
         qk_norm: false,
         post_norms: false,
+        qkv_bias: false,
+        experts: None,
     },
     Shape {
         name: "llama3-1b",
@@ -78,6 +95,8 @@ pub const SHAPES: [Shape; 5] = [
         window: None,
         qk_norm: false,
         post_norms: false,
+        qkv_bias: false,
+        experts: None,
     },
     Shape {
         name: "smollm2-135m",
@@ -95,6 +114,8 @@ pub const SHAPES: [Shape; 5] = [
         window: None,
         qk_norm: false,
         post_norms: false,
+        qkv_bias: false,
+        experts: None,
     },
     Shape {
         name: "gemma3-270m",
@@ -112,6 +133,8 @@ pub const SHAPES: [Shape; 5] = [
         window: Some(512),
         qk_norm: true,
         post_norms: true,
+        qkv_bias: false,
+        experts: None,
     },
     Shape {
         name: "qwen3-0.6b",
@@ -129,6 +152,73 @@ pub const SHAPES: [Shape; 5] = [
         window: None,
         qk_norm: true,
         post_norms: false,
+        qkv_bias: false,
+        experts: None,
+    },
+    Shape {
+        name: "qwen2.5-0.5b",
+        arch: "qwen2",
+        n_layer: 24,
+        n_embd: 896,
+        n_head: 14,
+        n_head_kv: 2,
+        head_dim: 64,
+        n_ff: 4864,
+        n_vocab: 151936,
+        ctx: 32768,
+        rope_base: 1e6,
+        rms_eps: 1e-6,
+        window: None,
+        qk_norm: false,
+        post_norms: false,
+        qkv_bias: true,
+        experts: None,
+    },
+    Shape {
+        name: "qwen3-30b-a3b",
+        arch: "qwen3moe",
+        n_layer: 48,
+        n_embd: 2048,
+        n_head: 32,
+        n_head_kv: 4,
+        head_dim: 128,
+        n_ff: 6144,
+        n_vocab: 151936,
+        ctx: 40960,
+        rope_base: 1e6,
+        rms_eps: 1e-6,
+        window: None,
+        qk_norm: true,
+        post_norms: false,
+        qkv_bias: false,
+        experts: Some(Experts {
+            count: 128,
+            used: 8,
+            n_ff: 768,
+        }),
+    },
+    Shape {
+        name: "mixtral-8x7b",
+        arch: "llama",
+        n_layer: 32,
+        n_embd: 4096,
+        n_head: 32,
+        n_head_kv: 8,
+        head_dim: 128,
+        n_ff: 14336,
+        n_vocab: 32000,
+        ctx: 32768,
+        rope_base: 1e6,
+        rms_eps: 1e-5,
+        window: None,
+        qk_norm: false,
+        post_norms: false,
+        qkv_bias: false,
+        experts: Some(Experts {
+            count: 8,
+            used: 2,
+            n_ff: 14336,
+        }),
     },
 ];
 
@@ -182,6 +272,16 @@ fn scale_fields(ty: GgmlType) -> Result<&'static [(usize, f32)], SynthError> {
         GgmlType::IQ2_S => &[(0, 0.0002)],
         other => return Err(SynthError::UnsupportedType(other)),
     })
+}
+
+/// `n` f32 values drawn uniformly from ±`scale`, little-endian.
+fn random_f32(n: usize, scale: f32, rng: &mut Rng) -> Vec<u8> {
+    (0..n)
+        .flat_map(|_| {
+            let u = (rng.next() >> 40) as f32 / (1u64 << 24) as f32;
+            ((2.0 * u - 1.0) * scale).to_le_bytes()
+        })
+        .collect()
 }
 
 /// A random `rows × cols` matrix of `ty`.
@@ -238,6 +338,30 @@ fn vocabulary(n: usize) -> (Vec<String>, Vec<f32>, Vec<i32>) {
     (tokens, scores, types)
 }
 
+/// Adds `count` random matrices of `rows × cols` in `ty` as the tensor `name` (2-D where
+/// `count` is 1, else 3-D, as llama.cpp stores experts).
+fn add_matrices(
+    w: &mut GgufWriter,
+    rng: &mut Rng,
+    name: String,
+    (rows, cols, count): (usize, usize, usize),
+    ty: GgmlType,
+) -> Result<(), SynthError> {
+    let ty = matrix_type(ty, cols);
+    let mut dims = vec![cols as u64, rows as u64];
+    let data = if ty == GgmlType::F32 {
+        random_f32(rows * cols * count, 0.05, rng)
+    } else {
+        random_matrix(ty, rows * count, cols, rng)?
+    };
+    if count > 1 {
+        dims.push(count as u64);
+    }
+    w.add_tensor(name, &dims, ty, TensorSource::Owned(data))
+        .expect("consistent shape");
+    Ok(())
+}
+
 /// Writes a random-weight model of `shape` with matrices of `ty` (the embedding in
 /// Q8_0, tied to the output, as the small real models have it) to `path`.
 pub fn write(shape: &Shape, ty: GgmlType, seed: u64, path: &Path) -> Result<(), SynthError> {
@@ -285,6 +409,16 @@ pub fn write(shape: &Shape, ty: GgmlType, seed: u64, path: &Path) -> Result<(), 
         .set("tokenizer.ggml.bos_token_id", Value::U32(1))
         .set("tokenizer.ggml.eos_token_id", Value::U32(2))
         .set("tokenizer.ggml.add_bos_token", Value::Bool(true));
+    if let Some(x) = s.experts {
+        w.set(format!("{a}.expert_count"), Value::U32(x.count as u32))
+            .set(format!("{a}.expert_used_count"), Value::U32(x.used as u32));
+        if x.n_ff != s.n_ff {
+            w.set(
+                format!("{a}.expert_feed_forward_length"),
+                Value::U32(x.n_ff as u32),
+            );
+        }
+    }
     if let Some(window) = s.window {
         w.set(
             format!("{a}.attention.sliding_window"),
@@ -294,39 +428,63 @@ pub fn write(shape: &Shape, ty: GgmlType, seed: u64, path: &Path) -> Result<(), 
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let (e, q, kv) = (s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim);
     let ones = |n: usize| TensorSource::Owned((0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect());
-    let mut add = |w: &mut GgufWriter,
-                   name: String,
-                   rows: usize,
-                   cols: usize,
-                   ty: GgmlType|
-     -> Result<(), SynthError> {
-        let ty = matrix_type(ty, cols);
-        let data = random_matrix(ty, rows, cols, &mut rng)?;
-        w.add_tensor(
-            name,
-            &[cols as u64, rows as u64],
-            ty,
-            TensorSource::Owned(data),
-        )
-        .expect("consistent shape");
-        Ok(())
-    };
-    add(
+    add_matrices(
         &mut w,
+        &mut rng,
         "token_embd.weight".into(),
-        s.n_vocab,
-        e,
+        (s.n_vocab, e, 1),
         GgmlType::Q8_0,
     )?;
     for l in 0..s.n_layer {
         let n = |t: &str| format!("blk.{l}.{t}.weight");
-        add(&mut w, n("attn_q"), q, e, ty)?;
-        add(&mut w, n("attn_k"), kv, e, ty)?;
-        add(&mut w, n("attn_v"), kv, e, ty)?;
-        add(&mut w, n("attn_output"), e, q, ty)?;
-        add(&mut w, n("ffn_gate"), s.n_ff, e, ty)?;
-        add(&mut w, n("ffn_up"), s.n_ff, e, ty)?;
-        add(&mut w, n("ffn_down"), e, s.n_ff, ty)?;
+        add_matrices(&mut w, &mut rng, n("attn_q"), (q, e, 1), ty)?;
+        add_matrices(&mut w, &mut rng, n("attn_k"), (kv, e, 1), ty)?;
+        add_matrices(&mut w, &mut rng, n("attn_v"), (kv, e, 1), ty)?;
+        add_matrices(&mut w, &mut rng, n("attn_output"), (e, q, 1), ty)?;
+        if s.qkv_bias {
+            for (t, len) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
+                let b = random_f32(len, 0.5, &mut rng);
+                w.add_tensor(
+                    format!("blk.{l}.{t}.bias"),
+                    &[len as u64],
+                    GgmlType::F32,
+                    TensorSource::Owned(b),
+                )
+                .expect("consistent shape");
+            }
+        }
+        match s.experts {
+            // The router in F32, as llama-quantize leaves it; the experts in `ty`.
+            Some(x) => {
+                add_matrices(
+                    &mut w,
+                    &mut rng,
+                    n("ffn_gate_inp"),
+                    (x.count, e, 1),
+                    GgmlType::F32,
+                )?;
+                add_matrices(
+                    &mut w,
+                    &mut rng,
+                    n("ffn_gate_exps"),
+                    (x.n_ff, e, x.count),
+                    ty,
+                )?;
+                add_matrices(&mut w, &mut rng, n("ffn_up_exps"), (x.n_ff, e, x.count), ty)?;
+                add_matrices(
+                    &mut w,
+                    &mut rng,
+                    n("ffn_down_exps"),
+                    (e, x.n_ff, x.count),
+                    ty,
+                )?;
+            }
+            None => {
+                add_matrices(&mut w, &mut rng, n("ffn_gate"), (s.n_ff, e, 1), ty)?;
+                add_matrices(&mut w, &mut rng, n("ffn_up"), (s.n_ff, e, 1), ty)?;
+                add_matrices(&mut w, &mut rng, n("ffn_down"), (e, s.n_ff, 1), ty)?;
+            }
+        }
         let mut norms = vec![("attn_norm", e), ("ffn_norm", e)];
         if s.qk_norm {
             norms.extend([("attn_q_norm", s.head_dim), ("attn_k_norm", s.head_dim)]);

@@ -1,9 +1,12 @@
 //! The blocks architectures are built from, each with its weights and its part of the
-//! forward pass: pre-normed attention (QK-norm and a post-norm where a model has them)
-//! and the gated feed-forward. A block writes its output into the residual stream.
+//! forward pass: pre-normed attention (QK-norm, projection biases and a post-norm where
+//! a model has them), the gated feed-forward and the mixture of experts, and the layers
+//! made of them. A block writes its output into the residual stream.
+
+use astra_gguf::Metadata;
 
 use crate::backend::{
-    add_to_residual, Activation, Attend, Backend, Experts, FeedForward, Heads, Input, Rope,
+    add_to_residual, Activation, Attend, Backend, Experts, FeedForward, Gating, Heads, Input, Rope,
 };
 use crate::config::{Config, Moe};
 use crate::weights::Loader;
@@ -71,11 +74,13 @@ impl<B: Backend> Activations<B> {
 
 /// Which of a block's optional tensors an architecture has.
 #[derive(Clone, Copy)]
-pub(crate) struct Norms {
+pub(crate) struct Extras {
     /// Per-head RMSNorm of queries and keys (QK-norm).
     pub qk: bool,
     /// RMSNorm of the block's output before it joins the residual.
     pub post: bool,
+    /// Biases added to the query, key and value projections.
+    pub qkv_bias: bool,
 }
 
 /// Self-attention: `x += wo · attend(rope(wq · n), rope(wk · n), wv · n)` where
@@ -89,6 +94,8 @@ pub(crate) struct Attention<B: Backend> {
     pub q_norm: Option<B::Vector>,    // (head_dim)
     pub k_norm: Option<B::Vector>,    // (head_dim)
     pub post_norm: Option<B::Vector>, // (n_embd)
+    /// The projections' biases (q, k, v), where the architecture has them.
+    pub qkv_bias: Option<[B::Vector; 3]>,
 }
 
 /// How one layer's attention positions and scales its queries.
@@ -102,16 +109,16 @@ pub(crate) struct AttentionParams {
 }
 
 impl<B: Backend> Attention<B> {
-    /// Layer `i`'s attention tensors, with the optional ones `norms` names.
+    /// Layer `i`'s attention tensors, with the optional ones `extras` names.
     pub fn load(
         l: &Loader<'_, B>,
         cfg: &Config,
         i: usize,
-        norms: Norms,
+        extras: Extras,
     ) -> Result<Self, EngineError> {
         let (e, hd) = (cfg.n_embd, cfg.head_dim);
         let n = |s: &str| blk(i, s);
-        let qk = |s: &str| norms.qk.then(|| l.vector(&n(s), hd)).transpose();
+        let qk = |s: &str| extras.qk.then(|| l.vector(&n(s), hd)).transpose();
         Ok(Attention {
             norm: l.vector(&n("attn_norm"), e)?,
             wq: l.matrix(&n("attn_q"), cfg.q_dim(), e)?,
@@ -120,10 +127,20 @@ impl<B: Backend> Attention<B> {
             wo: l.matrix(&n("attn_output"), e, cfg.q_dim())?,
             q_norm: qk("attn_q_norm")?,
             k_norm: qk("attn_k_norm")?,
-            post_norm: norms
+            post_norm: extras
                 .post
                 .then(|| l.vector(&n("post_attention_norm"), e))
                 .transpose()?,
+            qkv_bias: if extras.qkv_bias {
+                let bias = |s: &str, len| l.vector(&format!("blk.{i}.{s}.bias"), len);
+                Some([
+                    bias("attn_q", cfg.q_dim())?,
+                    bias("attn_k", cfg.kv_dim())?,
+                    bias("attn_v", cfg.kv_dim())?,
+                ])
+            } else {
+                None
+            },
         })
     }
 
@@ -151,6 +168,11 @@ impl<B: Backend> Attention<B> {
             &mut [(&self.wq, q), (&self.wk, k), (&self.wv, v)],
             None,
         );
+        if let Some([bq, bk, bv]) = &self.qkv_bias {
+            be.add_bias(q, bq);
+            be.add_bias(k, bk);
+            be.add_bias(v, bv);
+        }
         let heads = Heads {
             head_dim: cfg.head_dim,
             q_norm: self.q_norm.as_ref(),
@@ -184,12 +206,12 @@ pub(crate) struct GatedFfn<B: Backend> {
 }
 
 impl<B: Backend> GatedFfn<B> {
-    /// Layer `i`'s feed-forward tensors, with the post-norm where `norms` has one.
+    /// Layer `i`'s feed-forward tensors, with the post-norm where `extras` has one.
     pub fn load(
         l: &Loader<'_, B>,
         cfg: &Config,
         i: usize,
-        norms: Norms,
+        extras: Extras,
     ) -> Result<Self, EngineError> {
         let (e, ff) = (cfg.n_embd, cfg.n_ff);
         let n = |s: &str| blk(i, s);
@@ -198,7 +220,7 @@ impl<B: Backend> GatedFfn<B> {
             gate: l.matrix(&n("ffn_gate"), ff, e)?,
             up: l.matrix(&n("ffn_up"), ff, e)?,
             down: l.matrix(&n("ffn_down"), e, ff)?,
-            post_norm: norms
+            post_norm: extras
                 .post
                 .then(|| l.vector(&n("post_ffw_norm"), e))
                 .transpose()?,
@@ -306,28 +328,121 @@ impl<B: Backend> Block<B> {
         l: &Loader<'_, B>,
         cfg: &Config,
         i: usize,
-        norms: Norms,
+        extras: Extras,
     ) -> Result<Self, EngineError> {
         Ok(Block {
-            attn: Attention::load(l, cfg, i, norms)?,
-            ffn: GatedFfn::load(l, cfg, i, norms)?,
+            attn: Attention::load(l, cfg, i, extras)?,
+            ffn: GatedFfn::load(l, cfg, i, extras)?,
         })
     }
+}
 
-    /// The layer over the batch `p`: attention as `at` says, then the feed-forward with
-    /// `act`, the residual stream shown to the probe after each.
-    pub fn forward(
+/// A layer of a Llama-like stack: attention as `at` says, then a feed-forward with
+/// `act`, the residual stream shown to the probe after each.
+pub(crate) trait Layer<B: Backend> {
+    fn forward(
         &self,
         be: &B,
         cfg: &Config,
         at: AttentionParams,
         act: Activation,
         p: &mut Pass<'_, '_, B>,
-    ) {
+    ) -> Result<(), EngineError>;
+}
+
+impl<B: Backend> Layer<B> for Block<B> {
+    fn forward(
+        &self,
+        be: &B,
+        cfg: &Config,
+        at: AttentionParams,
+        act: Activation,
+        p: &mut Pass<'_, '_, B>,
+    ) -> Result<(), EngineError> {
         let layer = at.layer;
         self.attn.forward(be, cfg, at, p);
         p.show(Stage::Attention(layer));
         self.ffn.forward(be, cfg, act, p);
         p.show(Stage::Layer(layer));
+        Ok(())
     }
+}
+
+/// A pre-norm transformer layer whose feed-forward is a mixture of experts.
+pub(crate) struct MoeBlock<B: Backend> {
+    pub attn: Attention<B>,
+    pub moe: MoeFfn<B>,
+}
+
+impl<B: Backend> MoeBlock<B> {
+    /// Layer `i`: attention with the optional tensors `extras` names, and the experts
+    /// `cfg.moe` describes.
+    pub fn load(
+        l: &Loader<'_, B>,
+        cfg: &Config,
+        i: usize,
+        extras: Extras,
+    ) -> Result<Self, EngineError> {
+        Ok(MoeBlock {
+            attn: Attention::load(l, cfg, i, extras)?,
+            moe: MoeFfn::load(l, cfg, i, moe_of(cfg)?)?,
+        })
+    }
+}
+
+impl<B: Backend> Layer<B> for MoeBlock<B> {
+    /// The layer over the batch `p`: attention, then the experts.
+    fn forward(
+        &self,
+        be: &B,
+        cfg: &Config,
+        at: AttentionParams,
+        act: Activation,
+        p: &mut Pass<'_, '_, B>,
+    ) -> Result<(), EngineError> {
+        let layer = at.layer;
+        self.attn.forward(be, cfg, at, p);
+        p.show(Stage::Attention(layer));
+        self.moe.forward(be, cfg, moe_of(cfg)?, act, p)?;
+        p.show(Stage::Layer(layer));
+        Ok(())
+    }
+}
+
+fn moe_of(cfg: &Config) -> Result<Moe, EngineError> {
+    cfg.moe
+        .ok_or_else(|| EngineError::Invalid("a mixture-of-experts layer without experts".into()))
+}
+
+/// The experts of an `arch` file, where its metadata has them (`expert_count` > 0): how
+/// many, how many a token uses, their width (`expert_feed_forward_length`, else the
+/// dense `feed_forward_length`), the chosen weights renormalized or not.
+pub(crate) fn read_experts(
+    md: &Metadata,
+    arch: &str,
+    renormalize: bool,
+) -> Result<Option<Moe>, EngineError> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let experts = match md.optional(&key("expert_count"), Metadata::u64)? {
+        None | Some(0) => return Ok(None),
+        Some(n) => n as usize,
+    };
+    let k = md.u64(&key("expert_used_count"))? as usize;
+    let n_ff = match md.optional(&key("expert_feed_forward_length"), Metadata::u64)? {
+        Some(n) => n,
+        None => md.u64(&key("feed_forward_length"))?,
+    } as usize;
+    if k == 0 || k > experts || n_ff == 0 {
+        return Err(EngineError::Invalid(format!(
+            "experts: {k} used of {experts}, each {n_ff} wide"
+        )));
+    }
+    Ok(Some(Moe {
+        gating: Gating {
+            experts,
+            k,
+            renormalize,
+        },
+        n_ff,
+    }))
 }

@@ -9,7 +9,7 @@ use crate::backend::{Activation, Backend, Rope};
 use crate::config::Config;
 use crate::EngineError;
 
-use super::blocks::{AttentionParams, Block, Norms};
+use super::blocks::{AttentionParams, Block, Extras, Layer as _};
 use super::{Pass, Stage};
 
 pub(crate) type Layer<B> = Block<B>;
@@ -34,9 +34,10 @@ pub(crate) fn hparams(md: &Metadata, cfg: &mut Config) -> Result<(), EngineError
 }
 
 /// A layer's optional tensors: the QK-norm and the blocks' post-norms.
-pub(crate) const NORMS: Norms = Norms {
+pub(crate) const EXTRAS: Extras = Extras {
     qk: true,
     post: true,
+    qkv_bias: false,
 };
 
 pub(crate) fn forward<B: Backend>(
@@ -45,7 +46,7 @@ pub(crate) fn forward<B: Backend>(
     token_embd: &B::Matrix,
     layers: &[Layer<B>],
     mut p: Pass<'_, '_, B>,
-) {
+) -> Result<(), EngineError> {
     // llama.cpp's facts for Gemma 3: NeoX RoPE with a base of its own on local layers,
     // queries scaled by 1/√head_dim (`query_pre_attn_scalar` = head_dim for the released
     // sizes) rather than the scores.
@@ -67,6 +68,7 @@ pub(crate) fn forward<B: Backend>(
             q_scale: Some(cfg.attn_scale),
             score_scale: 1.0,
         };
-        layer.forward(be, cfg, at, Activation::GeluTanh, &mut p);
+        layer.forward(be, cfg, at, Activation::GeluTanh, &mut p)?;
     }
+    Ok(())
 }

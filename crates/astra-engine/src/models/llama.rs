@@ -4,16 +4,18 @@
 
 use crate::backend::{Activation, Backend, Rope};
 use crate::config::Config;
+use crate::EngineError;
 
-use super::blocks::{AttentionParams, Block, Norms};
+use super::blocks::{AttentionParams, Block, Extras};
 use super::{Pass, Stage};
 
 pub(crate) type Layer<B> = Block<B>;
 
 /// A layer's optional tensors: none.
-pub(crate) const NORMS: Norms = Norms {
+pub(crate) const EXTRAS: Extras = Extras {
     qk: false,
     post: false,
+    qkv_bias: false,
 };
 
 pub(crate) fn forward<B: Backend>(
@@ -22,20 +24,20 @@ pub(crate) fn forward<B: Backend>(
     token_embd: &B::Matrix,
     layers: &[Layer<B>],
     p: Pass<'_, '_, B>,
-) {
+) -> Result<(), EngineError> {
     forward_with_rope(be, cfg, token_embd, layers, p, false)
 }
 
-/// Llama's forward pass with RoPE on adjacent pairs or, `neox`, on the two halves of
-/// each head (what Qwen3 changes, with its layers' QK-norm).
-pub(crate) fn forward_with_rope<B: Backend>(
+/// Llama's forward pass over `layers` (dense or mixture-of-experts) with RoPE on
+/// adjacent pairs or, `neox`, on the two halves of each head (what Qwen changes).
+pub(crate) fn forward_with_rope<B: Backend, L: super::blocks::Layer<B>>(
     be: &B,
     cfg: &Config,
     token_embd: &B::Matrix,
-    layers: &[Layer<B>],
+    layers: &[L],
     mut p: Pass<'_, '_, B>,
     neox: bool,
-) {
+) -> Result<(), EngineError> {
     be.embed(token_embd, p.tokens, None, &mut p.acts.x);
     p.show(Stage::Embedding);
     let rope = Rope {
@@ -50,6 +52,7 @@ pub(crate) fn forward_with_rope<B: Backend>(
             q_scale: None,
             score_scale: cfg.attn_scale,
         };
-        layer.forward(be, cfg, at, Activation::Silu, &mut p);
+        layer.forward(be, cfg, at, Activation::Silu, &mut p)?;
     }
+    Ok(())
 }

@@ -6,6 +6,8 @@
 mod blocks;
 mod gemma3;
 mod llama;
+mod mixtral;
+mod qwen2;
 mod qwen3;
 mod qwen3moe;
 
@@ -19,15 +21,18 @@ use crate::weights::Loader;
 use crate::EngineError;
 
 pub(crate) use blocks::Activations;
-use blocks::Block;
+use blocks::{Block, MoeBlock};
 
 /// The architectures this engine runs (GGUF's `general.architecture`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
-    /// Llama family (SmolLM2, Llama 2/3, Mistral): [`llama`].
+    /// Llama family (SmolLM2, Llama 2/3, Mistral): [`llama`]; with experts, Mixtral:
+    /// [`mixtral`].
     Llama,
     /// Gemma 3: [`gemma3`].
     Gemma3,
+    /// Qwen2 and Qwen2.5: [`qwen2`].
+    Qwen2,
     /// Qwen3, dense: [`qwen3`].
     Qwen3,
     /// Qwen3 with mixture-of-experts feed-forwards: [`qwen3moe`].
@@ -35,13 +40,20 @@ pub enum Arch {
 }
 
 impl Arch {
-    const ALL: [Arch; 4] = [Arch::Llama, Arch::Gemma3, Arch::Qwen3, Arch::Qwen3Moe];
+    const ALL: [Arch; 5] = [
+        Arch::Llama,
+        Arch::Gemma3,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::Qwen3Moe,
+    ];
 
     /// The name GGUF metadata gives the architecture, and the prefix of its keys.
     pub fn name(self) -> &'static str {
         match self {
             Arch::Llama => "llama",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3Moe => "qwen3moe",
         }
@@ -67,7 +79,8 @@ pub(crate) fn config(md: &Metadata) -> Result<Config, EngineError> {
     let arch = Arch::from_name(md.str("general.architecture")?)?;
     let mut cfg = Config::common(md, arch)?;
     match arch {
-        Arch::Llama | Arch::Qwen3 => {}
+        Arch::Llama => cfg.moe = mixtral::experts(md)?,
+        Arch::Qwen2 | Arch::Qwen3 => {}
         Arch::Gemma3 => gemma3::hparams(md, &mut cfg)?,
         Arch::Qwen3Moe => qwen3moe::hparams(md, &mut cfg)?,
     }
@@ -85,7 +98,9 @@ pub(crate) struct Weights<B: Backend> {
 
 enum Layers<B: Backend> {
     Llama(Vec<llama::Layer<B>>),
+    Mixtral(Vec<mixtral::Layer<B>>),
     Gemma3(Vec<gemma3::Layer<B>>),
+    Qwen2(Vec<qwen2::Layer<B>>),
     Qwen3(Vec<qwen3::Layer<B>>),
     Qwen3Moe(Vec<qwen3moe::Layer<B>>),
 }
@@ -108,12 +123,16 @@ impl<B: Backend> Weights<B> {
         };
         let output_norm = l.vector("output_norm.weight", e)?;
         let blocks =
-            |norms| move |l: &Loader<'_, B>, cfg: &Config, i| Block::load(l, cfg, i, norms);
-        let layers = match cfg.arch {
-            Arch::Llama => Layers::Llama(l.layers(cfg, blocks(llama::NORMS))?),
-            Arch::Gemma3 => Layers::Gemma3(l.layers(cfg, blocks(gemma3::NORMS))?),
-            Arch::Qwen3 => Layers::Qwen3(l.layers(cfg, blocks(qwen3::NORMS))?),
-            Arch::Qwen3Moe => Layers::Qwen3Moe(l.layers(cfg, qwen3moe::load_layer)?),
+            |extras| move |l: &Loader<'_, B>, cfg: &Config, i| Block::load(l, cfg, i, extras);
+        let moe_blocks =
+            |extras| move |l: &Loader<'_, B>, cfg: &Config, i| MoeBlock::load(l, cfg, i, extras);
+        let layers = match (cfg.arch, cfg.moe) {
+            (Arch::Llama, None) => Layers::Llama(l.layers(cfg, blocks(llama::EXTRAS))?),
+            (Arch::Llama, Some(_)) => Layers::Mixtral(l.layers(cfg, moe_blocks(llama::EXTRAS))?),
+            (Arch::Gemma3, _) => Layers::Gemma3(l.layers(cfg, blocks(gemma3::EXTRAS))?),
+            (Arch::Qwen2, _) => Layers::Qwen2(l.layers(cfg, blocks(qwen2::EXTRAS))?),
+            (Arch::Qwen3, _) => Layers::Qwen3(l.layers(cfg, blocks(qwen3::EXTRAS))?),
+            (Arch::Qwen3Moe, _) => Layers::Qwen3Moe(l.layers(cfg, moe_blocks(qwen3::EXTRAS))?),
         };
         let bytes = l.bytes_per_token(output.is_none());
         let w = Weights {
@@ -132,15 +151,15 @@ impl<B: Backend> Weights<B> {
 
     /// The embeddings of `p.tokens` through every layer, into `p.acts.x`.
     pub fn forward(&self, be: &B, cfg: &Config, p: Pass<'_, '_, B>) -> Result<(), EngineError> {
+        let e = &self.token_embd;
         match &self.layers {
-            Layers::Llama(layers) => llama::forward(be, cfg, &self.token_embd, layers, p),
-            Layers::Gemma3(layers) => gemma3::forward(be, cfg, &self.token_embd, layers, p),
-            Layers::Qwen3(layers) => qwen3::forward(be, cfg, &self.token_embd, layers, p),
-            Layers::Qwen3Moe(layers) => {
-                return qwen3moe::forward(be, cfg, &self.token_embd, layers, p)
-            }
+            Layers::Llama(layers) => llama::forward(be, cfg, e, layers, p),
+            Layers::Mixtral(layers) => mixtral::forward(be, cfg, e, layers, p),
+            Layers::Gemma3(layers) => gemma3::forward(be, cfg, e, layers, p),
+            Layers::Qwen2(layers) => qwen2::forward(be, cfg, e, layers, p),
+            Layers::Qwen3(layers) => qwen3::forward(be, cfg, e, layers, p),
+            Layers::Qwen3Moe(layers) => qwen3moe::forward(be, cfg, e, layers, p),
         }
-        Ok(())
     }
 }
 

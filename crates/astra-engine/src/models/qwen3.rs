@@ -6,16 +6,18 @@
 
 use crate::backend::Backend;
 use crate::config::Config;
+use crate::EngineError;
 
-use super::blocks::{Block, Norms};
+use super::blocks::{Block, Extras};
 use super::Pass;
 
 pub(crate) type Layer<B> = Block<B>;
 
 /// A layer's optional tensors: the QK-norm.
-pub(crate) const NORMS: Norms = Norms {
+pub(crate) const EXTRAS: Extras = Extras {
     qk: true,
     post: false,
+    qkv_bias: false,
 };
 
 pub(crate) fn forward<B: Backend>(
@@ -24,6 +26,6 @@ pub(crate) fn forward<B: Backend>(
     token_embd: &B::Matrix,
     layers: &[Layer<B>],
     p: Pass<'_, '_, B>,
-) {
+) -> Result<(), EngineError> {
     super::llama::forward_with_rope(be, cfg, token_embd, layers, p, true)
 }

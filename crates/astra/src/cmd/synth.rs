@@ -10,7 +10,8 @@ pub struct Args {
     /// Architecture (checked against the shape's).
     #[arg(long)]
     arch: Option<String>,
-    /// The shape: llama3-8b, llama3-1b, smollm2-135m, gemma3-270m.
+    /// The shape: llama3-8b, llama3-1b, smollm2-135m, gemma3-270m, qwen2.5-0.5b,
+    /// qwen3-0.6b, qwen3-30b-a3b, mixtral-8x7b.
     #[arg(long)]
     like: String,
     /// Weight type of the matrices (q4_0, q4_1, q5_0, q8_0, q4_k, q6_k, iq2_s); matrices whose
