@@ -20,6 +20,8 @@ use std::sync::Mutex;
 use astra_quant::matmul::Parallel;
 
 use crate::config::Config;
+use crate::ggml_ops::SwaCells;
+use crate::model::MAX_BATCH;
 use crate::ops::{attend_rows, axpy, KvElem};
 
 /// KV positions per partial. A constant: changing it changes results (in the last
@@ -169,6 +171,9 @@ pub struct KvCache {
     n_head: usize,
     n_head_kv: usize,
     head_dim: usize,
+    /// Where llama.cpp's cache would hold each position of the sliding-window layers
+    /// (for llama.cpp's arithmetic, whose attention visits them in that order).
+    swa: Option<SwaCells>,
 }
 
 impl KvCache {
@@ -187,11 +192,31 @@ impl KvCache {
                 }
             })
             .collect();
+        // llama.cpp sizes a sliding-window cache for the window and a micro-batch, in
+        // multiples of 256 cells.
+        let swa = layout.layers.iter().find_map(|l| {
+            let w = l.window?;
+            Some(SwaCells::new(
+                (w + MAX_BATCH)
+                    .next_multiple_of(256)
+                    .min(l.slots.next_multiple_of(256)),
+                w,
+            ))
+        });
         KvCache {
             layers,
+            swa,
             n_head: layout.n_head,
             n_head_kv: layout.n_head_kv,
             head_dim: layout.head_dim,
+        }
+    }
+
+    /// Notes that a micro-batch at `positions` is being stored (every layer's store
+    /// says so; the first places it in [`SwaCells`]).
+    pub fn place(&mut self, positions: std::ops::Range<usize>) {
+        if let Some(swa) = &mut self.swa {
+            swa.place(positions);
         }
     }
 
@@ -209,6 +234,7 @@ impl KvCache {
     pub fn layer(&self, layer: usize, scale: f32) -> AttnLayer<'_> {
         AttnLayer {
             cache: &self.layers[layer],
+            swa: self.swa.as_ref(),
             head_dim: self.head_dim,
             n_head: self.n_head,
             group: self.n_head / self.n_head_kv,
@@ -231,6 +257,7 @@ struct Partial {
 #[derive(Clone, Copy)]
 pub struct AttnLayer<'a> {
     cache: &'a LayerCache,
+    swa: Option<&'a SwaCells>,
     head_dim: usize,
     n_head: usize,
     group: usize, // query heads per KV head
@@ -509,10 +536,13 @@ impl AttnLayer<'_> {
         };
         let (hd, slots) = (self.head_dim, self.cache.slots);
         let tokens = q.len() / (self.n_head * hd);
-        let n_kv = (n_past + tokens)
-            .next_multiple_of(256)
-            .max(256)
-            .min(self.cache.window.map_or(slots, |_| usize::MAX));
+        // A sliding-window layer's cells as llama.cpp placed them; a global layer's
+        // cell is its position.
+        let swa = self.swa.filter(|_| self.cache.window.is_some());
+        let n_kv = match swa {
+            Some(swa) => swa.n_kv(),
+            None => (n_past + tokens).next_multiple_of(256).max(256).min(slots),
+        };
         let heads: Vec<KvHead> = (0..self.n_head_kv)
             .map(|g| {
                 let span = g * slots * hd..(g + 1) * slots * hd;
@@ -521,6 +551,7 @@ impl AttnLayer<'_> {
                     v: &v[span],
                     slots,
                     dim: hd,
+                    cells: swa.map(SwaCells::cells),
                 }
             })
             .collect();

@@ -440,6 +440,7 @@ impl Backend for CpuBackend {
     ) {
         let kw = k.width;
         for s in seqs.iter_mut() {
+            s.kv.place(s.pos..s.pos + s.rows.len());
             for (i, r) in s.rows.clone().enumerate() {
                 let (k, v) = (&k.data[r * kw..(r + 1) * kw], &v.data[r * kw..(r + 1) * kw]);
                 s.kv.store(layer, s.pos + i, k, v);

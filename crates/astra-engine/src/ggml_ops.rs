@@ -158,16 +158,30 @@ pub fn dot_f16(x: &[f16], y: &[f16]) -> f32 {
     sum as f32
 }
 
-/// One KV head of one layer as flash attention reads it: f16 rows by cache cell (a
-/// cell is a position; a ring of `slots` holds position p in cell p mod `slots`).
+/// One KV head of one layer as flash attention reads it: f16 rows by position (a ring
+/// of `slots` holds position p in row p mod `slots`), visited in the order of
+/// llama.cpp's cache cells: cell c holds position c, or, for a sliding-window layer,
+/// the position [`SwaCells`] placed there.
 pub struct KvHead<'a> {
     pub k: &'a [f16],
     pub v: &'a [f16],
     pub slots: usize,
     pub dim: usize,
+    /// The position each cell holds, where cells are not positions.
+    pub cells: Option<&'a [Option<usize>]>,
 }
 
 impl KvHead<'_> {
+    /// The position cell `c` holds, where a query attending to `valid` sees it.
+    #[inline(always)]
+    fn attends(&self, c: usize, valid: &Range<usize>) -> Option<usize> {
+        let p = match self.cells {
+            Some(cells) => cells.get(c).copied().flatten()?,
+            None => c,
+        };
+        valid.contains(&p).then_some(p)
+    }
+
     #[inline(always)]
     fn k(&self, pos: usize) -> &[f16] {
         &self.k[(pos % self.slots) * self.dim..][..self.dim]
@@ -210,7 +224,7 @@ pub fn one_chunk(
     let q16: Vec<f16> = q.iter().map(|&x| f16::from_f32(x)).collect();
     let mut acc = vec![f16::ZERO; kv.dim];
     let (mut sum, mut max) = (0.0f32, f32::NEG_INFINITY);
-    for c in cells.filter(|c| valid.contains(c)) {
+    for c in cells.filter_map(|c| kv.attends(c, valid)) {
         let s = dot_f16(kv.k(c), &q16) * scale + 0.0;
         let (mut ms, mut vs) = (1.0f32, 1.0f32);
         if s > max {
@@ -295,14 +309,14 @@ pub fn tiled(
     let mut kq = [0.0f32; TILE];
     for start in (0..n_kv).step_by(TILE) {
         let cells = start..(start + TILE).min(n_kv);
-        if !cells.clone().any(|c| valid.contains(&c)) {
+        if !cells.clone().any(|c| kv.attends(c, valid).is_some()) {
             continue;
         }
+        let seen = |t: usize| Some(start + t).filter(|c| cells.contains(c));
         for (t, s) in kq.iter_mut().enumerate() {
-            let c = start + t;
-            *s = if cells.contains(&c) && valid.contains(&c) {
+            *s = if let Some(p) = seen(t).and_then(|c| kv.attends(c, valid)) {
                 let dot = kv
-                    .k(c)
+                    .k(p)
                     .iter()
                     .zip(q)
                     .fold(0.0f32, |a, (k, &q)| k.to_f32().mul_add(q, a));
@@ -328,15 +342,124 @@ pub fn tiled(
         }
         sum = (sum as f64 + tile_sum) as f32;
         for (t, &w) in kq.iter().enumerate() {
-            let c = start + t;
-            if cells.contains(&c) && valid.contains(&c) {
-                for (a, v) in acc.iter_mut().zip(kv.v(c)) {
+            if let Some(p) = seen(t).and_then(|c| kv.attends(c, valid)) {
+                for (a, v) in acc.iter_mut().zip(kv.v(p)) {
                     *a = v.to_f32().mul_add(w, *a);
                 }
             }
         }
     }
     Partial { max, sum, acc }.finish(out);
+}
+
+/// llama.cpp's placement of one sequence's positions in the cells of a sliding-window
+/// layer's cache (`llama_kv_cache::find_slot`, then `apply_ubatch`), which sets the
+/// order its attention visits them in. A micro-batch's positions go to the cells from
+/// the search head on that are empty or hold a position the window has left (relative
+/// to the newest position held), wrapping at the end; overwriting purges every older
+/// position, and the head moves past the last cell used.
+pub struct SwaCells {
+    pos: Vec<Option<usize>>,
+    head: usize,
+    window: usize,
+    /// The micro-batch placed last: every layer's store sees it, the first places it.
+    last: Option<Range<usize>>,
+}
+
+impl SwaCells {
+    /// A cache of `size` cells for a window of `window` positions.
+    pub fn new(size: usize, window: usize) -> SwaCells {
+        SwaCells {
+            pos: vec![None; size],
+            head: 0,
+            window,
+            last: None,
+        }
+    }
+
+    /// The position each cell holds.
+    pub fn cells(&self) -> &[Option<usize>] {
+        &self.pos
+    }
+
+    /// The cells llama.cpp's attention spans (`get_n_kv`): those up to the last one in
+    /// use, rounded up to 256, at least 256, at most all.
+    pub fn n_kv(&self) -> usize {
+        let used_end = self
+            .pos
+            .iter()
+            .rposition(Option::is_some)
+            .map_or(0, |i| i + 1);
+        used_end.next_multiple_of(256).max(256).min(self.pos.len())
+    }
+
+    fn held(&self) -> impl Iterator<Item = usize> + '_ {
+        self.pos.iter().flatten().copied()
+    }
+
+    /// `seq_rm` of positions `from..to`: their cells emptied, the head moved back to the
+    /// first of them where that is before it.
+    fn remove(&mut self, from: usize, to: usize) {
+        let mut first = None;
+        for (i, c) in self.pos.iter_mut().enumerate() {
+            if c.is_some_and(|p| (from..to).contains(&p)) {
+                *c = None;
+                first.get_or_insert(i);
+            }
+        }
+        if let Some(i) = first.filter(|&i| i < self.head) {
+            self.head = i;
+        }
+    }
+
+    /// Places the micro-batch of `positions` (a no-op when it is the one placed last;
+    /// positions already held from its start on are removed first, as a rewind does).
+    pub fn place(&mut self, positions: Range<usize>) {
+        if self.last.as_ref() == Some(&positions) || positions.is_empty() {
+            return;
+        }
+        self.remove(positions.start, usize::MAX);
+        let (n, size) = (positions.len(), self.pos.len());
+        let used = self.held().count();
+        let newest_end = self.held().max().map_or(0, |p| p + 1);
+        let mut head = if self.head > used + 2 * n {
+            0
+        } else {
+            self.head
+        };
+        let (mut idxs, mut tested) = (Vec::with_capacity(n), 0);
+        while idxs.len() < n && tested < size {
+            if head >= size {
+                tested += size - head;
+                head = 0;
+                continue;
+            }
+            let free = self.pos[head].is_none_or(|p| newest_end - p >= self.window);
+            if free {
+                idxs.push(head);
+            }
+            head += 1;
+            tested += 1;
+        }
+        // A window smaller than a micro-batch leaves no room: llama.cpp fails the batch;
+        // here the placement stays as it was (attention then reads positions directly).
+        if idxs.len() < n {
+            self.last = None;
+            return;
+        }
+        let mut overwritten = None;
+        for (&i, p) in idxs.iter().zip(positions.clone()) {
+            overwritten = overwritten.max(self.pos[i]);
+            self.pos[i] = Some(p);
+        }
+        if let (Some(old), Some(oldest)) = (overwritten, self.held().min()) {
+            if oldest <= old {
+                self.remove(oldest, old + 1);
+            }
+        }
+        self.head = idxs.last().expect("n > 0") + 1;
+        self.last = Some(positions);
+    }
 }
 
 /// What picks ggml's flash-attention path: the micro-batch's tokens, the cells its view
@@ -459,6 +582,7 @@ mod tests {
             v: &v,
             slots: n,
             dim,
+            cells: None,
         };
         let scale = 0.125;
         let valid = 100..650;
