@@ -15,6 +15,7 @@ pub mod cpu;
 pub mod ggml_ops;
 pub mod model;
 pub mod models;
+pub mod moe_parity;
 pub mod ops;
 pub mod perplexity;
 pub mod pool;

@@ -67,6 +67,19 @@ fn bad_input_is_one_clear_line_and_a_failure() {
     assert!(!out.status.success());
 }
 
+/// `parity moe`: every routed feed-forward case within its bound of the f64 reference
+/// on the CPU, the table naming each expert type.
+#[test]
+fn parity_moe_is_within_bounds() {
+    let out = astra(&["parity", "moe"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("24 cases, 0 failed"), "{stdout}");
+    for ty in ["F16", "IQ2_S", "Q2_0", "IQ2_XS", "Q2_K", "Q4_K", "Q8_0"] {
+        assert!(stdout.contains(&format!("| {ty} ")), "{ty}: {stdout}");
+    }
+}
+
 /// `parity kernels --save DIR` then `--bitwise DIR`: the same build matches its own
 /// baseline bit for bit, and a changed baseline fails with what differs.
 #[test]

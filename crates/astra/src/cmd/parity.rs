@@ -1,7 +1,8 @@
 //! `astra parity kernels`: every CPU kernel against its f64 reference and the scalar
 //! kernel, or every CUDA backend op against the CPU backend's; `--save` / `--bitwise`
 //! compare builds (or kernel variants chosen by environment variables) bit for bit.
-//! `astra parity layers` (in `parity_layers`) compares whole models block by block.
+//! `astra parity layers` (in `parity_layers`) compares whole models block by block;
+//! `astra parity moe` the routed expert feed-forward with its f64 and fp16 references.
 
 use std::path::{Path, PathBuf};
 
@@ -24,6 +25,22 @@ enum What {
     /// A prompt's residual stream after every block, its log-probabilities and greedy
     /// tokens on the CUDA backend against the CPU backend's.
     Layers(super::parity_layers::LayerArgs),
+    /// The routed expert feed-forward (router, top-k, gated experts, weighted sum)
+    /// against an f64 and an fp16 reference, per expert type and shape.
+    Moe(MoeArgs),
+}
+
+#[derive(clap::Args)]
+struct MoeArgs {
+    /// Write every case's outputs into DIR (a baseline for --bitwise).
+    #[arg(long, value_name = "DIR")]
+    save: Option<PathBuf>,
+    /// Compare every case's outputs bit for bit with those saved in DIR.
+    #[arg(long, value_name = "DIR")]
+    bitwise: Option<PathBuf>,
+    /// The backend the feed-forward runs on.
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendKind,
 }
 
 #[derive(clap::Args)]
@@ -99,11 +116,7 @@ fn backend_ops(baselines: &Baselines<'_>) -> Result<()> {
                 &r.outputs,
             )?);
             failed += usize::from(!problems.is_empty());
-            let result = if problems.is_empty() {
-                "ok".to_owned()
-            } else {
-                format!("FAIL: {}", problems.join("; "))
-            };
+            let result = verdict(&problems);
             println!(
                 "| {} | {:.3e} | {:.3e} | {:.0e} | {result} |",
                 r.op,
@@ -127,7 +140,90 @@ pub fn run(args: Args) -> Result<()> {
     match args.what {
         What::Kernels(k) => kernels(k),
         What::Layers(l) => super::parity_layers::layers(l),
+        What::Moe(m) => moe(m),
     }
+}
+
+/// `astra parity moe` on the chosen backend.
+fn moe(args: MoeArgs) -> Result<()> {
+    let baselines = Baselines::new(args.save.as_deref(), args.bitwise.as_deref())?;
+    match args.backend {
+        BackendKind::Cpu => moe_on(
+            &astra_engine::CpuBackend::new(super::run::default_threads()),
+            &baselines,
+        ),
+        BackendKind::Cuda => moe_on(
+            &astra_cuda::CudaBackend::new(0, astra_cuda::Mode::Deterministic)
+                .map_err(|e| anyhow::anyhow!("{e}"))?,
+            &baselines,
+        ),
+    }
+}
+
+/// A case's result column: "ok", or what failed.
+fn verdict(problems: &[String]) -> String {
+    if problems.is_empty() {
+        "ok".to_owned()
+    } else {
+        format!("FAIL: {}", problems.join("; "))
+    }
+}
+
+/// A distance involving the fp16 reference: "overflow" where a value left fp16's range.
+fn fp16(d: f64) -> String {
+    if d.is_finite() {
+        format!("{d:.3e}")
+    } else {
+        "overflow".to_owned()
+    }
+}
+
+fn moe_on<B: astra_engine::Backend>(be: &B, baselines: &Baselines<'_>) -> Result<()> {
+    use astra_engine::moe_parity::{default_cases, run};
+    let dir = std::env::temp_dir().join(format!("astra-parity-moe-{}", std::process::id()));
+    println!("{}", be.describe());
+    println!("| case | experts as the f64 reference | rel L2 vs f64 | bound | vs fp16 ref | fp16 ref vs f64 | result |");
+    println!("|------|------------------------------|--------------:|------:|------------:|----------------:|--------|");
+    let cases = default_cases();
+    let mut failed = 0;
+    for (i, case) in cases.iter().enumerate() {
+        let (line, ok) = match run(be, case, &dir, 7000 + i as u64) {
+            Ok(r) => {
+                let mut problems = Vec::new();
+                if !r.passed() {
+                    problems.push("out of bound".to_owned());
+                }
+                problems.extend(
+                    baselines.check(&format!("moe-{i:02}-{}", slug(&case.name())), &r.outputs)?,
+                );
+                let result = verdict(&problems);
+                (
+                    format!(
+                        "| {} | {} | {:.3e} | {:.1e} | {} | {} | {result} |",
+                        case.name(),
+                        if r.routes_equal { "yes" } else { "no" },
+                        r.rel_l2_f64,
+                        case.bound(),
+                        fp16(r.rel_l2_f16),
+                        fp16(r.f16_vs_f64)
+                    ),
+                    problems.is_empty(),
+                )
+            }
+            Err(e) => (format!("| {} | | | | | | FAIL: {e} |", case.name()), false),
+        };
+        println!("{line}");
+        failed += usize::from(!ok);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("{} cases, {failed} failed", cases.len());
+    if failed > 0 {
+        bail!(
+            "{failed} of {} routed feed-forwards are out of bound",
+            cases.len()
+        );
+    }
+    Ok(())
 }
 
 fn selected_isas(name: Option<&str>) -> Result<Vec<Isa>> {
@@ -252,11 +348,7 @@ fn kernels(args: KernelArgs) -> Result<()> {
             problems.extend(baselines.check(&r.name(), &r.outputs)?);
             total += 1;
             failed += usize::from(!problems.is_empty());
-            let result = if problems.is_empty() {
-                "ok".to_owned()
-            } else {
-                format!("FAIL: {}", problems.join("; "))
-            };
+            let result = verdict(&problems);
             println!(
                 "| {:<6} | {:<6} | {:>5} × {:<5} | {:>12.3e} | {:>9.2e} | {:>9.2e} | {result} |",
                 ty.name(),
