@@ -15,7 +15,9 @@
 //! from the cache.
 
 use half::f16;
-use std::sync::Mutex;
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use astra_quant::matmul::Parallel;
 
@@ -23,6 +25,7 @@ use crate::config::Config;
 use crate::ggml_ops::SwaCells;
 use crate::model::MAX_BATCH;
 use crate::ops::{attend_rows, axpy, KvElem};
+use crate::EngineError;
 
 /// KV positions per partial. A constant: changing it changes results (in the last
 /// bits), never how they depend on threads or batching. At 64 a chunk's f16 keys and
@@ -60,7 +63,9 @@ impl KvType {
     }
 }
 
-/// One layer's keys (or values), `(kv_head, slot, head_dim)`, in the cache's type.
+/// Keys (or values) of a page, `(layer of its group, kv_head, position in the chunk,
+/// head_dim)`, in the cache's type.
+#[derive(Clone)]
 enum KvRows {
     F16(Vec<f16>),
     F32(Vec<f32>),
@@ -82,13 +87,10 @@ impl KvRows {
     }
 }
 
-struct LayerCache {
-    k: KvRows,
-    v: KvRows,
-    slots: usize,
-    /// Positions attended back (the sliding window), or unlimited.
-    window: Option<usize>,
-}
+/// Layers whose pages are kept for the whole context, and sliding-window layers, whose
+/// pages are released once they leave the window: each group has pages of its own.
+const GLOBAL: usize = 0;
+const LOCAL: usize = 1;
 
 /// One layer's place in a KV cache: its slots, and the window it attends back (none
 /// for a global layer).
@@ -102,7 +104,8 @@ pub struct LayerSlots {
 /// `(kv_head, slot, head_dim)` keys and values in `elem`; a global layer has a slot per
 /// context position, a sliding-window layer a ring of `window + max_batch` slots
 /// rounded up to whole chunks (the window, plus room for a batch written before it is
-/// attended to; a ring of whole chunks never splits a chunk across its end).
+/// attended to; a ring of whole chunks never splits a chunk across its end). A paged
+/// cache holds the same positions in pages of [`CHUNK`].
 #[derive(Clone, Debug)]
 pub struct KvLayout {
     pub layers: Vec<LayerSlots>,
@@ -110,6 +113,8 @@ pub struct KvLayout {
     pub n_head_kv: usize,
     pub head_dim: usize,
     pub elem: KvType,
+    /// Positions a sequence may hold.
+    pub ctx: usize,
 }
 
 impl KvLayout {
@@ -134,6 +139,7 @@ impl KvLayout {
             n_head_kv: cfg.n_head_kv,
             head_dim: cfg.head_dim,
             elem: KvType::F16,
+            ctx,
         }
     }
 
@@ -147,27 +153,169 @@ impl KvLayout {
         self.n_head_kv * self.layers[layer].slots * self.head_dim
     }
 
-    /// Bytes of the whole cache (keys and values).
+    /// Bytes the whole cache (keys and values) can take: its slots, or, paged, the
+    /// pages that hold them (a sliding window's ring and the page its oldest position
+    /// shares with the one before).
     pub fn bytes(&self) -> usize {
-        (0..self.layers.len())
-            .map(|l| 2 * self.layer_elems(l) * self.elem.bytes())
+        let row = self.n_head_kv * self.head_dim * self.elem.bytes();
+        self.layers
+            .iter()
+            .map(|l| {
+                let whole = l.slots.next_multiple_of(CHUNK);
+                2 * row
+                    * if l.window.is_some() {
+                        whole + CHUNK
+                    } else {
+                        whole
+                    }
+            })
             .sum()
     }
 
     /// How far below the highest position written a sequence may be cut back and
     /// continued: a ring keeps the positions a query needs only while fewer than
-    /// `slots - window` later positions have overwritten them.
+    /// `slots - window` later positions have overwritten them (a ring as long as the
+    /// context is never overwritten).
     pub fn rewind_limit(&self) -> usize {
         self.layers
             .iter()
+            .filter(|l| l.slots < self.ctx)
             .filter_map(|l| l.window.map(|w| l.slots.saturating_sub(w)))
             .min()
             .unwrap_or(usize::MAX)
     }
+
+    /// The group of each layer (global or sliding-window) and its index in the group.
+    fn groups(&self) -> (Vec<(usize, usize)>, [usize; 2]) {
+        let mut count = [0usize; 2];
+        let places = self
+            .layers
+            .iter()
+            .map(|l| {
+                let group = if l.window.is_some() { LOCAL } else { GLOBAL };
+                count[group] += 1;
+                (group, count[group] - 1)
+            })
+            .collect();
+        (places, count)
+    }
 }
 
+/// The pages of one backend's sequences: how large a page of each group is, how many
+/// exist, and how many bytes they may take. Pages are made as sequences write new
+/// positions, shared between sequences that hold the same prefix, and freed when the
+/// last sequence holding them lets them go.
+pub struct KvPages {
+    elem: KvType,
+    /// Elements of a page's keys (or values) in each group: layers × kv heads ×
+    /// [`CHUNK`] × head_dim.
+    page_elems: [usize; 2],
+    live: [AtomicUsize; 2],
+    /// Bytes the pages may take ([`KvPages::reserve`] refuses more).
+    limit: AtomicUsize,
+}
+
+impl KvPages {
+    /// Pages for caches of `layout` (its slot counts aside: a page holds [`CHUNK`]
+    /// positions of every layer of its group), with no limit.
+    pub fn new(layout: &KvLayout) -> Arc<KvPages> {
+        let (_, count) = layout.groups();
+        let per_layer = layout.n_head_kv * CHUNK * layout.head_dim;
+        Arc::new(KvPages {
+            elem: layout.elem,
+            page_elems: count.map(|n| n * per_layer),
+            live: [AtomicUsize::new(0), AtomicUsize::new(0)],
+            limit: AtomicUsize::new(usize::MAX),
+        })
+    }
+
+    /// Whether caches of `layout` fit these pages.
+    pub fn fits(&self, layout: &KvLayout) -> bool {
+        let (_, count) = layout.groups();
+        let per_layer = layout.n_head_kv * CHUNK * layout.head_dim;
+        self.elem == layout.elem && self.page_elems == count.map(|n| n * per_layer)
+    }
+
+    fn page_bytes(&self, group: usize) -> usize {
+        2 * self.page_elems[group] * self.elem.bytes()
+    }
+
+    /// Pages in existence.
+    pub fn pages(&self) -> usize {
+        self.live.iter().map(|n| n.load(Ordering::Relaxed)).sum()
+    }
+
+    /// Bytes of the pages in existence.
+    pub fn bytes(&self) -> usize {
+        (0..2)
+            .map(|g| self.live[g].load(Ordering::Relaxed) * self.page_bytes(g))
+            .sum()
+    }
+
+    /// Bytes the pages may take from now on (existing pages are not taken back).
+    pub fn set_limit(&self, bytes: usize) {
+        self.limit.store(bytes, Ordering::Relaxed);
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    fn page(self: &Arc<Self>, group: usize) -> Page {
+        self.live[group].fetch_add(1, Ordering::Relaxed);
+        Page {
+            k: KvRows::new(self.elem, self.page_elems[group]),
+            v: KvRows::new(self.elem, self.page_elems[group]),
+            group,
+            pages: Arc::clone(self),
+        }
+    }
+}
+
+/// [`CHUNK`] positions of every layer of a group: keys and values `(layer of the group,
+/// kv_head, position in the chunk, head_dim)`. Shared by reference count; a sequence
+/// writing to a page another holds writes to its own copy.
+struct Page {
+    k: KvRows,
+    v: KvRows,
+    group: usize,
+    pages: Arc<KvPages>,
+}
+
+impl Clone for Page {
+    fn clone(&self) -> Page {
+        self.pages.live[self.group].fetch_add(1, Ordering::Relaxed);
+        Page {
+            k: self.k.clone(),
+            v: self.v.clone(),
+            group: self.group,
+            pages: Arc::clone(&self.pages),
+        }
+    }
+}
+
+impl Drop for Page {
+    fn drop(&mut self) {
+        self.pages.live[self.group].fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A layer's place in a paged cache.
+#[derive(Clone, Copy)]
+struct LayerPlace {
+    group: usize,
+    /// The layer's index among its group's.
+    index: usize,
+    slots: usize,
+    window: Option<usize>,
+}
+
+/// One sequence's keys and values: for each group, the page of each chunk of positions
+/// (`None`: not written yet, or released after leaving a sliding window).
 pub struct KvCache {
-    layers: Vec<LayerCache>,
+    pages: Arc<KvPages>,
+    layers: Vec<LayerPlace>,
+    tables: [Vec<Option<Arc<Page>>>; 2],
     n_head: usize,
     n_head_kv: usize,
     head_dim: usize,
@@ -177,19 +325,23 @@ pub struct KvCache {
 }
 
 impl KvCache {
+    /// A cache of `layout` over pages of its own.
     pub fn new(layout: &KvLayout) -> KvCache {
+        KvCache::paged(layout, &KvPages::new(layout))
+    }
+
+    /// A cache of `layout` over `pages` (which [`KvPages::fits`] the layout).
+    pub fn paged(layout: &KvLayout, pages: &Arc<KvPages>) -> KvCache {
+        let (places, _) = layout.groups();
         let layers = layout
             .layers
             .iter()
-            .enumerate()
-            .map(|(l, &LayerSlots { slots, window })| {
-                let n = layout.layer_elems(l);
-                LayerCache {
-                    k: KvRows::new(layout.elem, n),
-                    v: KvRows::new(layout.elem, n),
-                    slots,
-                    window,
-                }
+            .zip(places)
+            .map(|(l, (group, index))| LayerPlace {
+                group,
+                index,
+                slots: l.slots,
+                window: l.window,
             })
             .collect();
         // llama.cpp sizes a sliding-window cache for the window and a micro-batch, in
@@ -204,12 +356,121 @@ impl KvCache {
             ))
         });
         KvCache {
+            pages: Arc::clone(pages),
             layers,
+            tables: [Vec::new(), Vec::new()],
             swa,
             n_head: layout.n_head,
             n_head_kv: layout.n_head_kv,
             head_dim: layout.head_dim,
         }
+    }
+
+    /// The chunks a sliding-window layer no longer needs once positions up to `end`
+    /// are written: those wholly before its last `slots` positions (the ring it would
+    /// keep, which [`KvLayout::rewind_limit`] assumes).
+    fn local_keep_from(&self, end: usize) -> usize {
+        self.layers
+            .iter()
+            .filter(|l| l.group == LOCAL)
+            .map(|l| end.saturating_sub(l.slots) / CHUNK)
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// Makes room for positions `positions` to be written: every page they fall in made
+    /// and held by this sequence alone (a shared page copied), and a sliding window's
+    /// pages that fall out of it released. Fails, changing nothing, where the pages
+    /// would take more than the limit.
+    pub fn reserve(&mut self, positions: Range<usize>) -> Result<(), EngineError> {
+        if positions.is_empty() {
+            return Ok(());
+        }
+        let chunks = positions.start / CHUNK..positions.end.div_ceil(CHUNK);
+        let keep_from = self.local_keep_from(positions.end);
+        let mut new_bytes = 0;
+        for group in [GLOBAL, LOCAL] {
+            if self.pages.page_elems[group] == 0 {
+                continue;
+            }
+            let table = &self.tables[group];
+            let owned = |c: usize| {
+                table
+                    .get(c)
+                    .and_then(|p| p.as_ref())
+                    .is_some_and(|p| Arc::strong_count(p) == 1)
+            };
+            let first = if group == LOCAL {
+                chunks.start.max(keep_from)
+            } else {
+                chunks.start
+            };
+            new_bytes +=
+                (first..chunks.end).filter(|&c| !owned(c)).count() * self.pages.page_bytes(group);
+        }
+        let (now, limit) = (self.pages.bytes(), self.pages.limit());
+        if new_bytes > 0 && now + new_bytes > limit {
+            return Err(EngineError::KvFull {
+                needed: now + new_bytes,
+                limit,
+            });
+        }
+        let pages = Arc::clone(&self.pages);
+        for group in [GLOBAL, LOCAL] {
+            if pages.page_elems[group] == 0 {
+                continue;
+            }
+            let table = &mut self.tables[group];
+            if table.len() < chunks.end {
+                table.resize(chunks.end, None);
+            }
+            if group == LOCAL {
+                table[..keep_from.min(chunks.end)].fill(None);
+            }
+            for slot in &mut table[chunks.clone()] {
+                match slot {
+                    Some(p) => {
+                        Arc::make_mut(p);
+                    }
+                    None => *slot = Some(Arc::new(pages.page(group))),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A cache holding this one's first `n` positions, sharing its pages (the last,
+    /// partly filled one too, until one of them writes to it).
+    pub fn fork(&self, n: usize) -> KvCache {
+        let chunks = n.div_ceil(CHUNK);
+        let tables = [GLOBAL, LOCAL].map(|g| {
+            let t = &self.tables[g];
+            t[..chunks.min(t.len())].to_vec()
+        });
+        KvCache {
+            pages: Arc::clone(&self.pages),
+            layers: self.layers.clone(),
+            tables,
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            head_dim: self.head_dim,
+            swa: self.swa.clone(),
+        }
+    }
+
+    /// Pages this cache holds (a shared page counted by each holder), and which: the
+    /// pages' addresses, for counting pages shared between caches.
+    pub fn pages_held(&self) -> impl Iterator<Item = usize> + '_ {
+        self.tables
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|p| Arc::as_ptr(p) as usize)
+    }
+
+    /// The pages these caches hold.
+    pub fn pages(&self) -> &Arc<KvPages> {
+        &self.pages
     }
 
     /// Notes that a micro-batch at `positions` is being stored (every layer's store
@@ -220,20 +481,32 @@ impl KvCache {
         }
     }
 
-    /// Stores the key and value rows (all KV heads) of position `pos` in `layer`.
+    /// Stores the key and value rows (all KV heads) of position `pos` in `layer`,
+    /// making its page where [`KvCache::reserve`] did not.
     pub fn store(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let (c, hd) = (&mut self.layers[layer], self.head_dim);
+        let (l, hd) = (self.layers[layer], self.head_dim);
+        let table = &mut self.tables[l.group];
+        let c = pos / CHUNK;
+        if table.len() <= c {
+            table.resize(c + 1, None);
+        }
+        let pages = &self.pages;
+        let page = Arc::make_mut(table[c].get_or_insert_with(|| Arc::new(pages.page(l.group))));
         for g in 0..self.n_head_kv {
-            let at = (g * c.slots + pos % c.slots) * hd;
-            c.k.store(at, &k[g * hd..(g + 1) * hd]);
-            c.v.store(at, &v[g * hd..(g + 1) * hd]);
+            let at = ((l.index * self.n_head_kv + g) * CHUNK + pos % CHUNK) * hd;
+            page.k.store(at, &k[g * hd..(g + 1) * hd]);
+            page.v.store(at, &v[g * hd..(g + 1) * hd]);
         }
     }
 
     /// Layer `layer` for attention with scores scaled by `scale`.
     pub fn layer(&self, layer: usize, scale: f32) -> AttnLayer<'_> {
+        let l = self.layers[layer];
         AttnLayer {
-            cache: &self.layers[layer],
+            table: &self.tables[l.group],
+            index: l.index,
+            slots: l.slots,
+            window: l.window,
             swa: self.swa.as_ref(),
             head_dim: self.head_dim,
             n_head: self.n_head,
@@ -256,7 +529,13 @@ struct Partial {
 
 #[derive(Clone, Copy)]
 pub struct AttnLayer<'a> {
-    cache: &'a LayerCache,
+    /// The pages of the layer's group, by chunk.
+    table: &'a [Option<Arc<Page>>],
+    /// The layer's index in its pages.
+    index: usize,
+    slots: usize,
+    /// Positions attended back (the sliding window), or unlimited.
+    window: Option<usize>,
     swa: Option<&'a SwaCells>,
     head_dim: usize,
     n_head: usize,
@@ -268,7 +547,7 @@ pub struct AttnLayer<'a> {
 impl AttnLayer<'_> {
     /// The first position a query at `pos` attends to.
     fn first(&self, pos: usize) -> usize {
-        self.cache.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
     }
 
     /// Chunk indices a query at `pos` visits.
@@ -276,16 +555,44 @@ impl AttnLayer<'_> {
         self.first(pos) / CHUNK..=pos / CHUNK
     }
 
+    /// KV head `g`'s keys and values of chunk `c`: `(position in the chunk, head_dim)`.
+    fn chunk(&self, g: usize, c: usize) -> (&KvRows, &KvRows, usize) {
+        let page = self.table[c]
+            .as_ref()
+            .expect("attended positions are stored");
+        let at = (self.index * self.n_head_kv + g) * CHUNK * self.head_dim;
+        (&page.k, &page.v, at)
+    }
+
+    /// The key and value rows (every KV head) stored at `pos`, as f32.
+    #[cfg(test)]
+    fn row(&self, pos: usize) -> (Vec<f32>, Vec<f32>) {
+        let hd = self.head_dim;
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for g in 0..self.n_head_kv {
+            let (kr, vr, at) = self.chunk(g, pos / CHUNK);
+            let at = at + (pos % CHUNK) * hd;
+            for (rows, out) in [(kr, &mut k), (vr, &mut v)] {
+                match rows {
+                    KvRows::F16(x) => out.extend(x[at..at + hd].iter().map(|e| e.to_f32())),
+                    KvRows::F32(x) => out.extend_from_slice(&x[at..at + hd]),
+                }
+            }
+        }
+        (k, v)
+    }
+
     /// The partial of query `q` over positions `lo..=hi` (within one chunk) of KV head
-    /// `g`, read from the cache as stored (a chunk's slots are contiguous: the ring's
-    /// length is a whole number of chunks).
+    /// `g`, read from the cache as stored (a chunk's positions are contiguous in its
+    /// page).
     fn partial(&self, q: &[f32], g: usize, lo: usize, hi: usize) -> Partial {
-        let (c, hd) = (self.cache, self.head_dim);
-        let rows = (g * c.slots + lo % c.slots) * hd..(g * c.slots + hi % c.slots + 1) * hd;
+        let hd = self.head_dim;
+        let (k, v, at) = self.chunk(g, lo / CHUNK);
+        let rows = at + (lo % CHUNK) * hd..at + (hi % CHUNK + 1) * hd;
         let mut weights = [0.0f32; CHUNK];
         let mut acc = vec![0.0f32; hd];
         let w = &mut weights[..hi + 1 - lo];
-        let (max, sum) = match (&c.k, &c.v) {
+        let (max, sum) = match (k, v) {
             (KvRows::F16(k), KvRows::F16(v)) => {
                 attend_rows(q, &k[rows.clone()], &v[rows], self.scale, w, &mut acc)
             }
@@ -531,25 +838,34 @@ impl AttnLayer<'_> {
         isa: astra_quant::Isa,
     ) {
         use crate::ggml_ops::{attend_row, FlashShape, KvHead};
-        let (KvRows::F16(k), KvRows::F16(v)) = (&self.cache.k, &self.cache.v) else {
-            unreachable!("llama.cpp's arithmetic runs over an f16 cache (checked at load)")
-        };
-        let (hd, slots) = (self.head_dim, self.cache.slots);
+        let (hd, slots) = (self.head_dim, self.slots);
         let tokens = q.len() / (self.n_head * hd);
         // A sliding-window layer's cells as llama.cpp placed them; a global layer's
         // cell is its position.
-        let swa = self.swa.filter(|_| self.cache.window.is_some());
+        let swa = self.swa.filter(|_| self.window.is_some());
         let n_kv = match swa {
             Some(swa) => swa.n_kv(),
             None => (n_past + tokens).next_multiple_of(256).max(256).min(slots),
         };
         let heads: Vec<KvHead> = (0..self.n_head_kv)
             .map(|g| {
-                let span = g * slots * hd..(g + 1) * slots * hd;
+                let chunks = (0..self.table.len())
+                    .map(|c| match self.table[c] {
+                        Some(_) => match self.chunk(g, c) {
+                            (KvRows::F16(k), KvRows::F16(v), at) => {
+                                let span = at..at + CHUNK * hd;
+                                (&k[span.clone()], &v[span])
+                            }
+                            _ => unreachable!(
+                                "llama.cpp's arithmetic runs over an f16 cache (checked at load)"
+                            ),
+                        },
+                        None => (&[][..], &[][..]),
+                    })
+                    .collect();
                 KvHead {
-                    k: &k[span.clone()],
-                    v: &v[span],
-                    slots,
+                    chunks,
+                    chunk: CHUNK,
                     dim: hd,
                     cells: swa.map(SwaCells::cells),
                 }
@@ -658,12 +974,10 @@ mod tests {
         let window = 100;
         let cfg = config(window);
         let (ctx, max_batch) = (700, 64);
-        let mut kv = KvCache::new(&KvLayout::new(&cfg, ctx, max_batch));
-        assert!(
-            kv.layers[0].slots < ctx,
-            "the local layer keeps a ring, not the context"
-        );
-        assert_eq!(kv.layers[1].slots, ctx);
+        let layout = KvLayout::new(&cfg, ctx, max_batch);
+        let ring = layout.layers[0].slots;
+        assert!(ring < ctx, "the local layer keeps a ring, not the context");
+        let mut kv = KvCache::new(&layout);
         let pool = Pool::new(2);
         let mut rng = Rng(7);
         let scale = 0.3;
@@ -683,6 +997,11 @@ mod tests {
                 keys.push(k[i * kd..(i + 1) * kd].to_vec());
                 values.push(v[i * kd..(i + 1) * kd].to_vec());
             }
+            kv.reserve(pos..pos + n).unwrap();
+            // The local layer holds the pages of its ring's positions, no more.
+            let local = kv.tables[LOCAL].iter().flatten().count();
+            assert!(local <= ring / CHUNK + 1, "{local} local pages at {pos}");
+            assert_eq!(kv.tables[GLOBAL].len(), (pos + n).div_ceil(CHUNK));
             for layer in 0..2 {
                 for i in 0..n {
                     kv.store(
@@ -805,5 +1124,74 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A fork shares its source's pages, writes to copies of its own, and sees the
+    /// source's positions as the source saw them; the limit refuses new pages and
+    /// changes nothing when it does.
+    #[test]
+    fn forks_share_pages_until_they_write() {
+        let cfg = config(100);
+        let layout = KvLayout::new(&cfg, 700, 64);
+        let pool = Pool::new(2);
+        let mut rng = Rng(5);
+        let (qd, kd) = (cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim);
+        let mut a = KvCache::new(&layout);
+        let pages = Arc::clone(a.pages());
+        let held = 150;
+        a.reserve(0..held).unwrap();
+        for layer in 0..2 {
+            for p in 0..held {
+                a.store(layer, p, &rng.vec(kd), &rng.vec(kd));
+            }
+        }
+        // Three global pages and three local ones (the window keeps all 150).
+        assert_eq!(pages.pages(), 6);
+        let q = rng.vec(qd);
+        let attend = |kv: &KvCache, layer: usize, n_past: usize| {
+            let mut out = vec![0.0f32; qd];
+            kv.layer(layer, 0.3).attend(&pool, &q, n_past, &mut out);
+            out
+        };
+        let (k, v) = (rng.vec(kd), rng.vec(kd));
+        let mut b = a.fork(100);
+        assert_eq!(pages.pages(), 6, "a fork makes no page");
+        // b continues from 100 with its own position 100; a keeps its own.
+        b.reserve(100..101).unwrap();
+        for layer in 0..2 {
+            b.store(layer, 100, &k, &v);
+        }
+        assert_eq!(
+            pages.pages(),
+            8,
+            "b copied the page it wrote to, in each group"
+        );
+        let mut c = KvCache::new(&layout);
+        c.reserve(0..101).unwrap();
+        for layer in 0..2 {
+            for p in 0..100 {
+                let (ka, va) = a.layer(layer, 1.0).row(p);
+                c.store(layer, p, &ka, &va);
+            }
+            c.store(layer, 100, &k, &v);
+        }
+        for layer in 0..2 {
+            let bits = |x: Vec<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(attend(&b, layer, 100)), bits(attend(&c, layer, 100)));
+            assert_ne!(bits(attend(&a, layer, 100)), bits(attend(&b, layer, 100)));
+        }
+        drop(c);
+        drop(b);
+        assert_eq!(pages.pages(), 6);
+        // Room for one more page only: a's next chunk needs two (one a group).
+        pages.set_limit(pages.bytes() + pages.page_bytes(GLOBAL));
+        let err = a.reserve(held..200).unwrap_err();
+        assert!(matches!(err, EngineError::KvFull { .. }), "{err}");
+        assert_eq!(pages.pages(), 6);
+        pages.set_limit(usize::MAX);
+        a.reserve(held..200).unwrap();
+        assert_eq!(pages.pages(), 8);
+        drop(a);
+        assert_eq!(pages.pages(), 0);
     }
 }

@@ -182,6 +182,15 @@ pub struct SeqRows<'a, K> {
     pub pos: usize,
 }
 
+/// A paged backend's KV memory ([`Backend::kv_usage`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvUsage {
+    pub pages: usize,
+    pub bytes: usize,
+    /// Bytes the pages may take.
+    pub limit: usize,
+}
+
 /// How a mixture-of-experts router's scores pick a row's experts and weigh them
 /// ([`Backend::route`]): a softmax over the `experts` scores, the `k` most probable
 /// experts, their probabilities as weights.
@@ -335,6 +344,33 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn kv_type(&self) -> KvType {
         KvType::F16
     }
+    /// Makes room in `kv` for `positions`, the next ones its sequence writes (every
+    /// later position is dropped): a paged cache holds pages for them, its own, and
+    /// lets go of those a sliding window has left. Fails where the backend's KV memory
+    /// would pass its limit ([`Backend::set_kv_limit`]).
+    fn kv_reserve(
+        &self,
+        _kv: &mut Self::KvCache,
+        _positions: Range<usize>,
+    ) -> Result<(), EngineError> {
+        Ok(())
+    }
+    /// A cache holding `kv`'s first `n` positions, sharing its memory until either
+    /// writes; `None` where the backend does not share caches.
+    fn kv_fork(&self, _kv: &Self::KvCache, _n: usize) -> Option<Self::KvCache> {
+        None
+    }
+    /// Where the backend pages its KV caches: its pages in existence and their bytes.
+    fn kv_usage(&self) -> Option<KvUsage> {
+        None
+    }
+    /// The pages `kv` holds, each by an identity that another cache holding the same
+    /// page shares (empty where the backend does not page).
+    fn kv_page_ids(&self, _kv: &Self::KvCache) -> Vec<usize> {
+        Vec::new()
+    }
+    /// Bytes the KV pages may take from now on, where the backend pages its caches.
+    fn set_kv_limit(&self, _bytes: usize) {}
     /// The whole tensor, on the host, once every launch before it has run: the point
     /// where a failure of those launches is reported ([`Backend::check`]).
     fn read(&self, t: &Self::Tensor) -> Result<Vec<f32>, EngineError>;

@@ -2,14 +2,16 @@
 //! file by the SIMD quantized kernels, work spread over the engine's thread pool. Whose
 //! rounding it follows ([`Arithmetic`]) is a table of row operations chosen once.
 
-use std::sync::Arc;
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use astra_gguf::{GgmlType, GgufFile};
 use astra_quant::matmul::{matmul_many_on, MatmulJob, Parallel, QuantMatrix, QuantizedActivations};
 use astra_quant::{Isa, Kernels};
 
-use crate::attention::{attend_batch, KvCache, KvLayout, KvType, SeqQueries};
-use crate::backend::{Activation, Attend, Backend, Rope, SeqRows};
+use crate::attention::{attend_batch, KvCache, KvLayout, KvPages, KvType, SeqQueries};
+use crate::backend::{Activation, Attend, Backend, KvUsage, Rope, SeqRows};
 use crate::ggml_ops;
 use crate::ops::add_inplace;
 use crate::pool::Pool;
@@ -22,6 +24,10 @@ pub struct CpuBackend {
     /// The instruction set of the matrix kernels.
     isa: Isa,
     arithmetic: Arithmetic,
+    /// The pages of this backend's KV caches, one set per page shape.
+    kv_pages: Mutex<Vec<Arc<KvPages>>>,
+    /// Bytes the pages of each shape may take.
+    kv_limit: AtomicUsize,
 }
 
 /// Whose rounding the CPU backend follows.
@@ -130,6 +136,8 @@ impl CpuBackend {
             kv,
             isa: Isa::selected(),
             arithmetic: Arithmetic::Astra,
+            kv_pages: Mutex::new(Vec::new()),
+            kv_limit: AtomicUsize::new(usize::MAX),
         }
     }
 
@@ -284,7 +292,47 @@ impl Backend for CpuBackend {
     }
 
     fn kv_cache(&self, layout: &KvLayout) -> Result<KvCache, EngineError> {
-        Ok(KvCache::new(layout))
+        let mut sets = self.kv_pages.lock().expect("pages lock");
+        let pages = match sets.iter().find(|p| p.fits(layout)) {
+            Some(p) => Arc::clone(p),
+            None => {
+                let p = KvPages::new(layout);
+                p.set_limit(self.kv_limit.load(Ordering::Relaxed));
+                sets.push(Arc::clone(&p));
+                p
+            }
+        };
+        Ok(KvCache::paged(layout, &pages))
+    }
+
+    fn kv_reserve(&self, kv: &mut KvCache, positions: Range<usize>) -> Result<(), EngineError> {
+        kv.reserve(positions)
+    }
+
+    fn kv_fork(&self, kv: &KvCache, n: usize) -> Option<KvCache> {
+        // llama.cpp's cells depend on how a cache was filled: a fork's would not be
+        // those of the prompt fed whole.
+        (self.arithmetic == Arithmetic::Astra).then(|| kv.fork(n))
+    }
+
+    fn kv_usage(&self) -> Option<KvUsage> {
+        let sets = self.kv_pages.lock().expect("pages lock");
+        Some(KvUsage {
+            pages: sets.iter().map(|p| p.pages()).sum(),
+            bytes: sets.iter().map(|p| p.bytes()).sum(),
+            limit: self.kv_limit.load(Ordering::Relaxed),
+        })
+    }
+
+    fn kv_page_ids(&self, kv: &KvCache) -> Vec<usize> {
+        kv.pages_held().collect()
+    }
+
+    fn set_kv_limit(&self, bytes: usize) {
+        self.kv_limit.store(bytes, Ordering::Relaxed);
+        for p in self.kv_pages.lock().expect("pages lock").iter() {
+            p.set_limit(bytes);
+        }
     }
 
     fn kv_type(&self) -> KvType {

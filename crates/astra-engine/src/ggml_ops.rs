@@ -158,14 +158,15 @@ pub fn dot_f16(x: &[f16], y: &[f16]) -> f32 {
     sum as f32
 }
 
-/// One KV head of one layer as flash attention reads it: f16 rows by position (a ring
-/// of `slots` holds position p in row p mod `slots`), visited in the order of
-/// llama.cpp's cache cells: cell c holds position c, or, for a sliding-window layer,
-/// the position [`SwaCells`] placed there.
+/// One KV head of one layer as flash attention reads it: f16 rows by position, in
+/// chunks of `chunk` positions (position p is row p mod `chunk` of chunk p / `chunk`;
+/// a chunk no query reads may be empty), visited in the order of llama.cpp's cache
+/// cells: cell c holds position c, or, for a sliding-window layer, the position
+/// [`SwaCells`] placed there.
 pub struct KvHead<'a> {
-    pub k: &'a [f16],
-    pub v: &'a [f16],
-    pub slots: usize,
+    /// Each chunk's keys and values.
+    pub chunks: Vec<(&'a [f16], &'a [f16])>,
+    pub chunk: usize,
     pub dim: usize,
     /// The position each cell holds, where cells are not positions.
     pub cells: Option<&'a [Option<usize>]>,
@@ -184,12 +185,12 @@ impl KvHead<'_> {
 
     #[inline(always)]
     fn k(&self, pos: usize) -> &[f16] {
-        &self.k[(pos % self.slots) * self.dim..][..self.dim]
+        &self.chunks[pos / self.chunk].0[(pos % self.chunk) * self.dim..][..self.dim]
     }
 
     #[inline(always)]
     fn v(&self, pos: usize) -> &[f16] {
-        &self.v[(pos % self.slots) * self.dim..][..self.dim]
+        &self.chunks[pos / self.chunk].1[(pos % self.chunk) * self.dim..][..self.dim]
     }
 }
 
@@ -358,6 +359,7 @@ pub fn tiled(
 /// the search head on that are empty or hold a position the window has left (relative
 /// to the newest position held), wrapping at the end; overwriting purges every older
 /// position, and the head moves past the last cell used.
+#[derive(Clone)]
 pub struct SwaCells {
     pos: Vec<Option<usize>>,
     head: usize,
@@ -577,10 +579,10 @@ mod tests {
         let q: Vec<f32> = (0..dim)
             .map(|d| ((d * 13 % 29) as f32 - 14.0) / 9.0)
             .collect();
+        // Chunks of 64 positions, as a paged cache holds them.
         let kv = KvHead {
-            k: &k,
-            v: &v,
-            slots: n,
+            chunks: k.chunks(64 * dim).zip(v.chunks(64 * dim)).collect(),
+            chunk: 64,
             dim,
             cells: None,
         };

@@ -49,4 +49,7 @@ pub enum EngineError {
     Backend(String),
     #[error("the context holds {ctx} positions; {needed} are needed")]
     ContextFull { ctx: usize, needed: usize },
+    /// The KV pages would take more memory than they may.
+    #[error("the KV cache would take {needed} bytes; {limit} are allowed")]
+    KvFull { needed: usize, limit: usize },
 }

@@ -77,6 +77,12 @@ impl<B: Backend> Session<B> {
         self.n_past
     }
 
+    /// The session's KV cache.
+    pub fn kv(&self) -> &B::KvCache {
+        &self.kv
+    }
+
+    /// Bytes of KV cache the session can take at its whole context.
     pub fn kv_bytes(&self) -> usize {
         self.kv_bytes
     }
@@ -182,6 +188,29 @@ impl<B: Backend> Model<B> {
             ctx,
             n_past: 0,
             high: 0,
+            decode: None,
+        })
+    }
+
+    /// A new sequence holding the first `n` positions of `s` (at most those it holds),
+    /// sharing `s`'s memory for them where the backend shares caches: what continuing
+    /// `s` from `n` would see, with `s` left as it is. `None` where the backend does
+    /// not share caches or a sliding window of `s` has already let go of what
+    /// continuing from `n` needs.
+    pub fn fork(&self, s: &Session<B>, n: usize) -> Option<Session<B>> {
+        let n = n.min(s.n_past);
+        if s.high - n > s.rewind_limit {
+            return None;
+        }
+        Some(Session {
+            kv: self.backend.kv_fork(&s.kv, n)?,
+            kv_bytes: s.kv_bytes,
+            rewind_limit: s.rewind_limit,
+            ctx: s.ctx,
+            n_past: n,
+            // The pages a window let go of are those of `s`, reckoned from its highest
+            // position: a rewind of the fork is bounded from there.
+            high: s.high,
             decode: None,
         })
     }
@@ -323,6 +352,7 @@ impl<B: Backend> Model<B> {
         }
         self.check_room(s, tokens)?;
         let (cfg, be) = (&self.cfg, &self.backend);
+        be.kv_reserve(&mut s.kv, s.n_past..s.n_past + tokens.len())?;
         let positions: Vec<u32> = (s.n_past..s.n_past + tokens.len())
             .map(|p| p as u32)
             .collect();
@@ -374,6 +404,10 @@ impl<B: Backend> Model<B> {
             }
         }
         let (cfg, be) = (&self.cfg, &self.backend);
+        for p in parts {
+            let s = &mut *steps[p.step].session;
+            be.kv_reserve(&mut s.kv, s.n_past..s.n_past + p.range.len())?;
+        }
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut spans = Vec::with_capacity(parts.len());
@@ -458,6 +492,7 @@ impl<B: Backend> Model<B> {
     fn decode_step(&self, s: &mut Session<B>, token: u32) -> Result<Vec<f32>, EngineError> {
         let (be, cfg) = (&self.backend, &self.cfg);
         let pos = s.n_past;
+        be.kv_reserve(&mut s.kv, pos..pos + 1)?;
         if s.decode.is_none() {
             s.decode = Some(DecodeStep::new(be, cfg)?);
         }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use astra_engine::perplexity::perplexity;
 use astra_engine::sampler::{argmax, softmax};
-use astra_engine::{Arithmetic, CpuBackend, KvType, Model, Stage, Step};
+use astra_engine::{Arithmetic, Backend, CpuBackend, KvType, Model, Stage, Step};
 use astra_gguf::GgufFile;
 use astra_tokenizer::{EncodeOptions, Tokenizer};
 use serde_json::Value;
@@ -533,8 +533,10 @@ fn gemma3_past_the_sliding_window() {
     };
     assert_eq!(model.cfg.sliding_window, Some(512));
     let prompt: Vec<u32> = (0..1100u32).map(|i| (i * 7919) % 20000 + 10).collect();
-    let mut s = model.session(2048).unwrap();
-    let whole = model.forward(&mut s, &prompt, 1000).unwrap();
+    let whole = {
+        let mut s = model.session(2048).unwrap();
+        model.forward(&mut s, &prompt, 1000).unwrap()
+    };
     let mut s = model.session(2048).unwrap();
     let mut chunked = Vec::new();
     let mut at = 0;
@@ -557,12 +559,18 @@ fn gemma3_past_the_sliding_window() {
             .all(|(a, b)| a.to_bits() == b.to_bits())
             && whole.len() == chunked.len()
     );
-    // Local layers keep a ring of window + batch slots (1024 here), global ones all 2048.
+    // Local layers keep the pages of window + batch positions (1024 here) and of the
+    // chunk their oldest shares, global ones all 2048; the session holds the pages of
+    // the 1100 positions written: 18 chunks, of which the local layers keep those
+    // from position 1100 - 1024 on (17).
     let c = &model.cfg;
     let slot_bytes = 2 * c.kv_dim() * 2;
     let global = c.layer_local.iter().filter(|&&l| !l).count();
-    let want = slot_bytes * (global * 2048 + (c.n_layer - global) * 1024);
+    let local = c.n_layer - global;
+    let want = slot_bytes * (global * 2048 + local * (1024 + 64));
     assert_eq!(s.kv_bytes(), want);
+    let held = model.backend.kv_usage().unwrap().bytes;
+    assert_eq!(held, slot_bytes * 64 * (global * 18 + local * 17));
     // Cut back within the ring's margin, the sequence continues with the same bits;
     // further back, the overwritten window is reported by keeping nothing.
     assert_eq!(s.rewind(1000), 1000);
@@ -575,6 +583,72 @@ fn gemma3_past_the_sliding_window() {
             && again.len() == whole.len()
     );
     assert_eq!(s.rewind(400), 0);
+}
+
+/// A sequence forked from another at a prefix shares its pages and continues with the
+/// bits of a sequence fed its tokens from scratch, as does the one it came from, even
+/// after that one is gone; a fork a sliding window can no longer serve is refused.
+fn forks(name: &str, model: Arc<Model>) {
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<u32>>();
+    let tokens = |n: u32, seed: u32| -> Vec<u32> {
+        (0..n).map(|i| (i * 31 + seed * 977) % 4000 + 100).collect()
+    };
+    let fresh = |prompt: &[u32], from: usize| {
+        let mut s = model.session(512).unwrap();
+        bits(model.forward(&mut s, prompt, from).unwrap())
+    };
+    let (prefix, a_rest, b_rest) = (tokens(150, 1), tokens(150, 2), tokens(100, 3));
+    let a_prompt = [&prefix[..], &a_rest[..]].concat();
+    let b_prompt = [&prefix[..], &b_rest[..]].concat();
+    let mut a = model.session(512).unwrap();
+    model.forward(&mut a, &a_prompt[..200], 0).unwrap();
+    model.forward(&mut a, &a_prompt[200..], 0).unwrap();
+    let pages = || model.backend.kv_usage().unwrap().pages;
+    let before = pages();
+    let mut b = model.fork(&a, 150).unwrap();
+    assert_eq!(b.n_past(), 150);
+    assert_eq!(pages(), before, "{name}: a fork makes no pages");
+    // The fork and its source take turns, each as if alone.
+    let b_logits = bits(model.forward(&mut b, &b_rest, 0).unwrap());
+    assert_eq!(b_logits, fresh(&b_prompt, 150), "{name}: the fork");
+    let more = tokens(40, 4);
+    let a_logits = bits(model.forward(&mut a, &more, 0).unwrap());
+    let a_whole = [&a_prompt[..], &more[..]].concat();
+    assert_eq!(a_logits, fresh(&a_whole, 300), "{name}: the source");
+    // The source gone, the fork's shared pages stay.
+    drop(a);
+    let tail = tokens(30, 5);
+    let b_more = bits(model.forward(&mut b, &tail, 0).unwrap());
+    let b_whole = [&b_prompt[..], &tail[..]].concat();
+    assert_eq!(
+        b_more,
+        fresh(&b_whole, 250),
+        "{name}: the fork after its source"
+    );
+    drop(b);
+    assert_eq!(pages(), 0, "{name}: every page let go of");
+    if let Some(w) = model.cfg.sliding_window {
+        let mut long = model.session(2048).unwrap();
+        model
+            .forward(&mut long, &tokens(w as u32 + 600, 6), 0)
+            .unwrap();
+        assert!(
+            model.fork(&long, 10).is_none(),
+            "{name}: a window left behind"
+        );
+        assert!(model.fork(&long, w + 500).is_some());
+    }
+}
+
+#[test]
+fn forked_sequences_continue_as_from_scratch() {
+    for name in ["smollm2-135m", "gemma3-270m"] {
+        if let Some(model) = load(name, 2) {
+            forks(name, model);
+        }
+    }
+    let moe = Model::load_on(CpuBackend::new(2), &moe_file()).unwrap();
+    forks("qwen3moe", moe);
 }
 
 /// A trace is the forward pass read back as it goes: the same logits bit for bit, the

@@ -93,6 +93,12 @@ pub struct Metrics {
     pub keep_awake_holders: AtomicU64,
     /// Device memory in use, sampled by the scheduler (`u64::MAX`: no device).
     pub device_memory_in_use: AtomicU64,
+    /// KV pages in existence, held by more than one sequence, and held only by
+    /// finished sequences; their bytes (where the backend pages its caches).
+    pub kv_pages: AtomicU64,
+    pub kv_pages_shared: AtomicU64,
+    pub kv_pages_cached: AtomicU64,
+    pub kv_bytes: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -114,6 +120,10 @@ impl Default for Metrics {
             telemetry_samples: AtomicU64::new(0),
             keep_awake_holders: AtomicU64::new(0),
             device_memory_in_use: AtomicU64::new(u64::MAX),
+            kv_pages: AtomicU64::new(0),
+            kv_pages_shared: AtomicU64::new(0),
+            kv_pages_cached: AtomicU64::new(0),
+            kv_bytes: AtomicU64::new(0),
         }
     }
 }
@@ -174,6 +184,30 @@ impl Metrics {
                 &self.slots_busy,
             ),
             ("astra_slots_total", "gauge", "Slots.", &self.slots_total),
+            (
+                "astra_kv_pages",
+                "gauge",
+                "KV cache pages in memory (64 positions of every layer).",
+                &self.kv_pages,
+            ),
+            (
+                "astra_kv_pages_shared",
+                "gauge",
+                "KV cache pages held by more than one sequence.",
+                &self.kv_pages_shared,
+            ),
+            (
+                "astra_kv_pages_cached",
+                "gauge",
+                "KV cache pages held only by finished sequences (the prompt cache).",
+                &self.kv_pages_cached,
+            ),
+            (
+                "astra_kv_bytes",
+                "gauge",
+                "Bytes of the KV cache pages in memory.",
+                &self.kv_bytes,
+            ),
             (
                 "astra_process_resident_memory_bytes",
                 "gauge",

@@ -3,9 +3,11 @@
 //! Protocol (one scheduler thread owns the model's sequences):
 //! 1. Requests wait in a bounded queue; a request joins between steps when a slot is
 //!    free.
-//! 2. A joining request takes the idle sequence whose cached tokens share the longest
+//! 2. A joining request starts from the sequence whose cached tokens share the longest
 //!    prefix with its prompt (a finished request's sequence stays idle with its tokens:
-//!    the prompt cache), rewinds it to that prefix, and feeds only the rest.
+//!    the prompt cache; a running one counts too): where the backend shares KV pages
+//!    it forks that sequence at the prefix, else it takes an idle one over and rewinds
+//!    it. It feeds only the rest.
 //! 3. Each step runs every active sequence together in one forward pass: one token per
 //!    decoding sequence, and prompt chunks of prefilling ones in the room left in the
 //!    batch. Each result goes to its client as it is sampled; finished or abandoned
@@ -13,15 +15,17 @@
 //!
 //! Invariants: a sequence's logits do not depend on the others in the batch
 //! ([`Model::forward_many`]), so a request's output is the same alone or under load;
-//! idle sequences and active ones together stay within the memory budget, the least
+//! idle sequences and active ones together stay within the memory budget (a paged
+//! backend's pages, a page shared by several sequences counted once), the least
 //! recently used idle ones dropped first.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use astra_engine::{Backend, Model, Session, Step, MAX_BATCH};
+use astra_engine::{Backend, EngineError, Model, Session, Step, MAX_BATCH};
 use astra_tokenizer::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -41,10 +45,16 @@ impl PromptKey {
     /// prefix (none when the images differ), short of the prompt's last token, whose
     /// logits start the generation.
     pub fn reusable_from(&self, cached: &PromptKey) -> usize {
-        if self.media != cached.media {
+        self.reusable_from_tokens(&cached.tokens, &cached.media)
+    }
+
+    /// As [`PromptKey::reusable_from`], for a sequence holding `tokens` that came with
+    /// images of digests `media`.
+    pub fn reusable_from_tokens(&self, tokens: &[u32], media: &[[u8; 32]]) -> usize {
+        if self.media != media {
             return 0;
         }
-        common_prefix(&self.tokens, &cached.tokens).min(self.tokens.len().saturating_sub(1))
+        common_prefix(&self.tokens, tokens).min(self.tokens.len().saturating_sub(1))
     }
 }
 
@@ -245,6 +255,15 @@ pub struct Scheduler<B: Backend> {
     sampled: Option<Instant>,
 }
 
+/// Lets go of the least recently used finished sequence; false when there is none.
+fn evict_lru<B: Backend>(idle: &mut Vec<Idle<B>>) -> bool {
+    let Some(lru) = (0..idle.len()).min_by_key(|&i| idle[i].used) else {
+        return false;
+    };
+    idle.swap_remove(lru);
+    true
+}
+
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
@@ -265,6 +284,7 @@ impl<B: Backend> Scheduler<B> {
             .slots_total
             .store(limits.parallel as u64, Ordering::Relaxed);
         status.set(Status::Ready);
+        model.backend.set_kv_limit(limits.budget);
         Scheduler {
             model: Some(model),
             loader,
@@ -329,6 +349,7 @@ impl<B: Backend> Scheduler<B> {
         let loaded = (self.loader)();
         match &loaded {
             Ok(m) => {
+                m.backend.set_kv_limit(self.limits.budget);
                 self.model = Some(Arc::clone(m));
                 self.status.set(Status::Ready);
                 eprintln!("astra: INFO model loaded again");
@@ -366,6 +387,41 @@ impl<B: Backend> Scheduler<B> {
         self.metrics
             .slots_busy
             .store(self.active.len() as u64, Ordering::Relaxed);
+        self.publish_pages();
+    }
+
+    /// The KV page gauges, where the backend pages its caches: pages in existence,
+    /// those held by more than one sequence, and those only finished sequences hold
+    /// (the prompt cache).
+    fn publish_pages(&self) {
+        let Some(model) = &self.model else { return };
+        let be = &model.backend;
+        let Some(usage) = be.kv_usage() else { return };
+        // Per page: (sequences holding it, whether a running one does).
+        let mut holders: HashMap<usize, (usize, bool)> = HashMap::new();
+        let sessions = (self.active.iter().map(|a| (&a.session, true)))
+            .chain(self.idle.iter().map(|i| (&i.session, false)));
+        for (session, running) in sessions {
+            for id in be.kv_page_ids(session.kv()) {
+                let h = holders.entry(id).or_default();
+                h.0 += 1;
+                h.1 |= running;
+            }
+        }
+        let shared = holders.values().filter(|h| h.0 > 1).count();
+        let cached = holders.values().filter(|h| !h.1).count();
+        let m = &self.metrics;
+        m.kv_pages.store(usage.pages as u64, Ordering::Relaxed);
+        m.kv_pages_shared.store(shared as u64, Ordering::Relaxed);
+        m.kv_pages_cached.store(cached as u64, Ordering::Relaxed);
+        m.kv_bytes.store(usage.bytes as u64, Ordering::Relaxed);
+    }
+
+    /// Bytes of KV cache the sequences take: the backend's pages, or, where it does
+    /// not page, every sequence's whole cache.
+    fn kv_used(&self) -> usize {
+        let paged = self.model.as_ref().and_then(|m| m.backend.kv_usage());
+        paged.map_or_else(|| self.session_bytes(), |u| u.bytes)
     }
 
     /// Moves queued jobs into free slots, waiting for one when nothing is active.
@@ -415,13 +471,45 @@ impl<B: Backend> Scheduler<B> {
             }
         };
         let reusable = |key: &PromptKey| job.key.reusable_from(key);
+        // Where the backend shares caches, the prompt's longest cached prefix, in a
+        // finished sequence or a running one, is shared with the new sequence.
+        // (finished sequence or not, its index, positions reusable)
+        let mut source: Option<(bool, usize, usize)> = None;
+        let candidates = (self.idle.iter().enumerate())
+            .map(|(i, entry)| (true, i, reusable(&entry.key)))
+            .chain(self.active.iter().enumerate().map(|(i, a)| {
+                let n = job.key.reusable_from_tokens(&a.tokens, &a.job.key.media);
+                (false, i, n)
+            }));
+        for c in candidates {
+            if c.2 > source.map_or(0, |s| s.2) {
+                source = Some(c);
+            }
+        }
+        let forked = source.and_then(|(finished, i, n)| {
+            let from = match finished {
+                true => &self.idle[i].session,
+                false => &self.active[i].session,
+            };
+            Some((model.fork(from, n)?, n, finished.then_some(i)))
+        });
+        let forked = forked.map(|(session, n, idle)| {
+            if let Some(i) = idle {
+                // The finished sequence shared from is the last to be let go of.
+                self.clock += 1;
+                self.idle[i].used = self.clock;
+            }
+            (session, n)
+        });
+        let paged = model.backend.kv_usage().is_some();
         let best =
             (0..self.idle.len()).max_by_key(|&i| (reusable(&self.idle[i].key), self.idle[i].used));
         let mut taken = match best {
+            _ if forked.is_some() => None,
             Some(i) if reusable(&self.idle[i].key) > 0 => Some(self.idle.swap_remove(i)),
             _ => None,
         };
-        if taken.is_none() {
+        if taken.is_none() && forked.is_none() && !paged {
             let new_bytes = self.idle.first().map(|i| i.session.kv_bytes());
             let fits = new_bytes.is_none_or(|b| self.session_bytes() + b <= self.limits.budget);
             if !fits {
@@ -432,12 +520,13 @@ impl<B: Backend> Scheduler<B> {
                 taken = Some(self.idle.swap_remove(lru));
             }
         }
-        let (mut session, reuse) = match taken {
-            Some(i) => {
+        let (mut session, reuse) = match (forked, taken) {
+            (Some(f), _) => f,
+            (None, Some(i)) => {
                 let n = reusable(&i.key);
                 (i.session, n)
             }
-            None => match model.session(self.limits.ctx) {
+            (None, None) => match model.session(self.limits.ctx) {
                 Ok(s) => (s, 0),
                 Err(e) => {
                     job.events.send(Event::Failed {
@@ -507,12 +596,7 @@ impl<B: Backend> Scheduler<B> {
             key,
             used: self.clock,
         });
-        while self.session_bytes() > self.limits.budget && !self.idle.is_empty() {
-            let lru = (0..self.idle.len())
-                .min_by_key(|&i| self.idle[i].used)
-                .expect("non-empty");
-            self.idle.swap_remove(lru);
-        }
+        while self.kv_used() > self.limits.budget && evict_lru(&mut self.idle) {}
     }
 
     /// Runs one batch; false when every sequence waits for its client to read.
@@ -577,7 +661,14 @@ impl<B: Backend> Scheduler<B> {
                 logits_from,
             });
         }
-        let result = model.forward_many(&mut steps);
+        // Where the pages run out, finished sequences' pages go first, least recently
+        // used first.
+        let result = loop {
+            match model.forward_many(&mut steps) {
+                Err(EngineError::KvFull { .. }) if evict_lru(&mut self.idle) => {}
+                r => break r,
+            }
+        };
         drop(steps);
         let logits = match result {
             Ok(l) => l,

@@ -159,6 +159,93 @@ fn shared_prefix_is_served_from_the_cache_with_the_same_output() {
     assert_eq!(content(&uncached), content(&second));
 }
 
+fn cached_tokens(v: &Value) -> u64 {
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap()
+}
+
+/// Chats that share a system prompt, running together, hold its KV pages once: each is
+/// served its prefix from the cache, the pages in memory are the prompt's once plus a
+/// few of each chat's own, and the answers are those of a server that cached nothing.
+#[test]
+fn concurrent_chats_hold_one_system_prompt_once() {
+    let Some(s) = Server::start(&["--parallel", "8"]) else {
+        return;
+    };
+    let prefix_tokens = {
+        let (_, v) = s.post("/tokenize", &json!({"content": long_prefix()}));
+        v["tokens"].as_array().unwrap().len() as u64
+    };
+    let prefix_pages = prefix_tokens / 64;
+    s.chat(&with_prefix("Which town trades salt?"));
+    let questions: Vec<String> = (0..8).map(|i| format!("Summarise note {i}.")).collect();
+    let answers: Vec<Value> = std::thread::scope(|scope| {
+        let handles: Vec<_> = questions
+            .iter()
+            .map(|q| {
+                let body = with_prefix(q).to_string();
+                let base = s.base.clone();
+                scope.spawn(move || {
+                    let (status, text) = common::post_to(&base, "/v1/chat/completions", &body);
+                    assert_eq!(status, 200, "{text}");
+                    serde_json::from_str::<Value>(&text).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for a in &answers {
+        assert!(
+            cached_tokens(a) >= prefix_tokens - 1,
+            "cached {} of a {prefix_tokens}-token prefix",
+            cached_tokens(a)
+        );
+    }
+    // Nine chats: the prefix's pages once, and each chat's question and answer (at
+    // most 64 + 16 positions past the prefix's last whole page: two pages of its own).
+    let pages = s.metric("astra_kv_pages") as u64;
+    assert!(
+        pages <= prefix_pages + 1 + 9 * 2,
+        "{pages} pages for nine chats over a {prefix_pages}-page prefix"
+    );
+    assert!(s.metric("astra_kv_pages_shared") as u64 >= prefix_pages);
+    drop(s);
+    let fresh = Server::start(&[]).unwrap();
+    for (q, a) in questions.iter().zip(&answers).take(3) {
+        let alone = fresh.chat(&with_prefix(q));
+        assert_eq!(content(&alone), content(a), "{q}");
+    }
+}
+
+/// Conversations that share only the chat template's first tokens each keep their own
+/// cache: taking turns, every one finds its whole history cached.
+#[test]
+fn conversations_in_turn_each_stay_cached() {
+    let Some(s) = Server::start(&[]) else { return };
+    let history = |topic: usize, turns: usize| {
+        let mut messages = vec![json!({"role": "system", "content": format!(
+            "You are a guide to the town of Vell{topic}. {}", long_prefix())})];
+        for t in 0..turns {
+            messages.push(json!({"role": "user", "content": format!("Tell me fact {t}.")}));
+            messages
+                .push(json!({"role": "assistant", "content": format!("Fact {t} of Vell{topic}.")}));
+        }
+        messages.push(json!({"role": "user", "content": format!("Tell me fact {turns}.")}));
+        json!({"messages": messages, "max_tokens": 4, "temperature": 0})
+    };
+    let first: Vec<Value> = (0..5).map(|c| s.chat(&history(c, 0))).collect();
+    for (c, f) in first.iter().enumerate() {
+        let again = s.chat(&history(c, 1));
+        let before = f["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert!(
+            cached_tokens(&again) >= before,
+            "conversation {c}: {} of its {before} earlier tokens cached",
+            cached_tokens(&again)
+        );
+    }
+}
+
 #[test]
 fn json_key_order_and_whitespace_do_not_change_caching() {
     let Some(s) = Server::start(&[]) else { return };
