@@ -253,6 +253,49 @@ pub struct Scheduler<B: Backend> {
     clock: u64,
     /// When device memory was last sampled.
     sampled: Option<Instant>,
+    pace: PrefillPace,
+}
+
+/// How many prompt tokens a step may take beside decoding rows: the chunked prefill's
+/// pace, from running averages of a decoding step's time and of what each prompt
+/// token adds to a step.
+#[derive(Debug, Default)]
+struct PrefillPace {
+    /// Seconds of a step of decoding rows alone.
+    decode_step: Option<f64>,
+    /// Seconds a prompt token adds to a step.
+    per_prompt_token: Option<f64>,
+}
+
+impl PrefillPace {
+    /// Weight of the newest observation in the running averages.
+    const NEW: f64 = 0.25;
+
+    /// Prompt tokens that a step with `decode_rows` decoding rows may take: as many as
+    /// add a decoding step's time (at least one, so that a prompt always advances);
+    /// before anything is measured, as many as there are decoding rows.
+    fn prompt_rows(&self, decode_rows: usize) -> usize {
+        match (self.decode_step, self.per_prompt_token) {
+            (Some(d), Some(p)) if p > 0.0 => ((d / p) as usize).clamp(1, MAX_BATCH),
+            _ => decode_rows,
+        }
+    }
+
+    /// Learns from a step of `decode_rows` decoding rows and `prompt_rows` prompt
+    /// tokens that took `seconds`.
+    fn observe(&mut self, decode_rows: usize, prompt_rows: usize, seconds: f64) {
+        let average =
+            |old: Option<f64>, new: f64| Some(old.map_or(new, |o| o + Self::NEW * (new - o)));
+        if prompt_rows == 0 {
+            self.decode_step = average(self.decode_step, seconds);
+        } else if decode_rows == 0 {
+            let per = seconds / prompt_rows as f64;
+            self.per_prompt_token = average(self.per_prompt_token, per);
+        } else if let Some(d) = self.decode_step {
+            let per = (seconds - d).max(0.0) / prompt_rows as f64;
+            self.per_prompt_token = average(self.per_prompt_token, per);
+        }
+    }
 }
 
 /// Lets go of the least recently used finished sequence; false when there is none.
@@ -298,6 +341,7 @@ impl<B: Backend> Scheduler<B> {
             active: Vec::new(),
             clock: 0,
             sampled: None,
+            pace: PrefillPace::default(),
         }
     }
 
@@ -620,9 +664,24 @@ impl<B: Backend> Scheduler<B> {
         let Some(model) = self.model.clone() else {
             return false;
         };
-        for (i, a) in self.active.iter().enumerate() {
+        let decode_rows = MAX_BATCH - room;
+        // While sequences decode, prompts are fed in chunks that keep a step within
+        // about twice a decoding step's time (where the bits do not depend on how a
+        // prompt is cut).
+        if decode_rows > 0 && !model.backend.batches_as_llama_server() {
+            room = room.min(self.pace.prompt_rows(decode_rows));
+        }
+        // The prompts with the least left go first: a short prompt arriving beside a
+        // long one starts answering at once rather than after it.
+        let mut prompts: Vec<(usize, usize)> = (self.active.iter().enumerate())
+            .map(|(i, a)| (a.job.key.tokens.len() - a.fed, i))
+            .filter(|&(left, _)| left > 0)
+            .collect();
+        prompts.sort_unstable();
+        for (_, i) in prompts {
+            let a = &self.active[i];
             let total = a.job.key.tokens.len();
-            if a.fed < total && room > 0 {
+            if room > 0 {
                 // A prompt's next batch ends where the model says (for llama.cpp's
                 // arithmetic, where llama-server's would).
                 let n = (model.prompt_batch_end(a.fed, total, None) - a.fed).min(room);
@@ -663,6 +722,8 @@ impl<B: Backend> Scheduler<B> {
         }
         // Where the pages run out, finished sequences' pages go first, least recently
         // used first.
+        let prompt_rows = steps.iter().map(|s| s.tokens.len()).sum::<usize>() - decode_rows;
+        let started = Instant::now();
         let result = loop {
             match model.forward_many(&mut steps) {
                 Err(EngineError::KvFull { .. }) if evict_lru(&mut self.idle) => {}
@@ -670,6 +731,8 @@ impl<B: Backend> Scheduler<B> {
             }
         };
         drop(steps);
+        self.pace
+            .observe(decode_rows, prompt_rows, started.elapsed().as_secs_f64());
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
@@ -781,6 +844,25 @@ impl<B: Backend> Scheduler<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefill_keeps_a_step_within_about_two_decoding_steps() {
+        let mut pace = PrefillPace::default();
+        // Nothing measured: as many prompt tokens as decoding rows.
+        assert_eq!(pace.prompt_rows(16), 16);
+        pace.observe(16, 0, 0.020);
+        assert_eq!(pace.prompt_rows(16), 16);
+        // 16 prompt tokens added 16 ms: 20 ms of decoding step buys 20 of them.
+        pace.observe(16, 16, 0.036);
+        assert_eq!(pace.prompt_rows(16), 20);
+        // A prompt alone teaches the cost too; a step never goes below one token.
+        let mut alone = PrefillPace::default();
+        alone.observe(0, 512, 0.512);
+        alone.observe(1, 0, 0.0001);
+        assert_eq!(alone.prompt_rows(1), 1);
+        alone.observe(1, 0, 10.0);
+        assert_eq!(alone.prompt_rows(1), MAX_BATCH);
+    }
 
     #[test]
     fn prompt_keys_reuse_only_with_the_same_images() {
