@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use astra_engine::attention::{KvLayout, KvType, LayerSlots};
 use astra_engine::backend::{
-    add_to_residual, compose_feed_forward, Activation, Attend, Backend, FeedForward, Heads, Input,
-    Rope, SeqRows,
+    add_to_residual, compose_feed_forward, split_owned, Activation, Attend, Backend, FeedForward,
+    Heads, Input, Rope, SeqRows,
 };
 use astra_engine::weights::MatRef;
 use astra_engine::EngineError;
@@ -895,6 +895,42 @@ impl CudaBackend {
         Some(&by_tiles[mmq_tiles(tokens).trailing_zeros() as usize])
     }
 
+    /// `t` downloaded into the page-locked staging buffer (grown where too small), and
+    /// `f` of its values there once every launch before has run.
+    fn with_download<R>(
+        &self,
+        t: &GpuTensor,
+        f: impl FnOnce(&[f32]) -> R,
+    ) -> Result<R, EngineError> {
+        let n = t.rows * t.width;
+        let staging = self.staging.as_ref().expect("called with a staging buffer");
+        let mut staging = staging.lock().unwrap_or_else(|p| p.into_inner());
+        if staging.as_ref().is_none_or(|p| p.len() < n) {
+            // Plain page-locked memory (not write-combined: the host reads it).
+            // SAFETY: only the first `n` values are read, after the copy into them.
+            let p = unsafe {
+                self.stream
+                    .context()
+                    .alloc_pinned_with_flags::<f32>(n.max(1 << 16), 0)
+            };
+            *staging = Some(p.map_err(gpu_err("page-locked allocation"))?);
+        }
+        let p = staging
+            .as_mut()
+            .expect("allocated above")
+            .as_mut_ptr()
+            .map_err(gpu_err("page-locked memory"))?;
+        // SAFETY: the allocation holds at least `n` values, and nothing else uses it
+        // while the lock is held. (A copy takes its length from the host slice, so it is
+        // cut to the tensor's.)
+        let host = unsafe { std::slice::from_raw_parts_mut(p, n) };
+        self.stream
+            .memcpy_dtoh(&t.buf.slice(0..n), host)
+            .map_err(gpu_err("download"))?;
+        self.stream.synchronize().map_err(gpu_err("synchronize"))?;
+        Ok(f(host))
+    }
+
     /// For a batch of several sequences (not while recording), the device address of
     /// `layer`'s table of them, uploaded where it changed, and the shape the sequences
     /// share; `None` where a launch per sequence is needed.
@@ -1500,41 +1536,33 @@ impl Backend for CudaBackend {
     }
 
     fn read(&self, t: &GpuTensor) -> Result<Vec<f32>, EngineError> {
-        let n = t.rows * t.width;
-        let Some(staging) = &self.staging else {
+        if self.staging.is_none() {
             let mut v = self
                 .stream
                 .clone_dtoh(&t.buf)
                 .map_err(gpu_err("download"))?;
             self.stream.synchronize().map_err(gpu_err("synchronize"))?;
-            v.truncate(n);
+            v.truncate(t.rows * t.width);
             return Ok(v);
-        };
-        let mut staging = staging.lock().unwrap_or_else(|p| p.into_inner());
-        if staging.as_ref().is_none_or(|p| p.len() < n) {
-            // Plain page-locked memory (not write-combined: the host reads it).
-            // SAFETY: only the first `n` values are read, after the copy into them.
-            let p = unsafe {
-                self.stream
-                    .context()
-                    .alloc_pinned_with_flags::<f32>(n.max(1 << 16), 0)
-            };
-            *staging = Some(p.map_err(gpu_err("page-locked allocation"))?);
         }
-        let p = staging
-            .as_mut()
-            .expect("allocated above")
-            .as_mut_ptr()
-            .map_err(gpu_err("page-locked memory"))?;
-        // SAFETY: the allocation holds at least `n` values, and nothing else uses it
-        // while the lock is held. (A copy takes its length from the host slice, so it is
-        // cut to the tensor's.)
-        let host = unsafe { std::slice::from_raw_parts_mut(p, n) };
-        self.stream
-            .memcpy_dtoh(&t.buf.slice(0..n), host)
-            .map_err(gpu_err("download"))?;
-        self.stream.synchronize().map_err(gpu_err("synchronize"))?;
-        Ok(host.to_vec())
+        self.with_download(t, |host| host.to_vec())
+    }
+
+    fn read_split(&self, t: GpuTensor, counts: &[usize]) -> Result<Vec<Vec<f32>>, EngineError> {
+        if self.staging.is_none() || counts.len() < 2 {
+            return Ok(split_owned(self.read_owned(t)?, counts));
+        }
+        // Straight from the page-locked copy into each piece (one host copy, not two).
+        self.with_download(&t, |host| {
+            let mut at = 0;
+            counts
+                .iter()
+                .map(|&n| {
+                    at += n;
+                    host[at - n..at].to_vec()
+                })
+                .collect()
+        })
     }
 
     fn embed(

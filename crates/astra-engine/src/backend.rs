@@ -182,6 +182,21 @@ pub struct SeqRows<'a, K> {
     pub pos: usize,
 }
 
+/// `all` as consecutive pieces of `counts` values ([`Backend::read_split`]): from the
+/// end, so that each piece but the first is copied once and the first keeps `all`'s
+/// buffer.
+pub fn split_owned(mut all: Vec<f32>, counts: &[usize]) -> Vec<Vec<f32>> {
+    let mut pieces: Vec<Vec<f32>> = Vec::with_capacity(counts.len());
+    let mut end = all.len();
+    for &n in counts.iter().skip(1).rev() {
+        end -= n;
+        pieces.push(all.split_off(end));
+    }
+    pieces.push(all);
+    pieces.reverse();
+    pieces
+}
+
 /// A paged backend's KV memory ([`Backend::kv_usage`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KvUsage {
@@ -378,6 +393,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// memory already, handed over rather than copied.
     fn read_owned(&self, t: Self::Tensor) -> Result<Vec<f32>, EngineError> {
         self.read(&t)
+    }
+    /// The tensor's values, on the host, as consecutive pieces of `counts` values
+    /// (their sum is the tensor's size), the tensor no longer needed: a batch's logits
+    /// split by sequence with as little copying as the backend allows.
+    fn read_split(&self, t: Self::Tensor, counts: &[usize]) -> Result<Vec<Vec<f32>>, EngineError> {
+        Ok(split_owned(self.read_owned(t)?, counts))
     }
 
     /// The first failure of an operation since the last call, cleared: a device error,
@@ -689,6 +710,20 @@ mod tests {
             p.iter_mut().for_each(|x| x.1 /= s);
         }
         p
+    }
+
+    #[test]
+    fn split_pieces_are_consecutive() {
+        let all: Vec<f32> = (0..10).map(|v| v as f32).collect();
+        let pieces = split_owned(all, &[3, 0, 5, 2]);
+        let want: Vec<Vec<f32>> = vec![
+            vec![0.0, 1.0, 2.0],
+            vec![],
+            vec![3.0, 4.0, 5.0, 6.0, 7.0],
+            vec![8.0, 9.0],
+        ];
+        assert_eq!(pieces, want);
+        assert_eq!(split_owned(vec![1.0], &[1]), vec![vec![1.0]]);
     }
 
     #[test]

@@ -458,10 +458,9 @@ impl<B: Backend> Model<B> {
             let s = &mut *steps[p.step].session;
             s.advance(p.range.len());
         }
-        let mut out: Vec<Vec<f32>> = parts.iter().map(|_| Vec::new()).collect();
         if wanted.is_empty() {
             be.check()?;
-            return Ok(out);
+            return Ok(parts.iter().map(|_| Vec::new()).collect());
         }
         let mut normed = be.tensor(wanted.len(), cfg.n_embd)?;
         let mut logits = be.tensor(wanted.len(), cfg.n_vocab)?;
@@ -470,19 +469,13 @@ impl<B: Backend> Model<B> {
         } else {
             self.head(&be.gather(&acts.x, &wanted)?, &mut normed, &mut logits);
         }
-        let logits = be.read_owned(logits)?;
-        be.check()?;
-        if let [_] = parts {
-            return Ok(vec![logits]);
-        }
         // `wanted` is in batch order, so each part's rows are consecutive.
-        let mut rows = logits.chunks_exact(cfg.n_vocab).zip(&wanted);
-        for (i, (span, _)) in spans.iter().enumerate() {
-            let n = wanted.iter().filter(|r| span.contains(r)).count();
-            for (row, _) in rows.by_ref().take(n) {
-                out[i].extend_from_slice(row);
-            }
-        }
+        let counts: Vec<usize> = spans
+            .iter()
+            .map(|(span, _)| wanted.iter().filter(|r| span.contains(r)).count() * cfg.n_vocab)
+            .collect();
+        let out = be.read_split(logits, &counts)?;
+        be.check()?;
         Ok(out)
     }
 
