@@ -421,9 +421,8 @@ impl KvCache {
                 continue;
             }
             let table = &mut self.tables[group];
-            if table.len() < chunks.end {
-                table.resize(chunks.end, None);
-            }
+            // Positions past these are no longer held (a rewind left them behind).
+            table.resize(chunks.end, None);
             if group == LOCAL {
                 table[..keep_from.min(chunks.end)].fill(None);
             }
@@ -1191,6 +1190,9 @@ mod tests {
         pages.set_limit(usize::MAX);
         a.reserve(held..200).unwrap();
         assert_eq!(pages.pages(), 8);
+        // Cut back to 10 and continued: the pages past the first chunk are let go of.
+        a.reserve(10..20).unwrap();
+        assert_eq!(pages.pages(), 2);
         drop(a);
         assert_eq!(pages.pages(), 0);
     }
