@@ -326,7 +326,38 @@ unsafe fn tile_groups<F: Packed16, const PACKED: bool>(
             lane_block::<F>(&rows, b)
         });
     }
-    for (a, out) in a.iter().zip(out.iter_mut()) {
+    // Tokens TILE_TOKENS at a time, their chains side by side over each block, so that
+    // the block's codes are loaded once for all of them (loads of the tile, not the
+    // products, bounded a token at a time). Each chain is a token's alone, in block
+    // order: the results are the same for any grouping.
+    // The rows after these (a caller's next tile) are asked of the caches while the
+    // first tokens run, so that decoding them does not wait on memory. A prefetch of an
+    // address past the weights is harmless.
+    let (next, per_block) = (w.as_ptr().wrapping_add(w.len()), w.len().div_ceil(blocks));
+    let mut groups = a
+        .chunks_exact(TILE_TOKENS)
+        .zip(out.chunks_exact_mut(TILE_TOKENS));
+    for (i, (a, out)) in groups.by_ref().enumerate() {
+        let act: [Act; TILE_TOKENS] = std::array::from_fn(|t| Act::new::<F>(&a[t], blocks));
+        let mut acc = [_mm512_setzero_ps(); TILE_TOKENS];
+        let mut min = [_mm512_setzero_ps(); TILE_TOKENS];
+        for (b, x) in tile.iter().enumerate() {
+            if i == 0 {
+                for p in (b * per_block..(b + 1) * per_block).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(p).cast());
+                }
+            }
+            let x = *x;
+            for t in 0..TILE_TOKENS {
+                step::<F>(&x, act[t], b, &mut acc[t], &mut min[t]);
+            }
+        }
+        for t in 0..TILE_TOKENS {
+            out[t] = finish::<F>(acc[t], min[t]);
+        }
+    }
+    let rest = a.len() / TILE_TOKENS * TILE_TOKENS;
+    for (a, out) in a[rest..].iter().zip(out[rest..].iter_mut()) {
         let act = Act::new::<F>(a, blocks);
         let (mut acc, mut min) = (_mm512_setzero_ps(), _mm512_setzero_ps());
         for (b, x) in tile.iter().enumerate() {
@@ -336,6 +367,9 @@ unsafe fn tile_groups<F: Packed16, const PACKED: bool>(
     }
     TILE.set(tile);
 }
+
+/// Tokens a tile's blocks are run against together ([`tile_groups`]).
+const TILE_TOKENS: usize = 4;
 
 /// A [`Lanes16`] format whose rows are packed at load as AVX2's kernels pack them
 /// ([`avx2_lanes::pack`]), in groups of sixteen rows: two of AVX2's groups of eight,
