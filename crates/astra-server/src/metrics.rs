@@ -99,6 +99,10 @@ pub struct Metrics {
     pub kv_pages_shared: AtomicU64,
     pub kv_pages_cached: AtomicU64,
     pub kv_bytes: AtomicU64,
+    /// Running requests paused for want of KV pages (resumed later from their tokens).
+    pub preemptions: AtomicU64,
+    /// Rows (tokens) in the last batch step.
+    pub batch_rows: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -124,6 +128,8 @@ impl Default for Metrics {
             kv_pages_shared: AtomicU64::new(0),
             kv_pages_cached: AtomicU64::new(0),
             kv_bytes: AtomicU64::new(0),
+            preemptions: AtomicU64::new(0),
+            batch_rows: AtomicU64::new(0),
         }
     }
 }
@@ -207,6 +213,18 @@ impl Metrics {
                 "gauge",
                 "Bytes of the KV cache pages in memory.",
                 &self.kv_bytes,
+            ),
+            (
+                "astra_preemptions_total",
+                "counter",
+                "Running requests paused for want of KV cache pages, to resume from their tokens.",
+                &self.preemptions,
+            ),
+            (
+                "astra_batch_rows",
+                "gauge",
+                "Tokens in the last batch step (decoding rows and prompt tokens).",
+                &self.batch_rows,
             ),
             (
                 "astra_process_resident_memory_bytes",

@@ -19,12 +19,13 @@
 //! backend's pages, a page shared by several sequences counted once), the least
 //! recently used idle ones dropped first.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use astra_engine::attention::CHUNK as KV_PAGE_POSITIONS;
 use astra_engine::{Backend, EngineError, Model, Session, Step, MAX_BATCH};
 use astra_tokenizer::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
@@ -207,7 +208,10 @@ struct Active<B: Backend> {
     session: Session<B>,
     /// The tokens in the session's cache, in order.
     tokens: Vec<u32>,
-    /// Prompt tokens already in the cache.
+    /// The tokens to have in the cache before sampling: the prompt, or for a request
+    /// resumed after a pause, every token it had.
+    feed: Vec<u32>,
+    /// Tokens of `feed` already in the cache.
     fed: usize,
     /// Tokens to feed next: the last sampled one, or an injected wrap-up.
     next: Vec<u32>,
@@ -218,6 +222,20 @@ struct Active<B: Backend> {
     /// Since when the response has held MAX_BACKLOG events untaken (its client not
     /// reading): the sequence waits, and after `Limits::stall_timeout` is cancelled.
     stalled_since: Option<Instant>,
+}
+
+/// A request waiting for a sequence: a new one, or one paused for want of KV pages
+/// (its cache let go of, to be rebuilt from its tokens once pages are free).
+struct Pending {
+    job: Job,
+    /// The tokens to have in the cache before sampling: the prompt, or every token a
+    /// paused sequence had, the last sampled one included.
+    feed: Vec<u32>,
+    generation: Generation,
+    /// Prompt tokens the request found cached, once it has started.
+    cached: Option<usize>,
+    prompt_done: Option<Instant>,
+    last_token: Instant,
 }
 
 /// Loads the model (again, after an idle unload).
@@ -250,6 +268,9 @@ pub struct Scheduler<B: Backend> {
     hold: Option<Duration>,
     idle: Vec<Idle<B>>,
     active: Vec<Active<B>>,
+    /// Requests paused for want of KV pages, in the order they paused; they resume
+    /// before any new request starts.
+    paused: VecDeque<Pending>,
     clock: u64,
     /// When device memory was last sampled.
     sampled: Option<Instant>,
@@ -257,46 +278,69 @@ pub struct Scheduler<B: Backend> {
 }
 
 /// How many prompt tokens a step may take beside decoding rows: the chunked prefill's
-/// pace, from running averages of a decoding step's time and of what each prompt
-/// token adds to a step.
+/// pace, from a running fit of a step's time as a fixed part plus a part per row
+/// (decoding row or prompt token), weighted toward the newest steps.
 #[derive(Debug, Default)]
 struct PrefillPace {
-    /// Seconds of a step of decoding rows alone.
-    decode_step: Option<f64>,
-    /// Seconds a prompt token adds to a step.
-    per_prompt_token: Option<f64>,
+    /// Decayed sums over the steps seen: weight, rows, seconds, rows², rows·seconds.
+    n: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
 }
 
 impl PrefillPace {
-    /// Weight of the newest observation in the running averages.
-    const NEW: f64 = 0.25;
+    /// How much of the sums each new step keeps.
+    const KEEP: f64 = 0.9;
+
+    /// (seconds a step takes whatever its rows, seconds a row adds), once measured.
+    fn fit(&self) -> Option<(f64, f64)> {
+        if self.n == 0.0 {
+            return None;
+        }
+        let (mx, my) = (self.x / self.n, self.y / self.n);
+        let var = self.xx / self.n - mx * mx;
+        let per_row = match var > 0.25 {
+            true => (self.xy / self.n - mx * my) / var,
+            false => 0.0,
+        };
+        // Without spread in the rows seen (or with a fit that says a row costs nothing
+        // or the fixed part is negative), the time is taken as all per row.
+        let fixed = my - per_row * mx;
+        if per_row > 0.0 && fixed >= 0.0 {
+            Some((fixed, per_row))
+        } else {
+            (mx > 0.0).then(|| (0.0, my / mx))
+        }
+    }
 
     /// Prompt tokens that a step with `decode_rows` decoding rows may take: as many as
-    /// add a decoding step's time (at least one, so that a prompt always advances);
-    /// before anything is measured, as many as there are decoding rows.
+    /// add the time of a step of those rows alone (at least one, so that a prompt always
+    /// advances); before anything is measured, as many as there are decoding rows.
     fn prompt_rows(&self, decode_rows: usize) -> usize {
-        match (self.decode_step, self.per_prompt_token) {
-            (Some(d), Some(p)) if p > 0.0 => ((d / p) as usize).clamp(1, MAX_BATCH),
-            _ => decode_rows,
+        match self.fit() {
+            Some((fixed, per_row)) if per_row > 0.0 => {
+                let step = fixed + per_row * decode_rows as f64;
+                ((step / per_row).round() as usize).clamp(1, MAX_BATCH)
+            }
+            _ => decode_rows.max(1),
         }
     }
 
-    /// Learns from a step of `decode_rows` decoding rows and `prompt_rows` prompt
-    /// tokens that took `seconds`.
-    fn observe(&mut self, decode_rows: usize, prompt_rows: usize, seconds: f64) {
-        let average =
-            |old: Option<f64>, new: f64| Some(old.map_or(new, |o| o + Self::NEW * (new - o)));
-        if prompt_rows == 0 {
-            self.decode_step = average(self.decode_step, seconds);
-        } else if decode_rows == 0 {
-            let per = seconds / prompt_rows as f64;
-            self.per_prompt_token = average(self.per_prompt_token, per);
-        } else if let Some(d) = self.decode_step {
-            let per = (seconds - d).max(0.0) / prompt_rows as f64;
-            self.per_prompt_token = average(self.per_prompt_token, per);
-        }
+    /// Learns from a step of `rows` rows that took `seconds`.
+    fn observe(&mut self, rows: usize, seconds: f64) {
+        let x = rows as f64;
+        self.n = Self::KEEP * self.n + 1.0;
+        self.x = Self::KEEP * self.x + x;
+        self.y = Self::KEEP * self.y + seconds;
+        self.xx = Self::KEEP * self.xx + x * x;
+        self.xy = Self::KEEP * self.xy + x * seconds;
     }
 }
+
+/// How long a prompt may wait behind shorter ones before it goes first.
+const PROMPT_PATIENCE: Duration = Duration::from_secs(2);
 
 /// Lets go of the least recently used finished sequence; false when there is none.
 fn evict_lru<B: Backend>(idle: &mut Vec<Idle<B>>) -> bool {
@@ -339,6 +383,7 @@ impl<B: Backend> Scheduler<B> {
             limits,
             idle: Vec::new(),
             active: Vec::new(),
+            paused: VecDeque::new(),
             clock: 0,
             sampled: None,
             pace: PrefillPace::default(),
@@ -472,6 +517,20 @@ impl<B: Backend> Scheduler<B> {
     /// Returns false when the queue is closed and nothing is left to do.
     fn admit(&mut self) -> bool {
         while self.active.len() < self.limits.parallel {
+            if let Some(p) = self.paused.front() {
+                // A paused request goes before the prompt cache.
+                let need = p.feed.len();
+                while !self.active.is_empty() && !self.room_for(need) && evict_lru(&mut self.idle) {
+                }
+                if !self.active.is_empty() && !self.room_for(need) {
+                    break;
+                }
+                let p = self.paused.pop_front().expect("a paused request");
+                if let Err(message) = self.activate(p) {
+                    eprintln!("astra: {message}");
+                }
+                continue;
+            }
             let job = if self.active.is_empty() {
                 match self.wait_for_job() {
                     Some(j) => j,
@@ -502,27 +561,110 @@ impl<B: Backend> Scheduler<B> {
             .sum()
     }
 
+    /// Whether the KV pages left hold a sequence of `tokens` tokens and a page more
+    /// for each of the running sequences (always, where the backend does not page).
+    fn room_for(&self, tokens: usize) -> bool {
+        let Some(model) = &self.model else {
+            return true;
+        };
+        let Some(usage) = model.backend.kv_usage() else {
+            return true;
+        };
+        let per_page = usage.bytes.checked_div(usage.pages).unwrap_or(0);
+        let pages = tokens.div_ceil(KV_PAGE_POSITIONS) + 1 + self.active.len();
+        usage.bytes + pages * per_page <= usage.limit
+    }
+
     fn start(&mut self, job: Job) -> Result<(), String> {
-        let model = match self.ensure_loaded() {
-            Ok(m) => m,
-            Err(e) => {
-                let message = format!("loading the model: {e}");
-                job.events.send(Event::Failed {
-                    index: job.index,
+        let generation = Generation::new(job.params.clone(), &job.key.tokens);
+        let feed = job.key.tokens.clone();
+        self.activate(Pending {
+            job,
+            feed,
+            generation,
+            cached: None,
+            prompt_done: None,
+            last_token: Instant::now(),
+        })
+    }
+
+    /// A request running: its tokens fed to a sequence from the longest cached prefix,
+    /// after which a paused one samples on as if it had never paused.
+    fn activate(&mut self, p: Pending) -> Result<(), String> {
+        let key = PromptKey {
+            tokens: p.feed,
+            media: p.job.key.media.clone(),
+        };
+        let (session, keep) = match self.open_session(&key) {
+            Ok(s) => s,
+            Err(message) => {
+                p.job.events.send(Event::Failed {
+                    index: p.job.index,
                     message: message.clone(),
                 });
                 return Err(message);
             }
         };
-        let reusable = |key: &PromptKey| job.key.reusable_from(key);
-        // Where the backend shares caches, the prompt's longest cached prefix, in a
-        // finished sequence or a running one, is shared with the new sequence.
+        let cached = p.cached.unwrap_or_else(|| {
+            Metrics::add(&self.metrics.prompt_tokens, key.tokens.len());
+            Metrics::add(&self.metrics.cached_tokens, keep);
+            keep
+        });
+        self.active.push(Active {
+            job: p.job,
+            session,
+            tokens: key.tokens[..keep].to_vec(),
+            feed: key.tokens,
+            fed: keep,
+            next: Vec::new(),
+            generation: p.generation,
+            cached,
+            prompt_done: p.prompt_done,
+            last_token: p.last_token,
+            stalled_since: None,
+        });
+        Ok(())
+    }
+
+    /// The running request that started last, paused: its pages let go of, and what it
+    /// needs to go on kept until pages are free again.
+    fn pause_newest(&mut self) {
+        let Some(i) = (0..self.active.len()).max_by_key(|&i| self.active[i].job.received) else {
+            return;
+        };
+        let mut a = self.active.swap_remove(i);
+        let feed = if a.fed < a.feed.len() {
+            a.feed
+        } else {
+            a.tokens.append(&mut a.next);
+            a.tokens
+        };
+        Metrics::add(&self.metrics.preemptions, 1);
+        self.paused.push_back(Pending {
+            job: a.job,
+            feed,
+            generation: a.generation,
+            cached: Some(a.cached),
+            prompt_done: a.prompt_done,
+            last_token: a.last_token,
+        });
+    }
+
+    /// A sequence for `key`: where the backend shares caches, one sharing the longest
+    /// cached prefix of its tokens, in a finished sequence or a running one; else a
+    /// finished sequence taken over, or a new one. With how many of its first tokens
+    /// are in the cache already.
+    fn open_session(&mut self, key: &PromptKey) -> Result<(Session<B>, usize), String> {
+        let model = self
+            .ensure_loaded()
+            .map_err(|e| format!("loading the model: {e}"))?;
+        let reusable = |k: &PromptKey| key.reusable_from(k);
         // (finished sequence or not, its index, positions reusable)
         let mut source: Option<(bool, usize, usize)> = None;
         let candidates = (self.idle.iter().enumerate())
             .map(|(i, entry)| (true, i, reusable(&entry.key)))
             .chain(self.active.iter().enumerate().map(|(i, a)| {
-                let n = job.key.reusable_from_tokens(&a.tokens, &a.job.key.media);
+                let n = key.reusable_from_tokens(&a.tokens, &a.job.key.media);
                 (false, i, n)
             }));
         for c in candidates {
@@ -570,39 +712,18 @@ impl<B: Backend> Scheduler<B> {
                 let n = reusable(&i.key);
                 (i.session, n)
             }
-            (None, None) => match model.session(self.limits.ctx) {
-                Ok(s) => (s, 0),
-                Err(e) => {
-                    job.events.send(Event::Failed {
-                        index: job.index,
-                        message: e.to_string(),
-                    });
-                    return Err(e.to_string());
-                }
-            },
+            (None, None) => (
+                model.session(self.limits.ctx).map_err(|e| e.to_string())?,
+                0,
+            ),
         };
         let keep = session.rewind(reuse);
-        let tokens = job.key.tokens[..keep].to_vec();
-        Metrics::add(&self.metrics.prompt_tokens, job.key.tokens.len());
-        Metrics::add(&self.metrics.cached_tokens, keep);
-        let generation = Generation::new(job.params.clone(), &job.key.tokens);
-        self.active.push(Active {
-            job,
-            session,
-            tokens,
-            fed: keep,
-            next: Vec::new(),
-            generation,
-            cached: keep,
-            prompt_done: None,
-            last_token: Instant::now(),
-            stalled_since: None,
-        });
-        Ok(())
+        Ok((session, keep))
     }
 
     /// Frees the slots of clients that went away.
     fn drop_abandoned(&mut self) {
+        self.paused.retain(|p| !p.job.events.is_closed());
         let mut i = 0;
         while i < self.active.len() {
             let a = &self.active[i];
@@ -650,7 +771,7 @@ impl<B: Backend> Scheduler<B> {
         let mut room = MAX_BATCH;
         let mut plan: Vec<(usize, usize)> = Vec::with_capacity(self.active.len()); // (active index, tokens)
         for (i, a) in self.active.iter_mut().enumerate() {
-            if a.fed == a.job.key.tokens.len() {
+            if a.fed == a.feed.len() {
                 if a.job.events.backlog() >= MAX_BACKLOG {
                     a.stalled_since.get_or_insert_with(Instant::now);
                     continue;
@@ -672,15 +793,22 @@ impl<B: Backend> Scheduler<B> {
             room = room.min(self.pace.prompt_rows(decode_rows));
         }
         // The prompts with the least left go first: a short prompt arriving beside a
-        // long one starts answering at once rather than after it.
-        let mut prompts: Vec<(usize, usize)> = (self.active.iter().enumerate())
-            .map(|(i, a)| (a.job.key.tokens.len() - a.fed, i))
-            .filter(|&(left, _)| left > 0)
+        // long one starts answering at once rather than after it. Prompts that have
+        // waited past PROMPT_PATIENCE go before those, oldest first, so that a stream of
+        // short prompts cannot hold one back for good.
+        let now = Instant::now();
+        let mut prompts: Vec<(bool, usize, Instant, usize)> = (self.active.iter().enumerate())
+            .filter(|(_, a)| a.fed < a.feed.len())
+            .map(|(i, a)| {
+                let fresh = now.duration_since(a.job.received) < PROMPT_PATIENCE;
+                let left = if fresh { a.feed.len() - a.fed } else { 0 };
+                (fresh, left, a.job.received, i)
+            })
             .collect();
         prompts.sort_unstable();
-        for (_, i) in prompts {
+        for (.., i) in prompts {
             let a = &self.active[i];
-            let total = a.job.key.tokens.len();
+            let total = a.feed.len();
             if room > 0 {
                 // A prompt's next batch ends where the model says (for llama.cpp's
                 // arithmetic, where llama-server's would).
@@ -702,16 +830,16 @@ impl<B: Backend> Scheduler<B> {
             planned.next();
             let Active {
                 session,
-                job,
+                feed,
                 fed,
                 next,
                 ..
             } = a;
-            let (tokens, logits_from) = if *fed == job.key.tokens.len() {
+            let (tokens, logits_from) = if *fed == feed.len() {
                 (&next[..], next.len() - 1)
             } else {
-                let chunk = &job.key.tokens[*fed..*fed + n];
-                let last = *fed + n == job.key.tokens.len();
+                let chunk = &feed[*fed..*fed + n];
+                let last = *fed + n == feed.len();
                 (chunk, if last { n - 1 } else { n })
             };
             steps.push(Step {
@@ -721,8 +849,8 @@ impl<B: Backend> Scheduler<B> {
             });
         }
         // Where the pages run out, finished sequences' pages go first, least recently
-        // used first.
-        let prompt_rows = steps.iter().map(|s| s.tokens.len()).sum::<usize>() - decode_rows;
+        // used first; then the newest running request pauses (while others run).
+        let rows = steps.iter().map(|s| s.tokens.len()).sum::<usize>();
         let started = Instant::now();
         let result = loop {
             match model.forward_many(&mut steps) {
@@ -731,8 +859,14 @@ impl<B: Backend> Scheduler<B> {
             }
         };
         drop(steps);
-        self.pace
-            .observe(decode_rows, prompt_rows, started.elapsed().as_secs_f64());
+        if matches!(result, Err(EngineError::KvFull { .. })) && self.active.len() > 1 {
+            self.pause_newest();
+            return true;
+        }
+        self.metrics
+            .batch_rows
+            .store(rows as u64, Ordering::Relaxed);
+        self.pace.observe(rows, started.elapsed().as_secs_f64());
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
@@ -748,11 +882,10 @@ impl<B: Backend> Scheduler<B> {
         let mut finished = Vec::new();
         for (&(i, n), mut logits) in plan.iter().zip(logits) {
             let a = &mut self.active[i];
-            if a.fed == a.job.key.tokens.len() {
+            if a.fed == a.feed.len() {
                 a.tokens.append(&mut a.next);
             } else {
-                a.tokens
-                    .extend_from_slice(&a.job.key.tokens[a.fed..a.fed + n]);
+                a.tokens.extend_from_slice(&a.feed[a.fed..a.fed + n]);
                 a.fed += n;
             }
             if logits.is_empty() {
@@ -850,18 +983,27 @@ mod tests {
         let mut pace = PrefillPace::default();
         // Nothing measured: as many prompt tokens as decoding rows.
         assert_eq!(pace.prompt_rows(16), 16);
-        pace.observe(16, 0, 0.020);
-        assert_eq!(pace.prompt_rows(16), 16);
-        // 16 prompt tokens added 16 ms: 20 ms of decoding step buys 20 of them.
-        pace.observe(16, 16, 0.036);
-        assert_eq!(pace.prompt_rows(16), 20);
-        // A prompt alone teaches the cost too; a step never goes below one token.
+        // Steps of 10 ms plus 1 ms a row: 16 decoding rows take 26 ms, which buys 26
+        // prompt tokens; 64 take 74 ms, 74 tokens.
+        for rows in [16, 40, 16, 64, 30, 16, 80] {
+            pace.observe(rows, 0.010 + 0.001 * rows as f64);
+        }
+        assert_eq!(pace.prompt_rows(16), 26);
+        assert_eq!(pace.prompt_rows(64), 74);
+        // Steps all of one size: their time is taken as all per row.
+        let mut same = PrefillPace::default();
+        same.observe(16, 0.032);
+        same.observe(16, 0.032);
+        assert_eq!(same.prompt_rows(16), 16);
+        // A step never goes below one prompt token, nor above a batch.
         let mut alone = PrefillPace::default();
-        alone.observe(0, 512, 0.512);
-        alone.observe(1, 0, 0.0001);
-        assert_eq!(alone.prompt_rows(1), 1);
-        alone.observe(1, 0, 10.0);
-        assert_eq!(alone.prompt_rows(1), MAX_BATCH);
+        alone.observe(512, 0.512);
+        assert_eq!(alone.prompt_rows(0), 1);
+        let mut fixed = PrefillPace::default();
+        for rows in [1, 8, 1, 8] {
+            fixed.observe(rows, 0.100 + 0.0001 * rows as f64);
+        }
+        assert_eq!(fixed.prompt_rows(1), MAX_BATCH);
     }
 
     #[test]

@@ -124,7 +124,11 @@ fn load<B: Backend>(
     let ctx = opts.ctx.min(model.cfg.ctx_train.max(1));
     let per_sequence = model.session(ctx).map_err(|e| e.to_string())?.kv_bytes();
     let budget = opts.arena_mib.saturating_mul(1 << 20);
-    check_arena(opts, ctx, per_sequence)?;
+    let sequences = match model.backend.kv_usage() {
+        Some(_) => 1,
+        None => opts.parallel,
+    };
+    check_arena(opts, sequences, ctx, per_sequence)?;
     let (queue, jobs) = sync_channel(opts.queue);
     let grammars = match Grammars::new(&tok) {
         Ok(g) => Some(Arc::new(g)),
@@ -177,19 +181,29 @@ fn load<B: Backend>(
     Ok((ready, scheduler))
 }
 
-/// That `--parallel` sequences of `ctx` positions, `per_sequence` bytes of KV cache
-/// each, fit in `--arena-mib`; the error says what would.
-fn check_arena(opts: &ServeOptions, ctx: usize, per_sequence: usize) -> Result<(), String> {
+/// That `sequences` sequences of `ctx` positions, `per_sequence` bytes of KV cache each,
+/// fit in `--arena-mib`; the error says what would. A backend that pages its caches
+/// needs room for one (a request holds only the pages its tokens use, and others
+/// pause while it runs); one that does not, for `--parallel`.
+fn check_arena(
+    opts: &ServeOptions,
+    sequences: usize,
+    ctx: usize,
+    per_sequence: usize,
+) -> Result<(), String> {
     let budget = opts.arena_mib.saturating_mul(1 << 20);
-    let need = opts.parallel.saturating_mul(per_sequence);
+    let need = sequences.saturating_mul(per_sequence);
     if need <= budget {
         return Ok(());
     }
     let need_mib = need.div_ceil(1 << 20);
+    let lower = match sequences {
+        1 => "lower --ctx",
+        _ => "lower --parallel or --ctx",
+    };
     Err(format!(
-        "{} sequences of {ctx} positions need {need_mib} MiB of KV cache; --arena-mib {} \
-         holds {} (lower --parallel or --ctx, or raise --arena-mib to {need_mib})",
-        opts.parallel,
+        "{sequences} sequence(s) of {ctx} positions need {need_mib} MiB of KV cache; \
+         --arena-mib {} holds {} ({lower}, or raise --arena-mib to {need_mib})",
         opts.arena_mib,
         budget / per_sequence.max(1),
     ))
@@ -202,7 +216,7 @@ fn check_arena_early(opts: &ServeOptions) -> Result<(), String> {
     let cfg = Config::from_metadata(file.metadata()).map_err(|e| e.to_string())?;
     let ctx = opts.ctx.min(cfg.ctx_train.max(1));
     let per_sequence = KvLayout::new(&cfg, ctx, MAX_BATCH).of(opts.kv_type).bytes();
-    check_arena(opts, ctx, per_sequence)
+    check_arena(opts, 1, ctx, per_sequence)
 }
 
 async fn shutdown_signal() {

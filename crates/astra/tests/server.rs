@@ -329,21 +329,65 @@ fn concurrent_requests_match_their_single_outputs() {
             serde_json::from_str(text).unwrap_or_else(|e| panic!("request {i}: {e}: {text}"));
         assert!(v["fact"].is_string(), "request {i}: {text}");
     }
-    let base = s.base.clone();
-    let handles: Vec<_> = bodies
-        .iter()
-        .cloned()
-        .map(|b| {
-            let base = base.clone();
-            std::thread::spawn(move || {
-                let (status, text) = post_to(&base, "/v1/chat/completions", &b.to_string());
-                assert_eq!(status, 200, "{text}");
-                content(&serde_json::from_str(&text).unwrap()).to_owned()
+    for (i, (got, want)) in all_at_once(&s, &bodies).iter().zip(&single).enumerate() {
+        assert_eq!(content(got), want, "request {i} under load");
+    }
+}
+
+/// The chat completions of `bodies`, all sent at once.
+fn all_at_once(s: &Server, bodies: &[Value]) -> Vec<Value> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|b| {
+                let (base, body) = (s.base.clone(), b.to_string());
+                scope.spawn(move || {
+                    let (status, text) = post_to(&base, "/v1/chat/completions", &body);
+                    assert_eq!(status, 200, "{text}");
+                    serde_json::from_str::<Value>(&text).unwrap()
+                })
             })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// More running requests than the KV arena holds: the newest pause when the pages run
+/// out, and go on from their tokens once others finish. Every answer, greedy or
+/// sampled, is the one the request gets alone.
+#[test]
+fn requests_paused_for_kv_pages_answer_as_alone() {
+    // 48 MiB hold about 34 pages of 64 positions; ten requests of about 300 positions
+    // each want about 50.
+    let Some(s) = Server::start(&["--parallel", "10", "--arena-mib", "48"]) else {
+        return;
+    };
+    let bodies: Vec<Value> = (0..10)
+        .map(|i| {
+            let mut body = user(
+                &format!("Tell a long story about a lighthouse keeper named {i}."),
+                256,
+            );
+            // Both end tokens banned: every answer runs its whole length.
+            body["logit_bias"] = json!({"0": -100, "2": -100});
+            if i % 2 == 1 {
+                body["temperature"] = json!(0.9);
+                body["seed"] = json!(i);
+            }
+            body
         })
         .collect();
-    for (i, (h, want)) in handles.into_iter().zip(&single).enumerate() {
-        assert_eq!(&h.join().unwrap(), want, "request {i} under load");
+    let single: Vec<Value> = bodies.iter().map(|b| s.chat(b)).collect();
+    assert_eq!(s.metric("astra_preemptions_total"), 0.0);
+    let answers = all_at_once(&s, &bodies);
+    assert!(
+        s.metric("astra_preemptions_total") > 0.0,
+        "nothing paused: the test no longer overfills the arena"
+    );
+    assert!(s.metric("astra_kv_bytes") <= 48.0 * (1 << 20) as f64);
+    for (i, (got, want)) in answers.iter().zip(&single).enumerate() {
+        assert_eq!(got["usage"]["completion_tokens"], 256, "{got}");
+        assert_eq!(content(got), content(want), "request {i}");
     }
 }
 
@@ -919,7 +963,9 @@ fn openai_edges_and_honest_slot_counts() {
     assert_eq!(health["slots_processing"], 0, "{health}");
 }
 
-/// A configuration that cannot work fails before the port opens, saying what fits.
+/// A configuration that cannot work fails before the port opens, saying what fits:
+/// here one sequence of the context (8,192 positions, about 180 MiB) would not fit.
+/// (Several sequences need not fit at once: they hold pages as they go, and pause.)
 #[test]
 fn an_arena_too_small_fails_before_listening() {
     let Some(model) = astra_models::model_for_test("smollm2-135m") else {
@@ -931,7 +977,7 @@ fn an_arena_too_small_fails_before_listening() {
             "--port",
             "0",
             "--ctx",
-            "2048",
+            "8192",
             "--parallel",
             "4",
             "--arena-mib",
@@ -947,7 +993,10 @@ fn an_arena_too_small_fails_before_listening() {
     );
     assert!(!out.status.success());
     assert!(!stdout.contains("listening"), "{stdout}");
-    assert!(stderr.contains("--arena-mib 100 holds 2"), "{stderr}");
+    assert!(
+        stderr.contains("--arena-mib 100 holds 0 (lower --ctx"),
+        "{stderr}"
+    );
 }
 
 /// Writes `bytes` on a fresh connection and reads until the server closes it.
