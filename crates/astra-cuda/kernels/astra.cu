@@ -989,46 +989,56 @@ __device__ __forceinline__ void mma_s8(int c[4], const unsigned int a[4], int b0
 #endif
 }
 
-// A tile's rows and tokens: the matrix of the three that CTA blockIdx.x falls in, the
-// tile's first row, the lane's rows (ra, ra + 8) and the tile's first token.
+// A CTA's rows and tokens: RT row tiles of 16 (rows row0..row0 + 16·RT) of the
+// matrix of the three that CTA blockIdx.x falls in, the lane's rows of the first (ra,
+// ra + 8) and the CTA's first token.
+template <int RT>
 struct MmqTile {
     const u8* w;
     float* out;
     int rows, row0, ra, tok0;
     __device__ MmqTile(const u8* w0, const u8* w1, const u8* w2, float* o0, float* o1, float* o2, int r0, int r1, int r2, int nt) {
-        int tile = blockIdx.x, t0 = (r0 + 15) / 16, t1 = (r1 + 15) / 16;
-        if (tile < t0) {
+        int cta = blockIdx.x, c0 = ((r0 + 15) / 16 + RT - 1) / RT, c1 = ((r1 + 15) / 16 + RT - 1) / RT;
+        if (cta < c0) {
             w = w0, out = o0, rows = r0;
-        } else if (tile < t0 + t1) {
-            tile -= t0, w = w1, out = o1, rows = r1;
+        } else if (cta < c0 + c1) {
+            cta -= c0, w = w1, out = o1, rows = r1;
         } else {
-            tile -= t0 + t1, w = w2, out = o2, rows = r2;
+            cta -= c0 + c1, w = w2, out = o2, rows = r2;
         }
-        row0 = tile * 16;
+        row0 = cta * 16 * RT;
         ra = row0 + threadIdx.x % WARP / 4;
         tok0 = blockIdx.y * 8 * nt;
     }
     // A row to read: past the end, the last (its results are not stored).
     __device__ int row(int r) const { return min(r, rows - 1); }
-    // The warps' sums added in warp order and stored: sum[n][e] of lane l holds token
-    // tok0 + 8n + 2(l % 4) + e % 2 of row ra + 8(e / 2).
+    // Row tile r's sums, the warps' added in warp order and stored: sum[n][e] of lane
+    // l holds token tok0 + 8n + 2(l % 4) + e % 2 of row ra + 16r + 8(e / 2). `part`
+    // is shared memory of MMQ_WARPS·NT·4·WARP floats, free until the CTA is
+    // synchronized at the start.
     template <int NT>
-    __device__ void store(const float (&sum)[NT][4], int acc, int tokens) const {
-        __shared__ float part[MMQ_WARPS][NT][4][WARP];
+    __device__ void store(const float (&sum)[NT][4], int r, int acc, int tokens, float* part) const {
         int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+        __syncthreads();
 #pragma unroll
         for (int n = 0; n < NT; n++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) part[warp][n][e][lane] = sum[n][e];
+            for (int e = 0; e < 4; e++) part[((warp * NT + n) * 4 + e) * WARP + lane] = sum[n][e];
         __syncthreads();
         for (int k = threadIdx.x; k < NT * 4 * WARP; k += WARP * MMQ_WARPS) {
             int l = k % WARP, e = k / WARP % 4, n = k / (4 * WARP);
-            float v = part[0][n][e][l];
+            float v = part[(n * 4 + e) * WARP + l];
 #pragma unroll
-            for (int w = 1; w < MMQ_WARPS; w++) v = __fadd_rn(v, part[w][n][e][l]);
-            int t = tok0 + 8 * n + 2 * (l % 4) + e % 2, r = row0 + l / 4 + 8 * (e / 2);
-            if (t < tokens && r < rows) put(out, (long)t * rows + r, v, acc);
+            for (int w = 1; w < MMQ_WARPS; w++) v = __fadd_rn(v, part[((w * NT + n) * 4 + e) * WARP + l]);
+            int t = tok0 + 8 * n + 2 * (l % 4) + e % 2, rr = row0 + 16 * r + l / 4 + 8 * (e / 2);
+            if (t < tokens && rr < rows) put(out, (long)t * rows + rr, v, acc);
         }
+    }
+    // The same for a CTA of one row tile, with its own shared memory.
+    template <int NT>
+    __device__ void store(const float (&sum)[NT][4], int acc, int tokens) const {
+        __shared__ float part[MMQ_WARPS * NT * 4 * WARP];
+        store<NT>(sum, 0, acc, tokens, part);
     }
 };
 
@@ -1038,7 +1048,7 @@ template <int NT>
 struct MmqActs {
     const u8* col[NT];
     const u8* res[NT][2];
-    __device__ MmqActs(const MmqTile& tl, const u8* a, long abytes, int tokens) {
+    __device__ MmqActs(const MmqTile<1>& tl, const u8* a, long abytes, int tokens) {
         int g = threadIdx.x % WARP / 4, q = threadIdx.x % 4;
 #pragma unroll
         for (int n = 0; n < NT; n++) {
@@ -1052,21 +1062,42 @@ struct MmqActs {
 
 // Q4_K × Q8_K: sub-block j of a block (32 weights, nibble j % 2 of quant bytes
 // 32(j / 2)..) is one mma; its integer sums times the rows' 6-bit scales are added
-// exactly, and the block's minimums come from the activations' 16-sums.
-template <int NT>
-__device__ __forceinline__ void mmq_q4_k(const MmqTile& tl, const u8* a, int nb, int acc, int tokens) {
-    const int q = threadIdx.x % 4;
-    const long abytes = (long)nb * Q8K_BYTES;
-    const u8* wr[2] = {tl.w + (long)tl.row(tl.ra) * nb * 144, tl.w + (long)tl.row(tl.ra + 8) * nb * 144};
-    MmqActs<NT> at(tl, a, abytes, tokens);
-    float sum[NT][4] = {};
-    for (int b = threadIdx.x / WARP; b < nb; b += MMQ_WARPS) {
-        unsigned int qw[2][8];
-        int sc[2][8], mn[2][8];
-        float d[2], dmin[2];
+// exactly, and the block's minimums come from the activations' 16-sums. A CTA takes
+// RT row tiles. A warp copies each of its blocks' activations (quants and 16-sums, the
+// tokens' rows MMQ_STAGE bytes apart, then their d) into its part of shared memory in
+// 16-byte loads, and every row tile's mma reads them there: the global reads of a
+// block's activations are wide and made once for the CTA's 16·RT rows, rather than in
+// 4-byte loads, eight tokens' rows apart, for each row tile. NS token tiles are copied at a time: one where the CTA has
+// one row tile (its weights stay in registers over the token tiles), all NT otherwise.
+//
+// The mma's k runs over a sub-block's positions in another order, the same for both
+// operands: lane (g, q) holds positions 8q..8q+7 (k 4q.. and 16 + 4q..), so that a
+// row's weights and a token's activations are each one 8-byte load. A sum of products
+// does not depend on the order of its terms.
+#define MMQ_STAGE 288
+static_assert(Q8K_SUMS == 256 && Q8K_D == MMQ_STAGE, "staged Q8_K layout");
+
+// The shared memory of mmq_q4_k's CTA: each warp's staged activations, and later the
+// warps' sums (MmqTile::store).
+__device__ constexpr int mmq_ns(int nt, int rt) { return rt == 1 ? 1 : nt; }
+__device__ constexpr int mmq_warp_stage(int nt, int rt) { return mmq_ns(nt, rt) * 8 * (MMQ_STAGE + 4); }
+__device__ constexpr int mmq_smem(int nt, int rt) {
+    return MMQ_WARPS * mmq_warp_stage(nt, rt) > MMQ_WARPS * nt * 4 * WARP * 4 ? MMQ_WARPS * mmq_warp_stage(nt, rt)
+                                                                             : MMQ_WARPS * nt * 4 * WARP * 4;
+}
+
+// A row tile's Q4_K block b in a lane's registers: rows ra and ra + 8 (h), their
+// scales, minimums and quant bytes 32c + 8q.. (q = lane % 4).
+struct Q4KFrag {
+    uint2 qv[2][4];
+    int sc[2][8], mn[2][8];
+    float d[2], dmin[2];
+    template <int RT>
+    __device__ __forceinline__ void load(const MmqTile<RT>& tl, int ra, int nb, int b) {
+        const int q = threadIdx.x % 4;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const u8* blk = wr[h] + (long)b * 144;
+            const u8* blk = tl.w + ((long)tl.row(ra + 8 * h) * nb + b) * 144;
             uint4 head = *(const uint4*)blk;
             d[h] = h2f((u16)(head.x & 0xffffu));
             dmin[h] = h2f((u16)(head.x >> 16));
@@ -1077,49 +1108,110 @@ __device__ __forceinline__ void mmq_q4_k(const MmqTile& tl, const u8* a, int nb,
 #pragma unroll
             for (int j = 0; j < 8; j++) scale_min_k4(j, scales, &sc[h][j], &mn[h][j]);
 #pragma unroll
-            for (int c = 0; c < 4; c++) {
-                qw[h][2 * c] = *(const unsigned int*)(blk + 16 + 32 * c + 4 * q);
-                qw[h][2 * c + 1] = *(const unsigned int*)(blk + 32 + 32 * c + 4 * q);
-            }
+            for (int c = 0; c < 4; c++) qv[h][c] = *(const uint2*)(blk + 16 + 32 * c + 8 * q);
+        }
+    }
+};
+
+// One row tile's block (f) against a token tile's block, added to the lane's sums:
+// col is the Q8_K block of the lane's mma column (token g), res[e] those of its
+// results' tokens 2q + e, dy[e] their d.
+__device__ __forceinline__ void mmq_q4_k_part(const Q4KFrag& f, const u8* col, const u8* const (&res)[2], const float (&dy)[2], float (&sum)[4]) {
+    const int q = threadIdx.x % 4;
+    int is[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        int c = j / 2, sh = 4 * (j % 2);
+        unsigned int aw[4] = {(f.qv[0][c].x >> sh) & 0x0f0f0f0fu, (f.qv[1][c].x >> sh) & 0x0f0f0f0fu,
+                              (f.qv[0][c].y >> sh) & 0x0f0f0f0fu, (f.qv[1][c].y >> sh) & 0x0f0f0f0fu};
+        uint2 bv = *(const uint2*)(col + 32 * j + 8 * q);
+        int cc[4];
+        mma_s8(cc, aw, (int)bv.x, (int)bv.y);
+        is[0] += f.sc[0][j] * cc[0];
+        is[1] += f.sc[0][j] * cc[1];
+        is[2] += f.sc[1][j] * cc[2];
+        is[3] += f.sc[1][j] * cc[3];
+    }
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        const u8* ay = res[e];
+        uint4 s0 = *(const uint4*)(ay + Q8K_SUMS), s1 = *(const uint4*)(ay + Q8K_SUMS + 16);
+        unsigned int sw[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+        int ms[2] = {0, 0};
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int pair = (int)(i16)(sw[j] & 0xffffu) + (int)(i16)(sw[j] >> 16);
+            ms[0] += f.mn[0][j] * pair;
+            ms[1] += f.mn[1][j] * pair;
         }
 #pragma unroll
-        for (int n = 0; n < NT; n++) {
-            const u8* ab = at.col[n] + (long)b * Q8K_BYTES;
-            int is[4] = {0, 0, 0, 0};
+        for (int h = 0; h < 2; h++) {
+            float part = __fsub_rn(__fmul_rn((float)is[2 * h + e], __fmul_rn(f.d[h], dy[e])), __fmul_rn((float)ms[h], __fmul_rn(f.dmin[h], dy[e])));
+            sum[2 * h + e] = __fadd_rn(sum[2 * h + e], part);
+        }
+    }
+}
+
+template <int NT, int RT>
+__device__ __forceinline__ void mmq_q4_k(const MmqTile<RT>& tl, const u8* a, int nb, int acc, int tokens) {
+    constexpr int NS = mmq_ns(NT, RT);
+    __shared__ __align__(16) u8 smem[mmq_smem(NT, RT)];
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane / 4, q = lane % 4;
+    u8* stage = smem + warp * mmq_warp_stage(NT, RT);
+    float* sd = (float*)(stage + NS * 8 * MMQ_STAGE);
+    const long abytes = (long)nb * Q8K_BYTES;
+    float sum[RT][NT][4] = {};
+    for (int b = warp; b < nb; b += MMQ_WARPS) {
+        Q4KFrag f;
+        if (RT == 1) f.load(tl, tl.ra, nb, b);
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
-                int c = j / 2, sh = 4 * (j % 2);
-                unsigned int aw[4] = {(qw[0][2 * c] >> sh) & 0x0f0f0f0fu, (qw[1][2 * c] >> sh) & 0x0f0f0f0fu,
-                                      (qw[0][2 * c + 1] >> sh) & 0x0f0f0f0fu, (qw[1][2 * c + 1] >> sh) & 0x0f0f0f0fu};
-                int cc[4];
-                mma_s8(cc, aw, *(const int*)(ab + 32 * j + 4 * q), *(const int*)(ab + 32 * j + 16 + 4 * q));
-                is[0] += sc[0][j] * cc[0];
-                is[1] += sc[0][j] * cc[1];
-                is[2] += sc[1][j] * cc[2];
-                is[3] += sc[1][j] * cc[3];
+        for (int n0 = 0; n0 < NT; n0 += NS) {
+            __syncwarp();
+            const u8* ab = a + (long)b * Q8K_BYTES;
+            for (int k = lane; k < NS * 8 * (MMQ_STAGE / 16); k += WARP) {
+                int t = k / (MMQ_STAGE / 16), piece = k % (MMQ_STAGE / 16);
+                long tok = min(tl.tok0 + 8 * n0 + t, tokens - 1);
+                *(uint4*)(stage + t * MMQ_STAGE + 16 * piece) = *(const uint4*)(ab + tok * abytes + 16 * piece);
             }
+            if (lane < NS * 8) sd[lane] = *(const float*)(ab + (long)min(tl.tok0 + 8 * n0 + lane, tokens - 1) * abytes + Q8K_D);
+            __syncwarp();
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const u8* ay = at.res[n][e] + (long)b * Q8K_BYTES;
-                uint4 s0 = *(const uint4*)(ay + Q8K_SUMS), s1 = *(const uint4*)(ay + Q8K_SUMS + 16);
-                unsigned int sw[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
-                int ms[2] = {0, 0};
+            for (int r = 0; r < RT; r++) {
+                if (RT > 1) f.load(tl, tl.ra + 16 * r, nb, b);
 #pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    int pair = (int)(i16)(sw[j] & 0xffffu) + (int)(i16)(sw[j] >> 16);
-                    ms[0] += mn[0][j] * pair;
-                    ms[1] += mn[1][j] * pair;
-                }
-                float dy = *(const float*)(ay + Q8K_D);
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    float part = __fsub_rn(__fmul_rn((float)is[2 * h + e], __fmul_rn(d[h], dy)), __fmul_rn((float)ms[h], __fmul_rn(dmin[h], dy)));
-                    sum[n][2 * h + e] = __fadd_rn(sum[n][2 * h + e], part);
+                for (int n = 0; n < NS; n++) {
+                    const u8* ts = stage + n * 8 * MMQ_STAGE;
+                    const u8* const res[2] = {ts + 2 * q * MMQ_STAGE, ts + (2 * q + 1) * MMQ_STAGE};
+                    const float dy[2] = {sd[8 * n + 2 * q], sd[8 * n + 2 * q + 1]};
+                    mmq_q4_k_part(f, ts + g * MMQ_STAGE, res, dy, sum[r][n0 + n]);
                 }
             }
         }
     }
-    tl.store<NT>(sum, acc, tokens);
+#pragma unroll
+    for (int r = 0; r < RT; r++) tl.template store<NT>(sum[r], r, acc, tokens, (float*)smem);
+}
+
+// The same products for wide token tiles (NT of 4 and 8), with the activations read
+// straight from global memory: a warp's staging of one token tile at a time waits on
+// its loads once per tile, which costs these more than the narrow loads do.
+template <int NT, int RT>
+__device__ __forceinline__ void mmq_q4_k_direct(const MmqTile<RT>& tl, const u8* a, int nb, int acc, int tokens) {
+    static_assert(RT == 1, "one row tile a CTA");
+    MmqActs<NT> at(tl, a, (long)nb * Q8K_BYTES, tokens);
+    float sum[NT][4] = {};
+    for (int b = threadIdx.x / WARP; b < nb; b += MMQ_WARPS) {
+        Q4KFrag f;
+        f.load(tl, tl.ra, nb, b);
+        const long off = (long)b * Q8K_BYTES;
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            const u8* const res[2] = {at.res[n][0] + off, at.res[n][1] + off};
+            const float dy[2] = {*(const float*)(res[0] + Q8K_D), *(const float*)(res[1] + Q8K_D)};
+            mmq_q4_k_part(f, at.col[n] + off, res, dy, sum[n]);
+        }
+    }
+    tl.template store<NT>(sum, acc, tokens);
 }
 
 // A word of a Q8_0 row's quants (at a multiple of 4 from the row's start) in loads its
@@ -1129,8 +1221,8 @@ __device__ __forceinline__ unsigned int ld4_row(const u8* p, int align) {
 }
 
 // Q8_0 × Q8_0 (the device layout of q8_0_scale): one mma a block.
-template <int NT>
-__device__ __forceinline__ void mmq_q8_0(const MmqTile& tl, const u8* a, int nb, int acc, int tokens) {
+template <int NT, int RT>
+__device__ __forceinline__ void mmq_q8_0(const MmqTile<RT>& tl, const u8* a, int nb, int acc, int tokens) {
     const int q = threadIdx.x % 4, align = q8_0_align(nb);
     const long abytes = (long)nb * 34;
     const u8* wr[2] = {tl.w + (long)tl.row(tl.ra) * nb * 34, tl.w + (long)tl.row(tl.ra + 8) * nb * 34};
@@ -1153,14 +1245,14 @@ __device__ __forceinline__ void mmq_q8_0(const MmqTile& tl, const u8* a, int nb,
             }
         }
     }
-    tl.store<NT>(sum, acc, tokens);
+    tl.template store<NT>(sum, acc, tokens);
 }
 
 // Q4_1 × Q8_1: one mma a block (its 16 quant bytes' low nibbles weights 0..15, high
 // nibbles 16..31), the minimum's term m·s added to the block's part. Blocks (20 and 36
 // bytes) are 4-byte aligned.
-template <int NT>
-__device__ __forceinline__ void mmq_q4_1(const MmqTile& tl, const u8* a, int nb, int acc, int tokens) {
+template <int NT, int RT>
+__device__ __forceinline__ void mmq_q4_1(const MmqTile<RT>& tl, const u8* a, int nb, int acc, int tokens) {
     const int q = threadIdx.x % 4;
     const long abytes = (long)nb * 36;
     const u8* wr[2] = {tl.w + (long)tl.row(tl.ra) * nb * 20, tl.w + (long)tl.row(tl.ra + 8) * nb * 20};
@@ -1188,17 +1280,24 @@ __device__ __forceinline__ void mmq_q4_1(const MmqTile& tl, const u8* a, int nb,
             }
         }
     }
-    tl.store<NT>(sum, acc, tokens);
+    tl.template store<NT>(sum, acc, tokens);
 }
 
-#define MMQ_ENTRY(name, NT)                                                                                              \
-    extern "C" __global__ void __launch_bounds__(WARP * MMQ_WARPS) name##_##NT(const MatvecHeldArgs kargs) { UNPACK_MatvecHeldArgs(kargs) \
+#define MMQ_ENTRY_OF(name, fn, NT, RT)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(WARP * MMQ_WARPS) name##_##NT##_##RT(const MatvecHeldArgs kargs) { UNPACK_MatvecHeldArgs(kargs) \
         PDL_START                                                                                                        \
-        MmqTile tl(w0, w1, w2, o0, o1, o2, r0, r1, r2, NT);                                                              \
-        name<NT>(tl, a, nb, acc, tokens);                                                                                \
+        MmqTile<RT> tl(w0, w1, w2, o0, o1, o2, r0, r1, r2, NT);                                                          \
+        fn<NT, RT>(tl, a, nb, acc, tokens);                                                                              \
     }
+#define MMQ_ENTRY_ROWS(name, NT, RT) MMQ_ENTRY_OF(name, name, NT, RT)
+#define MMQ_ENTRY(name, NT) MMQ_ENTRY_ROWS(name, NT, 1)
 #define MMQ_ENTRIES(name) MMQ_ENTRY(name, 1) MMQ_ENTRY(name, 2) MMQ_ENTRY(name, 4) MMQ_ENTRY(name, 8)
-MMQ_ENTRIES(mmq_q4_k)
+// Q4_K: staged activations for token tiles of 8 and 16, with row tiles of 16, 32 and
+// 64 rows; direct loads for 32 and 64 tokens.
+MMQ_ENTRY(mmq_q4_k, 1) MMQ_ENTRY(mmq_q4_k, 2)
+MMQ_ENTRY_OF(mmq_q4_k, mmq_q4_k_direct, 4, 1) MMQ_ENTRY_OF(mmq_q4_k, mmq_q4_k_direct, 8, 1)
+MMQ_ENTRY_ROWS(mmq_q4_k, 1, 2) MMQ_ENTRY_ROWS(mmq_q4_k, 1, 4)
+MMQ_ENTRY_ROWS(mmq_q4_k, 2, 2) MMQ_ENTRY_ROWS(mmq_q4_k, 2, 4)
 MMQ_ENTRIES(mmq_q8_0)
 MMQ_ENTRIES(mmq_q4_1)
 

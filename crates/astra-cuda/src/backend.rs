@@ -47,10 +47,10 @@ struct Kernels {
     /// [`HeldKernels::max_blocks`] blocks).
     matvec_q4_k_held: HeldKernels,
     matvec_q8_0_held: HeldKernels,
-    /// The tiled products of batches, by token tiles of 8, 16, 32 and 64.
-    mmq_q4_k: [CudaFunction; 4],
-    mmq_q8_0: [CudaFunction; 4],
-    mmq_q4_1: [CudaFunction; 4],
+    /// The tiled products of batches.
+    mmq_q4_k: MmqKernels,
+    mmq_q8_0: MmqKernels,
+    mmq_q4_1: MmqKernels,
     matvec_q4_1: MatvecKernels,
     matvec_q5_0: MatvecKernels,
     matvec_q8_0: MatvecKernels,
@@ -120,13 +120,27 @@ impl Kernels {
                 glu,
             })
         };
-        let mmq = |n: &str| -> Result<[CudaFunction; 4], EngineError> {
-            Ok([
-                f(&format!("{n}_1"))?,
-                f(&format!("{n}_2"))?,
-                f(&format!("{n}_4"))?,
-                f(&format!("{n}_8"))?,
-            ])
+        let sms = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(gpu_err("counting SMs"))?
+            .max(1) as usize;
+        let mmq = |n: &str, wide: bool| -> Result<MmqKernels, EngineError> {
+            let tiles = |nt: usize, rt: usize| f(&format!("{n}_{nt}_{rt}"));
+            let tall = match wide {
+                true => Some([[tiles(1, 2)?, tiles(1, 4)?], [tiles(2, 2)?, tiles(2, 4)?]]),
+                false => None,
+            };
+            Ok(MmqKernels {
+                by_tiles: [tiles(1, 1)?, tiles(2, 1)?, tiles(4, 1)?, tiles(8, 1)?],
+                tall,
+                sms,
+                max_row_tiles: std::env::var("ASTRA_CUDA_MMQ_ROWS")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(4),
+            })
         };
         let k = Kernels {
             quantize_q8_32: f("quantize_q8_32")?,
@@ -145,9 +159,9 @@ impl Kernels {
                 ctx,
                 Q8_0_HELD_BLOCKS,
             )?,
-            mmq_q4_k: mmq("mmq_q4_k")?,
-            mmq_q8_0: mmq("mmq_q8_0")?,
-            mmq_q4_1: mmq("mmq_q4_1")?,
+            mmq_q4_k: mmq("mmq_q4_k", true)?,
+            mmq_q8_0: mmq("mmq_q8_0", false)?,
+            mmq_q4_1: mmq("mmq_q4_1", false)?,
             matvec_q4_1: mv("matvec_q4_1", false, true)?,
             matvec_q5_0: mv("matvec_q5_0", true, false)?,
             matvec_q8_0: mv("matvec_q8_0", true, false)?,
@@ -755,7 +769,10 @@ impl CudaBackend {
                 let (rows, weights, outs_ptr) =
                     self.group_args(&mut outs[i..i + n], add_to.as_deref_mut());
                 let (f, cfg, per_cta) = match kind {
-                    Ok(f) => (f, mmq_grid(rows, tokens), 16),
+                    Ok(mmq) => {
+                        let (f, cfg) = mmq.launch(rows, tokens);
+                        (f, cfg, 16)
+                    }
                     Err(held) => held.launch(rows.map(|r| r as usize), nb as usize, tokens),
                 };
                 let args = MatvecHeldArgs {
@@ -880,19 +897,18 @@ impl CudaBackend {
         (rows, weights, outs)
     }
 
-    /// The tiled-product kernel for `tokens` tokens of weight type `ty`, where it has one
-    /// and the batch is large enough.
-    fn mmq_kernel(&self, ty: GgmlType, tokens: usize) -> Option<&CudaFunction> {
+    /// The tiled-product kernels of weight type `ty`, where it has them and a batch of
+    /// `tokens` is large enough for them.
+    fn mmq_kernel(&self, ty: GgmlType, tokens: usize) -> Option<&MmqKernels> {
         if self.mmq_min_tokens == 0 || tokens < self.mmq_min_tokens {
             return None;
         }
-        let by_tiles = match ty {
-            GgmlType::Q4_K => &self.k().mmq_q4_k,
-            GgmlType::Q8_0 => &self.k().mmq_q8_0,
-            GgmlType::Q4_1 => &self.k().mmq_q4_1,
-            _ => return None,
-        };
-        Some(&by_tiles[mmq_tiles(tokens).trailing_zeros() as usize])
+        match ty {
+            GgmlType::Q4_K => Some(&self.k().mmq_q4_k),
+            GgmlType::Q8_0 => Some(&self.k().mmq_q8_0),
+            GgmlType::Q4_1 => Some(&self.k().mmq_q4_1),
+            _ => None,
+        }
     }
 
     /// `t` downloaded into the page-locked staging buffer (grown where too small), and
@@ -1344,18 +1360,46 @@ fn q8k_to_device(block: &[u8]) -> [u8; Q8K_BYTES] {
     out
 }
 
-/// A tiled product's launch (astra.cu, `mmq_*`): a CTA for every 16 rows of each of the
-/// three matrices, and for every 8·NT tokens, NT the kernel's token tiles.
-fn mmq_grid(rows: [i32; 3], tokens: usize) -> LaunchConfig {
-    let ctas: usize = rows.iter().map(|&r| (r as usize).div_ceil(16)).sum();
-    LaunchConfig {
-        grid_dim: (
-            ctas as u32,
-            tokens.div_ceil(8 * mmq_tiles(tokens)) as u32,
-            1,
-        ),
-        block_dim: (32 * MMQ_WARPS as u32, 1, 1),
-        shared_mem_bytes: 0,
+/// A weight type's tiled products (astra.cu, `mmq_*`): by token tiles of 8 a CTA (1, 2,
+/// 4 and 8) with a CTA for every 16 rows; where the type has them, for 1 and 2 token
+/// tiles with a CTA for every 32 and 64 rows (which share the activations' loads among
+/// more rows).
+struct MmqKernels {
+    by_tiles: [CudaFunction; 4],
+    /// `tall[tiles - 1][0]` takes 32 rows a CTA, `[1]` 64.
+    tall: Option<[[CudaFunction; 2]; 2]>,
+    sms: usize,
+    /// The most row tiles of 16 a CTA takes (`ASTRA_CUDA_MMQ_ROWS`, 4 unless set).
+    max_row_tiles: usize,
+}
+
+impl MmqKernels {
+    /// The kernel and launch for matrices of `rows` and a batch of `tokens`: for one or
+    /// two token tiles, the most rows a CTA that still leave two CTAs or more for each
+    /// SM.
+    fn launch(&self, rows: [i32; 3], tokens: usize) -> (&CudaFunction, LaunchConfig) {
+        let tiles = mmq_tiles(tokens);
+        let ctas = |per: usize| -> usize {
+            rows.iter()
+                .map(|&r| (r as usize).div_ceil(16).div_ceil(per))
+                .sum()
+        };
+        let (f, per) = match &self.tall {
+            Some(tall) if tiles <= 2 => [(4, 1), (2, 0)]
+                .into_iter()
+                .find(|&(per, _)| per <= self.max_row_tiles && ctas(per) >= 2 * self.sms)
+                .map_or(
+                    (&self.by_tiles[tiles.trailing_zeros() as usize], 1),
+                    |(per, i)| (&tall[tiles - 1][i], per),
+                ),
+            _ => (&self.by_tiles[tiles.trailing_zeros() as usize], 1),
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (ctas(per) as u32, tokens.div_ceil(8 * tiles) as u32, 1),
+            block_dim: (32 * MMQ_WARPS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        (f, cfg)
     }
 }
 
