@@ -973,20 +973,46 @@ HELD_ENTRIES(matvec_q8_0_held, Q8_0HeldLanes)
 // order differs from the per-token kernels', so these run only where batching may
 // change the last bits (not --deterministic).
 
-// c = A·B over k = 32 for one 16×8 tile (mma.m16n8k32, s8 × s8 → s32). Lane l, with
+// c += A·B over k = 32 for one 16×8 tile (mma.m16n8k32, s8 × s8 → s32). Lane l, with
 // g = l / 4 and q = l % 4, holds in a[0..3] row g at k 4q..4q+3, row g+8 there, row g
 // at k 16+4q.., row g+8 there; in b0, b1 column g at k 4q.. and 16+4q..; and gets in
 // c[0..3] the entries (g, 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1). Bytes in a word are
 // in k order.
-__device__ __forceinline__ void mma_s8(int c[4], const unsigned int a[4], int b0, int b1) {
+__device__ __forceinline__ void mma_s8_add(int c[4], const unsigned int a[4], int b0, int b1) {
 #if __CUDA_ARCH__ >= 800
     asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
-        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #else
     __trap();
 #endif
+}
+
+// c = A·B: mma_s8_add from zero.
+__device__ __forceinline__ void mma_s8(int c[4], const unsigned int a[4], int b0, int b1) {
+    c[0] = c[1] = c[2] = c[3] = 0;
+    mma_s8_add(c, a, b0, b1);
+}
+
+// Asynchronous copies from global to shared memory (cp.async, sm_80 on): 16 bytes
+// (both addresses 16-byte aligned) or 4, waited for by groups.
+__device__ __forceinline__ unsigned int shared_addr(const void* p) {
+    unsigned int a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void copy_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(shared_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N committed groups are still copying.
+template <int N>
+__device__ __forceinline__ void copy_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 // A CTA's rows and tokens: RT row tiles of 16 (rows row0..row0 + 16·RT) of the
@@ -1094,10 +1120,14 @@ struct Q4KFrag {
     float d[2], dmin[2];
     template <int RT>
     __device__ __forceinline__ void load(const MmqTile<RT>& tl, int ra, int nb, int b) {
+        from(tl.w + ((long)tl.row(ra) * nb + b) * 144, tl.w + ((long)tl.row(ra + 8) * nb + b) * 144);
+    }
+    // From the blocks of rows ra (b0) and ra + 8 (b1), in global or shared memory.
+    __device__ __forceinline__ void from(const u8* b0, const u8* b1) {
         const int q = threadIdx.x % 4;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const u8* blk = tl.w + ((long)tl.row(ra + 8 * h) * nb + b) * 144;
+            const u8* blk = h ? b1 : b0;
             uint4 head = *(const uint4*)blk;
             d[h] = h2f((u16)(head.x & 0xffffu));
             dmin[h] = h2f((u16)(head.x >> 16));
@@ -1214,6 +1244,103 @@ __device__ __forceinline__ void mmq_q4_k_direct(const MmqTile<RT>& tl, const u8*
     tl.template store<NT>(sum, acc, tokens);
 }
 
+// Q4_K × Q8_K for batches of 32 and 64 tokens (NT token tiles of 8): a CTA of NT
+// warps takes 16·RT rows and 8·NT tokens, a warp one token tile against every row
+// tile. Block by block, the CTA copies its rows' weights and its tokens' quants and d
+// into shared memory (cp.async into two buffers, the next block's copy running under
+// this one's products), so that the activations come from global memory once for
+// 16·RT rows, in 16-byte pieces. A block's minimum term is an mma too: each row's
+// sub-block minimums, repeated over the sub-block's 32 positions, times the quants
+// give the same integers as the minimums times the 16-sums, without reading those.
+// Each (row, token) adds its blocks in block order, each as blk_q4_k computes it, so
+// results can differ in the last bits from the narrower tiles' (whose warps split the
+// blocks).
+#define MMQ_W_ROW 160 // a weight block's bytes in shared memory (144, padded against bank conflicts)
+template <int NT, int RT>
+struct MmqManyStage {
+    u8 q[8 * NT][MMQ_STAGE];
+    float d[8 * NT];
+    u8 w[16 * RT][MMQ_W_ROW];
+};
+
+template <int NT, int RT>
+__device__ __forceinline__ void mmq_many_copy(MmqManyStage<NT, RT>& st, const MmqTile<RT>& tl, const u8* a, int nb, int b, int tokens) {
+    const long abytes = (long)nb * Q8K_BYTES;
+    for (int k = threadIdx.x; k < 8 * NT * 16; k += WARP * NT) {
+        int t = k / 16, piece = k % 16;
+        const u8* src = a + (long)min(tl.tok0 + t, tokens - 1) * abytes + (long)b * Q8K_BYTES + 16 * piece;
+        copy_async16(&st.q[t][16 * piece], src);
+    }
+    if (threadIdx.x < 8 * NT) {
+        const u8* src = a + (long)min(tl.tok0 + (int)threadIdx.x, tokens - 1) * abytes + (long)b * Q8K_BYTES + Q8K_D;
+        copy_async4(&st.d[threadIdx.x], src);
+    }
+    for (int k = threadIdx.x; k < 16 * RT * 9; k += WARP * NT) {
+        int r = k / 9, piece = k % 9;
+        copy_async16(&st.w[r][16 * piece], tl.w + ((long)tl.row(tl.row0 + r) * nb + b) * 144 + 16 * piece);
+    }
+    copy_async_commit();
+}
+
+template <int NT, int RT>
+__device__ __forceinline__ void mmq_q4_k_many(const MmqTile<RT>& tl, const u8* a, int nb, int acc, int tokens) {
+    __shared__ __align__(16) MmqManyStage<NT, RT> stage[2];
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane / 4, q = lane % 4;
+    float sum[RT][4] = {};
+    mmq_many_copy(stage[0], tl, a, nb, 0, tokens);
+    for (int b = 0; b < nb; b++) {
+        if (b + 1 < nb) {
+            mmq_many_copy(stage[(b + 1) % 2], tl, a, nb, b + 1, tokens);
+            copy_async_wait<1>();
+        } else {
+            copy_async_wait<0>();
+        }
+        __syncthreads();
+        const MmqManyStage<NT, RT>& st = stage[b % 2];
+        uint2 bv[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) bv[j] = *(const uint2*)(st.q[8 * warp + g] + 32 * j + 8 * q);
+        const float dy[2] = {st.d[8 * warp + 2 * q], st.d[8 * warp + 2 * q + 1]};
+#pragma unroll
+        for (int r = 0; r < RT; r++) {
+            Q4KFrag f;
+            f.from(st.w[16 * r + g], st.w[16 * r + g + 8]);
+            int is[4] = {0, 0, 0, 0}, ms[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                int c = j / 2, sh = 4 * (j % 2);
+                unsigned int aw[4] = {(f.qv[0][c].x >> sh) & 0x0f0f0f0fu, (f.qv[1][c].x >> sh) & 0x0f0f0f0fu,
+                                      (f.qv[0][c].y >> sh) & 0x0f0f0f0fu, (f.qv[1][c].y >> sh) & 0x0f0f0f0fu};
+                int cc[4];
+                mma_s8(cc, aw, (int)bv[j].x, (int)bv[j].y);
+                is[0] += f.sc[0][j] * cc[0];
+                is[1] += f.sc[0][j] * cc[1];
+                is[2] += f.sc[1][j] * cc[2];
+                is[3] += f.sc[1][j] * cc[3];
+                unsigned int m0 = (unsigned int)f.mn[0][j] * 0x01010101u, m1 = (unsigned int)f.mn[1][j] * 0x01010101u;
+                unsigned int am[4] = {m0, m1, m0, m1};
+                mma_s8_add(ms, am, (int)bv[j].x, (int)bv[j].y);
+            }
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    float part = __fsub_rn(__fmul_rn((float)is[2 * h + e], __fmul_rn(f.d[h], dy[e])),
+                                           __fmul_rn((float)ms[2 * h + e], __fmul_rn(f.dmin[h], dy[e])));
+                    sum[r][2 * h + e] = __fadd_rn(sum[r][2 * h + e], part);
+                }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int t = tl.tok0 + 8 * warp + 2 * q + e % 2, row = tl.row0 + 16 * r + g + 8 * (e / 2);
+            if (t < tokens && row < tl.rows) put(tl.out, (long)t * tl.rows + row, sum[r][e], acc);
+        }
+}
+
 // A word of a Q8_0 row's quants (at a multiple of 4 from the row's start) in loads its
 // alignment allows.
 __device__ __forceinline__ unsigned int ld4_row(const u8* p, int align) {
@@ -1296,6 +1423,14 @@ __device__ __forceinline__ void mmq_q4_1(const MmqTile<RT>& tl, const u8* a, int
 // 64 rows; direct loads for 32 and 64 tokens.
 MMQ_ENTRY(mmq_q4_k, 1) MMQ_ENTRY(mmq_q4_k, 2)
 MMQ_ENTRY_OF(mmq_q4_k, mmq_q4_k_direct, 4, 1) MMQ_ENTRY_OF(mmq_q4_k, mmq_q4_k_direct, 8, 1)
+// Q4_K for 32 and 64 tokens: a warp a token tile, 32 rows a CTA.
+#define MMQ_MANY_ENTRY(NT, RT)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(WARP * NT) mmq_q4_k_many_##NT##_##RT(const MatvecHeldArgs kargs) { UNPACK_MatvecHeldArgs(kargs) \
+        PDL_START                                                                                                        \
+        MmqTile<RT> tl(w0, w1, w2, o0, o1, o2, r0, r1, r2, NT);                                                          \
+        mmq_q4_k_many<NT, RT>(tl, a, nb, acc, tokens);                                                                   \
+    }
+MMQ_MANY_ENTRY(4, 2) MMQ_MANY_ENTRY(8, 2)
 MMQ_ENTRY_ROWS(mmq_q4_k, 1, 2) MMQ_ENTRY_ROWS(mmq_q4_k, 1, 4)
 MMQ_ENTRY_ROWS(mmq_q4_k, 2, 2) MMQ_ENTRY_ROWS(mmq_q4_k, 2, 4)
 MMQ_ENTRIES(mmq_q8_0)

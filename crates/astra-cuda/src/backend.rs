@@ -126,20 +126,29 @@ impl Kernels {
             )
             .map_err(gpu_err("counting SMs"))?
             .max(1) as usize;
+        let many_tokens = std::env::var("ASTRA_CUDA_MMQ_MANY").map_or(true, |v| v != "0");
+        let max_row_tiles = std::env::var("ASTRA_CUDA_MMQ_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(4);
         let mmq = |n: &str, wide: bool| -> Result<MmqKernels, EngineError> {
             let tiles = |nt: usize, rt: usize| f(&format!("{n}_{nt}_{rt}"));
-            let tall = match wide {
-                true => Some([[tiles(1, 2)?, tiles(1, 4)?], [tiles(2, 2)?, tiles(2, 4)?]]),
-                false => None,
+            let (tall, many) = match wide {
+                true => (
+                    Some([[tiles(1, 2)?, tiles(1, 4)?], [tiles(2, 2)?, tiles(2, 4)?]]),
+                    match many_tokens {
+                        true => Some([f(&format!("{n}_many_4_2"))?, f(&format!("{n}_many_8_2"))?]),
+                        false => None,
+                    },
+                ),
+                false => (None, None),
             };
             Ok(MmqKernels {
                 by_tiles: [tiles(1, 1)?, tiles(2, 1)?, tiles(4, 1)?, tiles(8, 1)?],
                 tall,
+                many,
                 sms,
-                max_row_tiles: std::env::var("ASTRA_CUDA_MMQ_ROWS")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(4),
+                max_row_tiles,
             })
         };
         let k = Kernels {
@@ -1363,11 +1372,14 @@ fn q8k_to_device(block: &[u8]) -> [u8; Q8K_BYTES] {
 /// A weight type's tiled products (astra.cu, `mmq_*`): by token tiles of 8 a CTA (1, 2,
 /// 4 and 8) with a CTA for every 16 rows; where the type has them, for 1 and 2 token
 /// tiles with a CTA for every 32 and 64 rows (which share the activations' loads among
-/// more rows).
+/// more rows), and for 4 and 8 token tiles a CTA of a warp a token tile for every 32
+/// rows.
 struct MmqKernels {
     by_tiles: [CudaFunction; 4],
     /// `tall[tiles - 1][0]` takes 32 rows a CTA, `[1]` 64.
     tall: Option<[[CudaFunction; 2]; 2]>,
+    /// For 4 and 8 token tiles, 32 rows a CTA (`ASTRA_CUDA_MMQ_MANY=0`: `by_tiles`).
+    many: Option<[CudaFunction; 2]>,
     sms: usize,
     /// The most row tiles of 16 a CTA takes (`ASTRA_CUDA_MMQ_ROWS`, 4 unless set).
     max_row_tiles: usize,
@@ -1384,19 +1396,22 @@ impl MmqKernels {
                 .map(|&r| (r as usize).div_ceil(16).div_ceil(per))
                 .sum()
         };
-        let (f, per) = match &self.tall {
-            Some(tall) if tiles <= 2 => [(4, 1), (2, 0)]
+        let plain = (
+            &self.by_tiles[tiles.trailing_zeros() as usize],
+            1,
+            MMQ_WARPS,
+        );
+        let (f, per, warps) = match (&self.tall, &self.many) {
+            (Some(tall), _) if tiles <= 2 => [(4, 1), (2, 0)]
                 .into_iter()
                 .find(|&(per, _)| per <= self.max_row_tiles && ctas(per) >= 2 * self.sms)
-                .map_or(
-                    (&self.by_tiles[tiles.trailing_zeros() as usize], 1),
-                    |(per, i)| (&tall[tiles - 1][i], per),
-                ),
-            _ => (&self.by_tiles[tiles.trailing_zeros() as usize], 1),
+                .map_or(plain, |(per, i)| (&tall[tiles - 1][i], per, MMQ_WARPS)),
+            (_, Some(many)) if tiles >= 4 => (&many[tiles / 8], 2, tiles),
+            _ => plain,
         };
         let cfg = LaunchConfig {
             grid_dim: (ctas(per) as u32, tokens.div_ceil(8 * tiles) as u32, 1),
-            block_dim: (32 * MMQ_WARPS as u32, 1, 1),
+            block_dim: (32 * warps as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         (f, cfg)
