@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use astra_engine::attention::{KvLayout, KvType, LayerSlots};
 use astra_engine::backend::{
-    add_to_residual, compose_feed_forward, split_owned, Activation, Attend, Backend, FeedForward,
-    Heads, Input, Rope, SeqRows,
+    add_to_residual, compose_feed_forward, Activation, Attend, Backend, FeedForward, Heads,
+    HostBuf, Input, Rope, SeqRows,
 };
 use astra_engine::weights::MatRef;
 use astra_engine::EngineError;
@@ -371,10 +371,9 @@ pub struct CudaBackend {
     /// Each layer's table of the sequences of the last batch launched over it (astra.cu's
     /// `SeqKv`), kept on the device and uploaded again only when it changes.
     seq_tables: Mutex<Vec<Option<SeqTable>>>,
-    /// Page-locked host memory that results are downloaded through, grown as needed;
-    /// `None` inside where `ASTRA_CUDA_PINNED=0` (a download straight into pageable
-    /// memory, which the driver stages itself).
-    staging: Option<Mutex<Option<PinnedHostSlice<f32>>>>,
+    /// Page-locked host memory that [`Backend::read`] downloads through, grown as
+    /// needed.
+    staging: Mutex<Option<PinnedHostSlice<f32>>>,
 }
 
 /// A device buffer that grows as needed (each replacement counted in
@@ -409,6 +408,76 @@ pub struct StepGraph {
 // SAFETY: a graph is used through `&mut` of the session owning it, so by one thread at
 // a time, which is what the driver requires of graph objects.
 unsafe impl Send for StepGraph {}
+
+/// Page-locked host memory logits are read into ([`Backend::Host`]): the device copies
+/// into it directly, at the link's speed, and the host reads it as any memory.
+pub struct PinnedLogits {
+    mem: Option<PinnedHostSlice<f32>>,
+    /// `mem`'s first value (dangling while there is none).
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: `ptr` points into `mem`, which the value owns; it is not shared.
+unsafe impl Send for PinnedLogits {}
+
+impl Default for PinnedLogits {
+    fn default() -> PinnedLogits {
+        PinnedLogits {
+            mem: None,
+            ptr: std::ptr::NonNull::dangling().as_ptr(),
+            len: 0,
+        }
+    }
+}
+
+impl PinnedLogits {
+    /// Room for `n` more values, the allocation grown (by at least half) where too
+    /// small: at most once per larger batch. Returns where they go.
+    fn reserve(&mut self, ctx: &Arc<CudaContext>, n: usize) -> Result<*mut f32, EngineError> {
+        let need = self
+            .len
+            .checked_add(n)
+            .ok_or_else(|| EngineError::Invalid(format!("{n} more logits")))?;
+        let cap = self.mem.as_ref().map_or(0, |m| m.len());
+        if need > cap {
+            let cap = need.max(cap + cap / 2).max(1 << 16);
+            // Plain page-locked memory (not write-combined: the host reads it).
+            // SAFETY: only the first `len` values are read, each written before.
+            let mut mem = unsafe { ctx.alloc_pinned_with_flags::<f32>(cap, 0) }
+                .map_err(gpu_err("page-locked allocation"))?;
+            let ptr = mem.as_mut_ptr().map_err(gpu_err("page-locked memory"))?;
+            // SAFETY: both hold at least `len` values and are distinct allocations.
+            unsafe { std::ptr::copy_nonoverlapping(self.ptr, ptr, self.len) };
+            self.mem = Some(mem);
+            self.ptr = ptr;
+        }
+        // SAFETY: `len` is within the allocation.
+        Ok(unsafe { self.ptr.add(self.len) })
+    }
+}
+
+impl std::ops::Deref for PinnedLogits {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        // SAFETY: the first `len` values were written by completed copies
+        // (`read_append` synchronizes before it counts them).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for PinnedLogits {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        // SAFETY: as for `deref`, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl HostBuf for PinnedLogits {
+    fn clear(&mut self) {
+        self.len = 0;
+    }
+}
 
 /// Activations on the device: `rows × width` f32.
 pub struct GpuTensor {
@@ -602,9 +671,7 @@ impl CudaBackend {
                 .unwrap_or(SEPARATE_DECODE_STEPS)
                 .max(1),
             seq_tables: Mutex::new(Vec::new()),
-            staging: std::env::var("ASTRA_CUDA_PINNED")
-                .map_or(true, |v| v != "0")
-                .then(|| Mutex::new(None)),
+            staging: Mutex::new(None),
         })
     }
 
@@ -928,8 +995,7 @@ impl CudaBackend {
         f: impl FnOnce(&[f32]) -> R,
     ) -> Result<R, EngineError> {
         let n = t.rows * t.width;
-        let staging = self.staging.as_ref().expect("called with a staging buffer");
-        let mut staging = staging.lock().unwrap_or_else(|p| p.into_inner());
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         if staging.as_ref().is_none_or(|p| p.len() < n) {
             // Plain page-locked memory (not write-combined: the host reads it).
             // SAFETY: only the first `n` values are read, after the copy into them.
@@ -1454,6 +1520,7 @@ impl Backend for CudaBackend {
     type KvCache = GpuKv;
     type Ids = CudaSlice<u32>;
     type Graph = StepGraph;
+    type Host = PinnedLogits;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -1595,33 +1662,22 @@ impl Backend for CudaBackend {
     }
 
     fn read(&self, t: &GpuTensor) -> Result<Vec<f32>, EngineError> {
-        if self.staging.is_none() {
-            let mut v = self
-                .stream
-                .clone_dtoh(&t.buf)
-                .map_err(gpu_err("download"))?;
-            self.stream.synchronize().map_err(gpu_err("synchronize"))?;
-            v.truncate(t.rows * t.width);
-            return Ok(v);
-        }
         self.with_download(t, |host| host.to_vec())
     }
 
-    fn read_split(&self, t: GpuTensor, counts: &[usize]) -> Result<Vec<Vec<f32>>, EngineError> {
-        if self.staging.is_none() || counts.len() < 2 {
-            return Ok(split_owned(self.read_owned(t)?, counts));
-        }
-        // Straight from the page-locked copy into each piece (one host copy, not two).
-        self.with_download(&t, |host| {
-            let mut at = 0;
-            counts
-                .iter()
-                .map(|&n| {
-                    at += n;
-                    host[at - n..at].to_vec()
-                })
-                .collect()
-        })
+    fn read_append(&self, t: &GpuTensor, out: &mut PinnedLogits) -> Result<(), EngineError> {
+        let n = t.rows * t.width;
+        let at = out.reserve(self.stream.context(), n)?;
+        // SAFETY: `reserve` made room for `n` values at `at`, which nothing else uses
+        // while `out` is borrowed. (A copy takes its length from the host slice, so it
+        // is cut to the tensor's.)
+        let host = unsafe { std::slice::from_raw_parts_mut(at, n) };
+        self.stream
+            .memcpy_dtoh(&t.buf.slice(0..n), host)
+            .map_err(gpu_err("download"))?;
+        self.stream.synchronize().map_err(gpu_err("synchronize"))?;
+        out.len += n;
+        Ok(())
     }
 
     fn embed(

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use astra_cuda::{unavailable_reason, CudaBackend, Mode};
-use astra_engine::{Model, Step};
+use astra_engine::{Logits, Model, Step};
 
 fn gpu_model(
     like: &str,
@@ -109,7 +109,9 @@ fn deterministic(like: &str, ty: astra_gguf::GgmlType) {
                     logits_from: 0,
                 })
                 .collect();
-            got.extend(model.forward_many(&mut steps).unwrap().swap_remove(0));
+            let mut logits = Logits::default();
+            model.forward_many(&mut steps, &mut logits).unwrap();
+            got.extend_from_slice(logits.get(0));
         }
         assert!(
             bits(&got) == alone,

@@ -9,7 +9,7 @@
 //! from that row's inputs alone (attention: from its own sequence's cache), which is
 //! what makes a sequence's results independent of what else is in the batch.
 
-use std::ops::Range;
+use std::ops::{Deref, DerefMut, Range};
 use std::sync::Arc;
 
 use astra_gguf::GgufFile;
@@ -182,19 +182,25 @@ pub struct SeqRows<'a, K> {
     pub pos: usize,
 }
 
-/// `all` as consecutive pieces of `counts` values ([`Backend::read_split`]): from the
-/// end, so that each piece but the first is copied once and the first keeps `all`'s
-/// buffer.
-pub fn split_owned(mut all: Vec<f32>, counts: &[usize]) -> Vec<Vec<f32>> {
-    let mut pieces: Vec<Vec<f32>> = Vec::with_capacity(counts.len());
-    let mut end = all.len();
-    for &n in counts.iter().skip(1).rev() {
-        end -= n;
-        pieces.push(all.split_off(end));
+/// Host memory that logits are read into ([`Backend::Host`]), kept from one step to
+/// the next so that reading a batch's logits allocates nothing once it has grown to
+/// the batch.
+pub trait HostBuf: Default + Send + Deref<Target = [f32]> + DerefMut {
+    /// Drops every value and keeps the memory.
+    fn clear(&mut self);
+    /// The values, as a vector of their own.
+    fn into_vec(self) -> Vec<f32> {
+        self.to_vec()
     }
-    pieces.push(all);
-    pieces.reverse();
-    pieces
+}
+
+impl HostBuf for Vec<f32> {
+    fn clear(&mut self) {
+        Vec::clear(self)
+    }
+    fn into_vec(self) -> Vec<f32> {
+        self
+    }
 }
 
 /// A paged backend's KV memory ([`Backend::kv_usage`]).
@@ -335,6 +341,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
     type Ids: Send;
     /// A recorded run of launches that [`Backend::replay`] repeats (a CUDA graph).
     type Graph: Send;
+    /// Host memory logits are read into ([`Backend::read_append`]): where the device
+    /// copies faster into memory of its own kind (page-locked), that kind.
+    type Host: HostBuf;
 
     /// The backend's short name (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
@@ -394,12 +403,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn read_owned(&self, t: Self::Tensor) -> Result<Vec<f32>, EngineError> {
         self.read(&t)
     }
-    /// The tensor's values, on the host, as consecutive pieces of `counts` values
-    /// (their sum is the tensor's size), the tensor no longer needed: a batch's logits
-    /// split by sequence with as little copying as the backend allows.
-    fn read_split(&self, t: Self::Tensor, counts: &[usize]) -> Result<Vec<Vec<f32>>, EngineError> {
-        Ok(split_owned(self.read_owned(t)?, counts))
-    }
+    /// The tensor's values appended to `out`, once every launch before has run: a
+    /// batch's logits, read where the caller keeps them from step to step.
+    fn read_append(&self, t: &Self::Tensor, out: &mut Self::Host) -> Result<(), EngineError>;
 
     /// The first failure of an operation since the last call, cleared: a device error,
     /// or a worker task that panicked. Operations other than allocations and reads
@@ -710,20 +716,6 @@ mod tests {
             p.iter_mut().for_each(|x| x.1 /= s);
         }
         p
-    }
-
-    #[test]
-    fn split_pieces_are_consecutive() {
-        let all: Vec<f32> = (0..10).map(|v| v as f32).collect();
-        let pieces = split_owned(all, &[3, 0, 5, 2]);
-        let want: Vec<Vec<f32>> = vec![
-            vec![0.0, 1.0, 2.0],
-            vec![],
-            vec![3.0, 4.0, 5.0, 6.0, 7.0],
-            vec![8.0, 9.0],
-        ];
-        assert_eq!(pieces, want);
-        assert_eq!(split_owned(vec![1.0], &[1]), vec![vec![1.0]]);
     }
 
     #[test]

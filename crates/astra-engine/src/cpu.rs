@@ -236,6 +236,7 @@ impl Backend for CpuBackend {
     type KvCache = KvCache;
     type Ids = Vec<u32>;
     type Graph = ();
+    type Host = Vec<f32>;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -345,6 +346,11 @@ impl Backend for CpuBackend {
 
     fn read_owned(&self, t: CpuTensor) -> Result<Vec<f32>, EngineError> {
         Ok(t.data)
+    }
+
+    fn read_append(&self, t: &CpuTensor, out: &mut Vec<f32>) -> Result<(), EngineError> {
+        out.extend_from_slice(&t.data);
+        Ok(())
     }
 
     fn check(&self) -> Result<(), EngineError> {

@@ -27,7 +27,7 @@ pub use attention::KvType;
 pub use backend::Backend;
 pub use config::{Arch, Config};
 pub use cpu::{Arithmetic, CpuBackend};
-pub use model::{Model, Session, Step, Trace, MAX_BATCH};
+pub use model::{Logits, Model, Session, Step, Trace, MAX_BATCH};
 pub use models::Stage;
 pub use sampler::{Sampler, SamplerConfig};
 pub use stop::{StopMatcher, StopOutcome};

@@ -3,13 +3,14 @@
 //! output head. The layers are the architecture's ([`crate::models`]); the device is the
 //! backend's, a type parameter.
 
+use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
 use astra_gguf::GgufFile;
 
 use crate::attention::KvLayout;
-use crate::backend::{Backend, Input, SeqRows};
+use crate::backend::{Backend, HostBuf, Input, SeqRows};
 use crate::config::Config;
 use crate::cpu::CpuBackend;
 use crate::models::{Activations, Pass, Stage, Weights};
@@ -127,6 +128,66 @@ pub struct Step<'a, B: Backend = CpuBackend> {
     pub logits_from: usize,
 }
 
+/// What [`Model::forward_many`] returns: each [`Step`]'s logits, one step after
+/// another in host memory of the backend's. Kept by the caller from step to step, it
+/// allocates nothing once it has grown to the largest batch.
+pub struct Logits<B: Backend = CpuBackend> {
+    values: B::Host,
+    spans: Vec<Range<usize>>,
+}
+
+impl<B: Backend> Default for Logits<B> {
+    fn default() -> Logits<B> {
+        Logits {
+            values: B::Host::default(),
+            spans: Vec::new(),
+        }
+    }
+}
+
+impl<B: Backend> Logits<B> {
+    /// How many steps' logits it holds.
+    pub fn len(&self) -> usize {
+        self.spans.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.spans.is_empty()
+    }
+
+    /// Step `i`'s logits (token-major, `n_vocab` each; empty where none were wanted).
+    pub fn get(&self, i: usize) -> &[f32] {
+        &self.values[self.spans[i].clone()]
+    }
+
+    pub fn get_mut(&mut self, i: usize) -> &mut [f32] {
+        &mut self.values[self.spans[i].clone()]
+    }
+
+    /// Each step's logits as a vector of its own.
+    pub fn to_vecs(&self) -> Vec<Vec<f32>> {
+        (0..self.len()).map(|i| self.get(i).to_vec()).collect()
+    }
+
+    fn clear(&mut self) {
+        self.values.clear();
+        self.spans.clear();
+    }
+
+    /// Records that `step`'s logits continue with `values[r]`. A step's rows come in
+    /// consecutive batches, its last rows of one batch directly before its first of
+    /// the next, so its values are consecutive.
+    fn extend(&mut self, step: usize, r: Range<usize>) {
+        let span = &mut self.spans[step];
+        if span.start == span.end {
+            *span = r;
+        } else {
+            debug_assert_eq!(span.end, r.start, "a step's logits are consecutive");
+            span.end = r.end;
+        }
+    }
+}
+
 /// What [`Model::trace`] read back: every token's residual stream at each stage, in
 /// forward order, and every token's logits.
 pub struct Trace {
@@ -223,12 +284,16 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         logits_from: usize,
     ) -> Result<Vec<f32>, EngineError> {
-        let mut out = self.forward_many(&mut [Step {
-            session: s,
-            tokens,
-            logits_from,
-        }])?;
-        Ok(out.pop().expect("one step"))
+        let mut out = Logits::default();
+        self.forward_many(
+            &mut [Step {
+                session: s,
+                tokens,
+                logits_from,
+            }],
+            &mut out,
+        )?;
+        Ok(out.values.into_vec())
     }
 
     /// Runs a prompt's `tokens` after what `s` holds of it and returns the last token's
@@ -273,24 +338,32 @@ impl<B: Backend> Model<B> {
     }
 
     /// Runs several sequences together, their tokens sharing each batch (up to
-    /// [`MAX_BATCH`] tokens a batch), and returns each one's logits as
-    /// [`Model::forward`] would: bitwise the same, whatever else is in the batch.
-    pub fn forward_many(&self, steps: &mut [Step<'_, B>]) -> Result<Vec<Vec<f32>>, EngineError> {
+    /// [`MAX_BATCH`] tokens a batch), and puts each one's logits in `out` as
+    /// [`Model::forward`] would return them: bitwise the same, whatever else is in the
+    /// batch.
+    pub fn forward_many(
+        &self,
+        steps: &mut [Step<'_, B>],
+        out: &mut Logits<B>,
+    ) -> Result<(), EngineError> {
+        out.clear();
         for st in steps.iter() {
             self.check_room(st.session, st.tokens)?;
         }
+        out.spans.resize(steps.len(), 0..0);
         // A few sequences' decode rows, each its session's recorded step in turn (the
         // same bits as in one batch).
         let decoding = steps
             .iter()
             .all(|st| st.tokens.len() == 1 && st.logits_from == 0);
         if decoding && steps.len() <= self.backend.separate_decode_steps() {
-            return steps
-                .iter_mut()
-                .map(|st| self.decode_step(st.session, st.tokens[0]))
-                .collect();
+            for (i, st) in steps.iter_mut().enumerate() {
+                let from = out.values.len();
+                self.decode_step(st.session, st.tokens[0], &mut out.values)?;
+                out.extend(i, from..out.values.len());
+            }
+            return Ok(());
         }
-        let mut logits: Vec<Vec<f32>> = steps.iter().map(|_| Vec::new()).collect();
         let mut done = vec![0usize; steps.len()];
         loop {
             // Fill a batch with the next tokens of each sequence in turn.
@@ -309,19 +382,18 @@ impl<B: Backend> Model<B> {
             if parts.is_empty() {
                 break;
             }
-            let out = self.forward_batch(steps, &parts)?;
-            for (p, rows) in parts.iter().zip(out) {
-                // A sequence's first rows are taken as they are (a batch of vocabularies
-                // is megabytes); later batches' rows are appended.
-                if logits[p.step].is_empty() {
-                    logits[p.step] = rows;
-                } else {
-                    logits[p.step].extend(rows);
+            let from = out.values.len();
+            let counts = self.forward_batch(steps, &parts, &mut out.values)?;
+            let mut at = from;
+            for (p, n) in parts.iter().zip(counts) {
+                if n > 0 {
+                    out.extend(p.step, at..at + n);
                 }
+                at += n;
                 done[p.step] = p.range.end;
             }
         }
-        Ok(logits)
+        Ok(())
     }
 
     /// That `tokens` fit in `s` after what it holds and are in the vocabulary.
@@ -390,17 +462,21 @@ impl<B: Backend> Model<B> {
         Ok(Trace { stages, logits })
     }
 
-    /// One batch through the model; returns each part's logits for its tokens at or
-    /// after its step's `logits_from`.
+    /// One batch through the model: each part's logits for its tokens at or after its
+    /// step's `logits_from` appended to `out`, part after part; returns how many values
+    /// each part appended.
     fn forward_batch(
         &self,
         steps: &mut [Step<'_, B>],
         parts: &[Part],
-    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        out: &mut B::Host,
+    ) -> Result<Vec<usize>, EngineError> {
         if let [p] = parts {
             let st = &mut steps[p.step];
             if p.range.len() == 1 && p.range.start >= st.logits_from {
-                return Ok(vec![self.decode_step(st.session, st.tokens[p.range.start])?]);
+                let from = out.len();
+                self.decode_step(st.session, st.tokens[p.range.start], out)?;
+                return Ok(vec![out.len() - from]);
             }
         }
         let (cfg, be) = (&self.cfg, &self.backend);
@@ -460,7 +536,7 @@ impl<B: Backend> Model<B> {
         }
         if wanted.is_empty() {
             be.check()?;
-            return Ok(parts.iter().map(|_| Vec::new()).collect());
+            return Ok(vec![0; parts.len()]);
         }
         let mut normed = be.tensor(wanted.len(), cfg.n_embd)?;
         let mut logits = be.tensor(wanted.len(), cfg.n_vocab)?;
@@ -474,15 +550,20 @@ impl<B: Backend> Model<B> {
             .iter()
             .map(|(span, _)| wanted.iter().filter(|r| span.contains(r)).count() * cfg.n_vocab)
             .collect();
-        let out = be.read_split(logits, &counts)?;
+        be.read_append(&logits, out)?;
         be.check()?;
-        Ok(out)
+        Ok(counts)
     }
 
     /// One token of one sequence, its logits wanted: the decode step. It runs over
     /// buffers the session keeps, so that a backend that records its launches replays
     /// them for every later step, with only the token and position written anew.
-    fn decode_step(&self, s: &mut Session<B>, token: u32) -> Result<Vec<f32>, EngineError> {
+    fn decode_step(
+        &self,
+        s: &mut Session<B>,
+        token: u32,
+        out: &mut B::Host,
+    ) -> Result<(), EngineError> {
         let (be, cfg) = (&self.backend, &self.cfg);
         let pos = s.n_past;
         be.kv_reserve(&mut s.kv, pos..pos + 1)?;
@@ -528,11 +609,10 @@ impl<B: Backend> Model<B> {
             };
             outcome?;
         }
-        let logits = be.read(&d.logits);
+        let read = be.read_append(&d.logits, out);
         s.advance(1);
-        let logits = logits?;
-        be.check()?;
-        Ok(logits)
+        read?;
+        be.check()
     }
 
     /// The output norm and matrix: `logits` of the rows of `x`.

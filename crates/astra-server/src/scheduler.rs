@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use astra_engine::attention::CHUNK as KV_PAGE_POSITIONS;
-use astra_engine::{Backend, EngineError, Model, Session, Step, MAX_BATCH};
+use astra_engine::{Backend, EngineError, Logits, Model, Session, Step, MAX_BATCH};
 use astra_tokenizer::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -275,6 +275,8 @@ pub struct Scheduler<B: Backend> {
     /// When device memory was last sampled.
     sampled: Option<Instant>,
     pace: PrefillPace,
+    /// The last step's logits, their memory kept for the next step.
+    logits: Logits<B>,
 }
 
 /// How many prompt tokens a step may take beside decoding rows: the chunked prefill's
@@ -387,6 +389,7 @@ impl<B: Backend> Scheduler<B> {
             clock: 0,
             sampled: None,
             pace: PrefillPace::default(),
+            logits: Logits::default(),
         }
     }
 
@@ -420,6 +423,8 @@ impl<B: Backend> Scheduler<B> {
                 Err(RecvTimeoutError::Disconnected) => return None,
                 Err(RecvTimeoutError::Timeout) => {
                     self.idle.clear();
+                    // The logits' memory is the device's too (page-locked).
+                    self.logits = Logits::default();
                     self.model = None;
                     self.status.set(Status::Idle);
                     eprintln!("astra: INFO model unloaded after {hold:?} idle");
@@ -853,7 +858,7 @@ impl<B: Backend> Scheduler<B> {
         let rows = steps.iter().map(|s| s.tokens.len()).sum::<usize>();
         let started = Instant::now();
         let result = loop {
-            match model.forward_many(&mut steps) {
+            match model.forward_many(&mut steps, &mut self.logits) {
                 Err(EngineError::KvFull { .. }) if evict_lru(&mut self.idle) => {}
                 r => break r,
             }
@@ -867,20 +872,18 @@ impl<B: Backend> Scheduler<B> {
             .batch_rows
             .store(rows as u64, Ordering::Relaxed);
         self.pace.observe(rows, started.elapsed().as_secs_f64());
-        let logits = match result {
-            Ok(l) => l,
-            Err(e) => {
-                for a in std::mem::take(&mut self.active) {
-                    a.job.events.send(Event::Failed {
-                        index: a.job.index,
-                        message: e.to_string(),
-                    });
-                }
-                return true;
+        if let Err(e) = result {
+            for a in std::mem::take(&mut self.active) {
+                a.job.events.send(Event::Failed {
+                    index: a.job.index,
+                    message: e.to_string(),
+                });
             }
-        };
+            return true;
+        }
         let mut finished = Vec::new();
-        for (&(i, n), mut logits) in plan.iter().zip(logits) {
+        for (k, &(i, n)) in plan.iter().enumerate() {
+            let logits = self.logits.get_mut(k);
             let a = &mut self.active[i];
             if a.fed == a.feed.len() {
                 a.tokens.append(&mut a.next);
@@ -906,7 +909,7 @@ impl<B: Backend> Scheduler<B> {
             }
             a.last_token = now;
             let room = self.limits.ctx - a.session.n_past();
-            let emitted = a.generation.step(&self.tok, &mut logits, room);
+            let emitted = a.generation.step(&self.tok, logits, room);
             if let Some(id) = emitted.id {
                 a.next = vec![id];
                 Metrics::add(&self.metrics.generated_tokens, 1);

@@ -83,6 +83,7 @@ impl Backend for Faulty {
     type KvCache = KvCache;
     type Ids = Vec<u32>;
     type Graph = ();
+    type Host = Vec<f32>;
 
     fn name(&self) -> &'static str {
         "faulty"
@@ -110,6 +111,9 @@ impl Backend for Faulty {
     }
     fn read(&self, t: &CpuTensor) -> Result<Vec<f32>, EngineError> {
         self.inner.read(t)
+    }
+    fn read_append(&self, t: &CpuTensor, out: &mut Vec<f32>) -> Result<(), EngineError> {
+        self.inner.read_append(t, out)
     }
     fn check(&self) -> Result<(), EngineError> {
         if let Some(e) = self.plan.device_error.lock().unwrap().take() {

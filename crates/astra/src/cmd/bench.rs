@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use std::sync::Arc;
 
-use astra_engine::{Backend, Model, Step, MAX_BATCH};
+use astra_engine::{Backend, Logits, Model, Step, MAX_BATCH};
 
 use super::backend::{with_model, BackendArgs, OnModel};
 use serde_json::json;
@@ -160,6 +160,7 @@ fn bench<B: Backend>(
         let mut sessions = (0..n)
             .map(|i| session(seed * n + i))
             .collect::<Result<Vec<_>>>()?;
+        let mut logits = Logits::default();
         let t = Instant::now();
         for i in 0..args.n_gen {
             let mut steps: Vec<Step<'_, B>> = sessions
@@ -171,7 +172,7 @@ fn bench<B: Backend>(
                     logits_from: 0,
                 })
                 .collect();
-            model.forward_many(&mut steps)?;
+            model.forward_many(&mut steps, &mut logits)?;
         }
         Ok((args.n_gen * args.sequences) as f64 / t.elapsed().as_secs_f64())
     };
@@ -283,9 +284,12 @@ fn greedy<B: Backend>(args: &Args, model: &Model<B>) -> Result<()> {
                 logits_from: p.len() - 1,
             })
             .collect();
-        let logits = model.forward_many(&mut steps)?;
+        let mut logits = Logits::default();
+        model.forward_many(&mut steps, &mut logits)?;
         let prefill_s = t.elapsed().as_secs_f64();
-        let mut out: Vec<Vec<u32>> = logits.iter().map(|l| vec![argmax(l)]).collect();
+        let mut out: Vec<Vec<u32>> = (0..logits.len())
+            .map(|i| vec![argmax(logits.get(i))])
+            .collect();
         let t = Instant::now();
         for _ in 0..args.n_gen {
             let last: Vec<u32> = out.iter().map(|ids| ids[ids.len() - 1]).collect();
@@ -298,8 +302,9 @@ fn greedy<B: Backend>(args: &Args, model: &Model<B>) -> Result<()> {
                     logits_from: 0,
                 })
                 .collect();
-            for (ids, l) in out.iter_mut().zip(model.forward_many(&mut steps)?) {
-                ids.push(argmax(&l));
+            model.forward_many(&mut steps, &mut logits)?;
+            for (i, ids) in out.iter_mut().enumerate() {
+                ids.push(argmax(logits.get(i)));
             }
         }
         Ok((prefill_s, t.elapsed().as_secs_f64(), out))
