@@ -11,6 +11,9 @@
 //! - `matmul_prefill/{type}/{cols}x{rows}`: the models' shapes against a batch of 128
 //!   tokens on one thread, in multiply-adds per second (the prefill kernels' compute
 //!   rate; weights and activations stay in cache).
+//! - `matmul_batch/{type}/{tokens}`: a matrix larger than the caches (packed as the
+//!   engine packs it) against a decode batch of 1, 4 or 16 tokens on one thread, in
+//!   multiply-adds per second: what a batch of sequences gains over one.
 //!
 //! Run: `cargo bench -p astra-quant --bench matvec` (on an idle machine).
 
@@ -223,11 +226,47 @@ fn matmul_prefill(c: &mut Criterion) {
     g.finish();
 }
 
+fn matmul_batch(c: &mut Criterion) {
+    // 96 times SmolLM2's feed-forward matrix, 53 MB in Q4_1: past the caches, so each
+    // call streams the rows from memory as a decode step does.
+    let (cols, rows) = (576, 96 * 1536);
+    let mut g = c.benchmark_group("matmul_batch");
+    g.sample_size(20)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    let p = pool(1);
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        let weights = random_weights(ty, rows, cols, 1).expect("weights");
+        let kernels = Kernels::best(ty).expect("kernels");
+        let stored = QuantMatrix::new(ty, rows, cols, &weights).expect("matrix");
+        let packed = pack(&stored, &kernels);
+        let w = match &packed {
+            Some(bytes) => QuantMatrix::packed(ty, rows, cols, bytes).expect("matrix"),
+            None => stored,
+        };
+        for tokens in [1, 4, 16] {
+            let mut rng = SplitMix::new(2);
+            let x: Vec<f32> = (0..cols * tokens).map(|_| rng.activation()).collect();
+            let acts = QuantizedActivations::new(kernels.act, &x, cols).expect("acts");
+            let mut out = vec![0.0f32; rows * tokens];
+            g.throughput(Throughput::Elements((rows * cols * tokens) as u64));
+            g.bench_function(BenchmarkId::new(ty.name(), tokens), |b| {
+                b.iter(|| {
+                    p.install(|| matmul_quantized(&w, black_box(&acts), &mut out, &kernels));
+                    black_box(&out);
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
     stream_read,
     matvec_4096,
     matvec_models,
-    matmul_prefill
+    matmul_prefill,
+    matmul_batch
 );
 criterion_main!(benches);
