@@ -2103,6 +2103,25 @@ __device__ void attend_out(const Running<Q>& r, int nq, float* out, long row, in
     for (int iq = 0; iq < nq; iq++) out[(row + iq) * width + h * head_dim + t] = r.acc[iq] * (1.0f / r.sum[iq]);
 }
 
+// The results of one row's G heads h0.. (split_group's rows), each written as
+// attend_out writes a row's one head.
+template <int G>
+__device__ void group_out(const Running<G>& r, float* out, long row, int h0, int width, int head_dim, u8* qout, int qkind) {
+    int t = threadIdx.x;
+    for (int g = 0; g < G; g++) {
+        int h = h0 + g;
+        if (qout) {
+            int d0 = (t / WARP) * WARP;
+            if (d0 >= head_dim) continue;
+            float inv = 1.0f / r.sum[g];
+            int block = (h * head_dim + d0) / 32;
+            q8_32_block(r.acc[g] * inv, qout + (row * (width / 32) + block) * (qkind == QUANT_Q8_1 ? 36 : 34), qkind);
+        } else if (t < head_dim) {
+            out[row * width + h * head_dim + t] = r.acc[g] * (1.0f / r.sum[g]);
+        }
+    }
+}
+
 // Query rows row0.. (positions pos0, pos0 + 1, …), Q per CTA, every chunk in turn;
 // grid (n_head, ceil(rows / Q)). Decode rows of up to four chunks run it with Q = 1
 // (attention_split's one-CTA case); a batch's rows take attend_batch.
@@ -2355,3 +2374,106 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_split_bat
     const SeqKv& e = ((const SeqKv*)seqs)[blockIdx.z];
     split_row(q, e.kc, e.vc, out, e.row0, positions, e.slots, window, n_head, group, head_dim, scale, 0, -1, e.parts, e.tickets, e.max_chunks);
 }
+
+// split_row for the G query heads that share a KV head (grouped-query attention),
+// in one CTA: grid (n_head / G, S). A chunk's keys and values are read once for all G
+// heads, which run as chunk_part's G query rows; every row's arithmetic is exactly
+// what it is alone, and the parts are written where split_row writes them and merged
+// in the same order, so each head's row is split_row's bit for bit. `tickets` counts
+// per KV head.
+template <int G>
+__device__ __forceinline__ void split_group(const float* q, const u16* kc, const u16* vc, float* out, int row0, const unsigned int* positions, int slots, int window, int n_head, int head_dim, float scale, u8* qout, int qkind, float* parts, unsigned int* tickets, int max_chunks) {
+    __shared__ float sq[G][MAX_HEAD_DIM];
+    __shared__ bool last;
+    int hk = blockIdx.x, h0 = hk * G, s = blockIdx.y, t = threadIdx.x, S = gridDim.y;
+    int pos = (int)positions[row0];
+    // G copies of the row's span: every head of the group sees the same positions.
+    QueryRows<G> qr;
+    qr.n = G;
+    for (int g = 0; g < G; g++) {
+        qr.pos[g] = pos;
+        qr.first[g] = window > 0 ? max(0, pos + 1 - window) : 0;
+    }
+    int c0 = qr.first[0] / CHUNK, n = pos / CHUNK - c0 + 1;
+    bool whole = n <= SPLIT_FROM;
+    if (s >= (whole ? 1 : n)) return;
+    const u16* kh = kc + (long)hk * slots * head_dim;
+    const u16* vh = vc + (long)hk * slots * head_dim;
+    if (PDL) {
+        if (whole) prefetch_cache(kh, vh, qr.first[0], pos, SPLIT_FROM, 1, slots, head_dim);
+        else prefetch_cache(kh, vh, (c0 + s) * CHUNK, pos, (n - s + S - 1) / S, S, slots, head_dim);
+    }
+    PDL_START
+    int width = n_head * head_dim;
+    for (int g = 0; g < G; g++)
+        for (int d = t; d < head_dim; d += blockDim.x) sq[g][d] = q[(long)row0 * width + (h0 + g) * head_dim + d];
+    __syncthreads();
+    Running<G> run;
+    running_init(run);
+    if (whole) {
+        // attend's loop: its chunks merged as they come.
+        for (int c = c0; c <= pos / CHUNK; c++) {
+            ChunkPart<G> part;
+            chunk_part<G>(sq, kh, vh, slots, head_dim, scale, qr, c, part);
+            merge_part<G>(run, part, head_dim);
+        }
+        group_out<G>(run, out, row0, h0, width, head_dim, qout, qkind);
+        return;
+    }
+    long stride = head_dim + 2;
+    for (int i = s; i < n; i += S) {
+        ChunkPart<G> part;
+        chunk_part<G>(sq, kh, vh, slots, head_dim, scale, qr, c0 + i, part);
+        for (int g = 0; g < G; g++) {
+            float* p = parts + ((long)(h0 + g) * max_chunks + i) * stride;
+            if (t == 0) {
+                p[0] = part.m[g];
+                p[1] = part.sum[g];
+            }
+            if (t < head_dim) p[2 + t] = part.acc[g];
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (t == 0) last = atomicAdd(&tickets[hk], 1u) == (unsigned int)min(S, n) - 1;
+    __syncthreads();
+    if (!last) return;
+    if (t == 0) tickets[hk] = 0;
+    __threadfence();
+    // The parts in order, a few read ahead of their merge.
+    constexpr int AHEAD = G >= 4 ? 2 : 8 / G;
+    for (int i0 = 0; i0 < n; i0 += AHEAD) {
+        ChunkPart<G> batch[AHEAD];
+#pragma unroll
+        for (int u = 0; u < AHEAD; u++) {
+            if (i0 + u >= n) break;
+            for (int g = 0; g < G; g++) {
+                const float* p = parts + ((long)(h0 + g) * max_chunks + i0 + u) * stride;
+                batch[u].m[g] = ld_cg(p);
+                batch[u].sum[g] = ld_cg(p + 1);
+                batch[u].on[g] = true;
+                batch[u].acc[g] = t < head_dim ? ld_cg(p + 2 + t) : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < AHEAD; u++) {
+            if (i0 + u >= n) break;
+            merge_part<G>(run, batch[u], head_dim);
+        }
+    }
+    group_out<G>(run, out, row0, h0, width, head_dim, qout, qkind);
+}
+
+#define ATTENTION_GROUP(G)                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_group_##G(const AttentionSplitArgs kargs) {          \
+        UNPACK_AttentionSplitArgs(kargs) split_group<G>(q, kc, vc, out, row0, positions, slots, window, n_head, head_dim, scale, \
+                                                        qout, qkind, parts, tickets, max_chunks);                                \
+    }                                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_group_batch_##G(const AttentionBatchArgs kargs) {    \
+        UNPACK_AttentionBatchArgs(kargs) const SeqKv& e = ((const SeqKv*)seqs)[blockIdx.z];                                      \
+        split_group<G>(q, e.kc, e.vc, out, e.row0, positions, e.slots, window, n_head, head_dim, scale, 0, -1, e.parts,          \
+                       e.tickets, e.max_chunks);                                                                                 \
+    }
+ATTENTION_GROUP(2)
+ATTENTION_GROUP(3)
+ATTENTION_GROUP(4)

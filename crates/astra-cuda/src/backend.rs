@@ -82,6 +82,9 @@ struct Kernels {
     attention: (CudaFunction, CudaFunction),
     /// Attention of several sequences' decode rows in one launch.
     attention_batch: CudaFunction,
+    /// `attention.0` and `attention_batch` for the 2, 3 or 4 query heads of a KV head
+    /// together (astra.cu, `split_group`): the same bits, the cache read once a group.
+    attention_group: [(CudaFunction, CudaFunction); 3],
     _module: Arc<CudaModule>,
 }
 
@@ -196,6 +199,11 @@ impl Kernels {
             kv_store_batch: f("kv_store_batch")?,
             attention: (f("attention_split")?, f("attention_4")?),
             attention_batch: f("attention_split_batch")?,
+            attention_group: [
+                (f("attention_group_2")?, f("attention_group_batch_2")?),
+                (f("attention_group_3")?, f("attention_group_batch_3")?),
+                (f("attention_group_4")?, f("attention_group_batch_4")?),
+            ],
             _module: Arc::clone(&module),
         };
         // The IQ2_S codebook, from the one table the CPU kernels use.
@@ -343,6 +351,9 @@ pub struct CudaBackend {
     scratch_generation: AtomicU64,
     /// Whether decode steps are recorded as graphs (`ASTRA_CUDA_GRAPHS=0` turns it off).
     graphs: bool,
+    /// Whether decode attention takes a CTA per KV head's group of query heads
+    /// (`ASTRA_CUDA_GQA=1`) rather than one per query head.
+    grouped_attention: bool,
     /// The kernels compiled to be launched as programmatic dependents of the one
     /// before, used while a decode step is recorded; `None` where that is off.
     k_graph: Option<Kernels>,
@@ -577,6 +588,14 @@ pub fn unavailable_reason() -> Option<String> {
 }
 
 impl CudaBackend {
+    /// The backend with decode attention taking a CTA per KV head's group of query
+    /// heads (`on`) or one per query head, whatever `ASTRA_CUDA_GQA` says: the same bits
+    /// either way.
+    pub fn with_grouped_attention(mut self, on: bool) -> CudaBackend {
+        self.grouped_attention = on;
+        self
+    }
+
     /// The backend on GPU `ordinal`, with the kernels compiled (or taken from the disk
     /// cache) for its architecture.
     pub fn new(ordinal: usize, mode: Mode) -> Result<CudaBackend, EngineError> {
@@ -650,6 +669,7 @@ impl CudaBackend {
             gated_acts: Mutex::new(Scratch { buf: None }),
             scratch_generation: AtomicU64::new(0),
             graphs,
+            grouped_attention: std::env::var("ASTRA_CUDA_GQA").is_ok_and(|v| v == "1"),
             k_graph,
             capturing: AtomicBool::new(false),
             capture_failed: AtomicBool::new(false),
@@ -1088,6 +1108,15 @@ impl CudaBackend {
         Some((addr, first))
     }
 
+    /// The grouped decode attention kernels (single row, batch) for `group` query heads
+    /// a KV head, where they are on and exist for it.
+    fn group_attention(&self, group: usize) -> Option<&(CudaFunction, CudaFunction)> {
+        match group {
+            2..=4 if self.grouped_attention => Some(&self.k().attention_group[group - 2]),
+            _ => None,
+        }
+    }
+
     /// The held-activations matrix kernels of weight type `ty`, where it has them.
     fn held_kernels(&self, ty: GgmlType) -> Option<&HeldKernels> {
         match ty {
@@ -1138,8 +1167,14 @@ impl CudaBackend {
             // The chunk's value rows in dynamic shared memory, each padded by 16 bytes
             // (astra.cu, chunk_part and SV_STRIDE).
             let shared = (CHUNK * (hd + 8) * 2) as u32;
+            let grouped = self.group_attention(group);
+            let ctas = if grouped.is_some() {
+                kv.n_head_kv
+            } else {
+                n_head
+            };
             let cfg = LaunchConfig {
-                grid_dim: (n_head as u32, split as u32, 1),
+                grid_dim: (ctas as u32, split as u32, 1),
                 block_dim,
                 shared_mem_bytes: shared,
             };
@@ -1163,7 +1198,8 @@ impl CudaBackend {
                 tickets: Out::of(&mut kv.tickets, &self.stream),
                 max_chunks,
             };
-            self.launch(&self.k().attention.0, &args, cfg);
+            let kernel = grouped.map_or(&self.k().attention.0, |k| &k.0);
+            self.launch(kernel, &args, cfg);
             return;
         }
         let cfg = LaunchConfig {
@@ -2110,8 +2146,14 @@ impl Backend for CudaBackend {
                 .map(|s| (s.pos + 1).div_ceil(CHUNK).min(SPLIT_CTAS))
                 .max()
                 .unwrap_or(1);
+            let grouped = self.group_attention(kv.n_head / kv.n_head_kv);
+            let ctas = if grouped.is_some() {
+                kv.n_head_kv
+            } else {
+                kv.n_head
+            };
             let cfg = LaunchConfig {
-                grid_dim: (kv.n_head as u32, split as u32, a.seqs.len() as u32),
+                grid_dim: (ctas as u32, split as u32, a.seqs.len() as u32),
                 block_dim: (attention_threads(kv.head_dim), 1, 1),
                 shared_mem_bytes: (CHUNK * (kv.head_dim + 8) * 2) as u32,
             };
@@ -2126,7 +2168,8 @@ impl Backend for CudaBackend {
                 head_dim: kv.head_dim as i32,
                 scale: a.scale,
             };
-            return self.launch(&self.k().attention_batch, &args, cfg);
+            let kernel = grouped.map_or(&self.k().attention_batch, |k| &k.1);
+            return self.launch(kernel, &args, cfg);
         }
         for seq in 0..a.seqs.len() {
             self.launch_attention(&mut a, seq, out, None);

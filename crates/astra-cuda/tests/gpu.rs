@@ -14,6 +14,16 @@ fn gpu_model(
     ty: astra_gguf::GgmlType,
     mode: Mode,
 ) -> Option<(tempfile::TempDir, Arc<Model<CudaBackend>>)> {
+    gpu_model_with(like, ty, mode, |b| b)
+}
+
+/// As [`gpu_model`], the backend first passed through `setup`.
+fn gpu_model_with(
+    like: &str,
+    ty: astra_gguf::GgmlType,
+    mode: Mode,
+    setup: impl FnOnce(CudaBackend) -> CudaBackend,
+) -> Option<(tempfile::TempDir, Arc<Model<CudaBackend>>)> {
     if let Some(why) = unavailable_reason() {
         eprintln!("SKIPPED: {why}");
         return None;
@@ -21,7 +31,7 @@ fn gpu_model(
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(format!("{like}.gguf"));
     astra_synth::write(astra_synth::shape(like).unwrap(), ty, 7, &path).unwrap();
-    let model = Model::load_on(CudaBackend::new(0, mode).unwrap(), &path).unwrap();
+    let model = Model::load_on(setup(CudaBackend::new(0, mode).unwrap()), &path).unwrap();
     Some((dir, model))
 }
 
@@ -33,11 +43,19 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// recorded graph, recorded again midway when a larger batch of another sequence has
 /// replaced the buffers it read; past 256 positions a decode row's attention spreads its
 /// chunks over CTAs), and in chunks over the cached prefix; and of 1, 4 and 16 sequences
-/// sharing batches: all bitwise the same.
+/// sharing batches: all bitwise the same. Decode attention runs both ways, a CTA per
+/// query head and per KV head's group of them, and equals the batch's either way.
 fn deterministic(like: &str, ty: astra_gguf::GgmlType) {
-    let Some((_dir, model)) = gpu_model(like, ty, Mode::Deterministic) else {
-        return;
-    };
+    for grouped in [false, true] {
+        let setup = |b: CudaBackend| b.with_grouped_attention(grouped);
+        let Some((_dir, model)) = gpu_model_with(like, ty, Mode::Deterministic, setup) else {
+            return;
+        };
+        deterministic_on(&model, &format!("{like} (grouped attention {grouped})"));
+    }
+}
+
+fn deterministic_on(model: &Model<CudaBackend>, like: &str) {
     let prompt: Vec<u32> = (0..300u32).map(|i| (i * 7919) % 20000 + 300).collect();
     let n = prompt.len();
     let whole = {
