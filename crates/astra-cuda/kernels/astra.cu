@@ -1341,6 +1341,72 @@ __device__ __forceinline__ void mmq_q4_k_many(const MmqTile<RT>& tl, const u8* a
         }
 }
 
+// mmq_q4_k_many's products with each warp taking one row tile against two token
+// tiles (RT = 2, NT warps: warp w takes row tile w % 2 and token tiles w / 2 and
+// w / 2 + NT / 2), so that a row tile's block is unpacked once for two token tiles
+// rather than once for each. Every (row, token) adds the same parts in the same order
+// as in mmq_q4_k_many: the same bits.
+template <int NT>
+__device__ __forceinline__ void mmq_q4_k_pair(const MmqTile<2>& tl, const u8* a, int nb, int acc, int tokens) {
+    __shared__ __align__(16) MmqManyStage<NT, 2> stage[2];
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane / 4, q = lane % 4;
+    const int r = warp % 2, tt[2] = {warp / 2, warp / 2 + NT / 2};
+    float sum[2][4] = {};
+    mmq_many_copy(stage[0], tl, a, nb, 0, tokens);
+    for (int b = 0; b < nb; b++) {
+        if (b + 1 < nb) {
+            mmq_many_copy(stage[(b + 1) % 2], tl, a, nb, b + 1, tokens);
+            copy_async_wait<1>();
+        } else {
+            copy_async_wait<0>();
+        }
+        __syncthreads();
+        const MmqManyStage<NT, 2>& st = stage[b % 2];
+        Q4KFrag f;
+        f.from(st.w[16 * r + g], st.w[16 * r + g + 8]);
+        int is[2][4] = {}, ms[2][4] = {};
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int c = j / 2, sh = 4 * (j % 2);
+            unsigned int aw[4] = {(f.qv[0][c].x >> sh) & 0x0f0f0f0fu, (f.qv[1][c].x >> sh) & 0x0f0f0f0fu,
+                                  (f.qv[0][c].y >> sh) & 0x0f0f0f0fu, (f.qv[1][c].y >> sh) & 0x0f0f0f0fu};
+            unsigned int m0 = (unsigned int)f.mn[0][j] * 0x01010101u, m1 = (unsigned int)f.mn[1][j] * 0x01010101u;
+            unsigned int am[4] = {m0, m1, m0, m1};
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                uint2 bv = *(const uint2*)(st.q[8 * tt[u] + g] + 32 * j + 8 * q);
+                int cc[4];
+                mma_s8(cc, aw, (int)bv.x, (int)bv.y);
+                is[u][0] += f.sc[0][j] * cc[0];
+                is[u][1] += f.sc[0][j] * cc[1];
+                is[u][2] += f.sc[1][j] * cc[2];
+                is[u][3] += f.sc[1][j] * cc[3];
+                mma_s8_add(ms[u], am, (int)bv.x, (int)bv.y);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const float dy[2] = {st.d[8 * tt[u] + 2 * q], st.d[8 * tt[u] + 2 * q + 1]};
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    float part = __fsub_rn(__fmul_rn((float)is[u][2 * h + e], __fmul_rn(f.d[h], dy[e])),
+                                           __fmul_rn((float)ms[u][2 * h + e], __fmul_rn(f.dmin[h], dy[e])));
+                    sum[u][2 * h + e] = __fadd_rn(sum[u][2 * h + e], part);
+                }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int u = 0; u < 2; u++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int t = tl.tok0 + 8 * tt[u] + 2 * q + e % 2, row = tl.row0 + 16 * r + g + 8 * (e / 2);
+            if (t < tokens && row < tl.rows) put(tl.out, (long)t * tl.rows + row, sum[u][e], acc);
+        }
+}
+
 // A word of a Q8_0 row's quants (at a multiple of 4 from the row's start) in loads its
 // alignment allows.
 __device__ __forceinline__ unsigned int ld4_row(const u8* p, int align) {
@@ -1431,6 +1497,14 @@ MMQ_ENTRY_OF(mmq_q4_k, mmq_q4_k_direct, 4, 1) MMQ_ENTRY_OF(mmq_q4_k, mmq_q4_k_di
         mmq_q4_k_many<NT, RT>(tl, a, nb, acc, tokens);                                                                   \
     }
 MMQ_MANY_ENTRY(4, 2) MMQ_MANY_ENTRY(8, 2)
+// The same tiles, a warp a row tile against two token tiles.
+#define MMQ_PAIR_ENTRY(NT)                                                                                               \
+    extern "C" __global__ void __launch_bounds__(WARP * NT) mmq_q4_k_pair_##NT##_2(const MatvecHeldArgs kargs) { UNPACK_MatvecHeldArgs(kargs) \
+        PDL_START                                                                                                        \
+        MmqTile<2> tl(w0, w1, w2, o0, o1, o2, r0, r1, r2, NT);                                                           \
+        mmq_q4_k_pair<NT>(tl, a, nb, acc, tokens);                                                                       \
+    }
+MMQ_PAIR_ENTRY(4) MMQ_PAIR_ENTRY(8)
 MMQ_ENTRY_ROWS(mmq_q4_k, 1, 2) MMQ_ENTRY_ROWS(mmq_q4_k, 1, 4)
 MMQ_ENTRY_ROWS(mmq_q4_k, 2, 2) MMQ_ENTRY_ROWS(mmq_q4_k, 2, 4)
 MMQ_ENTRIES(mmq_q8_0)

@@ -136,20 +136,24 @@ impl Kernels {
             .unwrap_or(4);
         let mmq = |n: &str, wide: bool| -> Result<MmqKernels, EngineError> {
             let tiles = |nt: usize, rt: usize| f(&format!("{n}_{nt}_{rt}"));
-            let (tall, many) = match wide {
-                true => (
-                    Some([[tiles(1, 2)?, tiles(1, 4)?], [tiles(2, 2)?, tiles(2, 4)?]]),
-                    match many_tokens {
-                        true => Some([f(&format!("{n}_many_4_2"))?, f(&format!("{n}_many_8_2"))?]),
-                        false => None,
-                    },
-                ),
-                false => (None, None),
+            let wide_tiles = |kind: &str| -> Result<Option<[CudaFunction; 2]>, EngineError> {
+                Ok(match wide && many_tokens {
+                    true => Some([
+                        f(&format!("{n}_{kind}_4_2"))?,
+                        f(&format!("{n}_{kind}_8_2"))?,
+                    ]),
+                    false => None,
+                })
+            };
+            let tall = match wide {
+                true => Some([[tiles(1, 2)?, tiles(1, 4)?], [tiles(2, 2)?, tiles(2, 4)?]]),
+                false => None,
             };
             Ok(MmqKernels {
                 by_tiles: [tiles(1, 1)?, tiles(2, 1)?, tiles(4, 1)?, tiles(8, 1)?],
                 tall,
-                many,
+                many: wide_tiles("many")?,
+                pair: wide_tiles("pair")?,
                 sms,
                 max_row_tiles,
             })
@@ -351,6 +355,9 @@ pub struct CudaBackend {
     scratch_generation: AtomicU64,
     /// Whether decode steps are recorded as graphs (`ASTRA_CUDA_GRAPHS=0` turns it off).
     graphs: bool,
+    /// Whether Q4_K products of 17–64 tokens take a warp a row tile against two token
+    /// tiles (`ASTRA_CUDA_MMQ_MANY=2`) rather than a warp a token tile.
+    paired_tiles: bool,
     /// Whether decode attention takes a CTA per KV head's group of query heads
     /// (`ASTRA_CUDA_GQA=1`) rather than one per query head.
     grouped_attention: bool,
@@ -596,6 +603,14 @@ impl CudaBackend {
         self
     }
 
+    /// The backend with Q4_K products of 17–64 tokens taking a warp a row tile against
+    /// two token tiles (`on`) or a warp a token tile, whatever `ASTRA_CUDA_MMQ_MANY`
+    /// says: the same bits either way.
+    pub fn with_paired_tiles(mut self, on: bool) -> CudaBackend {
+        self.paired_tiles = on;
+        self
+    }
+
     /// The backend on GPU `ordinal`, with the kernels compiled (or taken from the disk
     /// cache) for its architecture.
     pub fn new(ordinal: usize, mode: Mode) -> Result<CudaBackend, EngineError> {
@@ -670,6 +685,7 @@ impl CudaBackend {
             scratch_generation: AtomicU64::new(0),
             graphs,
             grouped_attention: std::env::var("ASTRA_CUDA_GQA").is_ok_and(|v| v == "1"),
+            paired_tiles: std::env::var("ASTRA_CUDA_MMQ_MANY").is_ok_and(|v| v == "2"),
             k_graph,
             capturing: AtomicBool::new(false),
             capture_failed: AtomicBool::new(false),
@@ -866,7 +882,7 @@ impl CudaBackend {
                     self.group_args(&mut outs[i..i + n], add_to.as_deref_mut());
                 let (f, cfg, per_cta) = match kind {
                     Ok(mmq) => {
-                        let (f, cfg) = mmq.launch(rows, tokens);
+                        let (f, cfg) = mmq.launch(rows, tokens, self.paired_tiles);
                         (f, cfg, 16)
                     }
                     Err(held) => held.launch(rows.map(|r| r as usize), nb as usize, tokens),
@@ -1482,6 +1498,9 @@ struct MmqKernels {
     tall: Option<[[CudaFunction; 2]; 2]>,
     /// For 4 and 8 token tiles, 32 rows a CTA (`ASTRA_CUDA_MMQ_MANY=0`: `by_tiles`).
     many: Option<[CudaFunction; 2]>,
+    /// The same tiles with a warp a row tile against two token tiles (the same bits),
+    /// where the backend asks for them.
+    pair: Option<[CudaFunction; 2]>,
     sms: usize,
     /// The most row tiles of 16 a CTA takes (`ASTRA_CUDA_MMQ_ROWS`, 4 unless set).
     max_row_tiles: usize,
@@ -1491,7 +1510,7 @@ impl MmqKernels {
     /// The kernel and launch for matrices of `rows` and a batch of `tokens`: for one or
     /// two token tiles, the most rows a CTA that still leave two CTAs or more for each
     /// SM.
-    fn launch(&self, rows: [i32; 3], tokens: usize) -> (&CudaFunction, LaunchConfig) {
+    fn launch(&self, rows: [i32; 3], tokens: usize, pair: bool) -> (&CudaFunction, LaunchConfig) {
         let tiles = mmq_tiles(tokens);
         let ctas = |per: usize| -> usize {
             rows.iter()
@@ -1508,7 +1527,10 @@ impl MmqKernels {
                 .into_iter()
                 .find(|&(per, _)| per <= self.max_row_tiles && ctas(per) >= 2 * self.sms)
                 .map_or(plain, |(per, i)| (&tall[tiles - 1][i], per, MMQ_WARPS)),
-            (_, Some(many)) if tiles >= 4 => (&many[tiles / 8], 2, tiles),
+            (_, Some(many)) if tiles >= 4 => {
+                let kernels = self.pair.as_ref().filter(|_| pair).unwrap_or(many);
+                (&kernels[tiles / 8], 2, tiles)
+            }
             _ => plain,
         };
         let cfg = LaunchConfig {

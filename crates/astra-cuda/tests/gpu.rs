@@ -236,6 +236,34 @@ fn gemma3_shape_batches_stay_close_to_deterministic() {
     batched_products_stay_close("gemma3-270m", astra_gguf::GgmlType::Q4_K, 5e-2, 1.0);
 }
 
+/// Q4_K products of 17–64 tokens give the same bits with a warp a token tile and with
+/// a warp a row tile against two token tiles: prompts of 24 and 40 tokens (four and
+/// eight token tiles), every position's logits, on the llama3-1b shape.
+#[test]
+fn paired_q4_k_tiles_equal_a_warp_a_token_tile() {
+    let Some((dir, single)) = gpu_model("llama3-1b", astra_gguf::GgmlType::Q4_K, Mode::Fast) else {
+        return;
+    };
+    let paired = Model::load_on(
+        CudaBackend::new(0, Mode::Fast)
+            .unwrap()
+            .with_paired_tiles(true),
+        &dir.path().join("llama3-1b.gguf"),
+    )
+    .unwrap();
+    for n in [24u32, 40] {
+        let prompt: Vec<u32> = (0..n).map(|i| (i * 7919) % 20000 + 300).collect();
+        let logits = |m: &Model<CudaBackend>| {
+            let mut s = m.session(256).unwrap();
+            bits(&m.forward(&mut s, &prompt, 0).unwrap())
+        };
+        assert!(
+            logits(&single) == logits(&paired),
+            "{n} tokens: paired tiles differ"
+        );
+    }
+}
+
 /// A device failure is an error, never a panic, and the backend serves the next step:
 /// an allocation far beyond the device's memory fails with the driver's error, and a
 /// forward pass afterwards gives the same logits as before it.
