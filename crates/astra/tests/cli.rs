@@ -464,7 +464,8 @@ fn perplexity_command_reports_llama_cpp_format() {
 
 /// `astra synth` writes models of the real ones' shapes that load and generate, with the
 /// real files' tensor counts; a quant type whose blocks do not divide a row falls back
-/// to q5_0 for that matrix (as llama.cpp's quantizer does).
+/// to q5_0 for that matrix (as llama.cpp's quantizer does); `--ctx` sets the context
+/// length.
 #[test]
 fn synth_writes_loadable_models_of_known_shapes() {
     let dir = tempfile::tempdir().unwrap();
@@ -496,6 +497,13 @@ fn synth_writes_loadable_models_of_known_shapes() {
         ]));
         assert_eq!(run["tokens"].as_array().unwrap().len(), 3);
     }
+    // --ctx sets the context length the file states.
+    let path = dir.path().join("long.gguf");
+    let p = path.to_str().unwrap();
+    let out = astra(&["synth", "--like", "smollm2-135m", "--ctx", "16384", "-o", p]);
+    assert!(out.status.success());
+    let v = json(&astra(&["inspect", p, "--json"]));
+    assert_eq!(v["hyperparameters"]["context_length"], 16384, "{v}");
     let out = astra(&[
         "synth",
         "--like",

@@ -20,13 +20,22 @@ pub struct Args {
     ty: String,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Context length written to the file's metadata, in place of the shape's own.
+    #[arg(long)]
+    ctx: Option<usize>,
     /// Output file.
     #[arg(short, long)]
     output: PathBuf,
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let shape = astra_synth::shape(&args.like)?;
+    let mut shape = astra_synth::shape(&args.like)?.clone();
+    if let Some(ctx) = args.ctx {
+        if !(1..=u32::MAX as usize).contains(&ctx) {
+            bail!("--ctx {ctx} is out of range (1 to {})", u32::MAX);
+        }
+        shape.ctx = ctx;
+    }
     if let Some(arch) = &args.arch {
         if arch != shape.arch {
             bail!(
@@ -39,7 +48,7 @@ pub fn run(args: Args) -> Result<()> {
     let ty = GgmlType::from_name(&args.ty)
         .with_context(|| format!("unknown tensor type {:?}", args.ty))?;
     let t0 = std::time::Instant::now();
-    astra_synth::write(shape, ty, args.seed, &args.output)?;
+    astra_synth::write(&shape, ty, args.seed, &args.output)?;
     let bytes = std::fs::metadata(&args.output)
         .map(|m| m.len())
         .unwrap_or(0);
