@@ -63,8 +63,50 @@ impl KvType {
     }
 }
 
+/// How a CPU backend's caches hold their positions. `ASTRA_ATTN` picks it (`1`
+/// contiguous, `2` paged): attention reads a chunk's keys and values from either
+/// through the same kernels, so the two give the same bits, and the contiguous layout
+/// stays as the baseline the paged one is compared with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvStorage {
+    /// Each layer's keys and values in one buffer `(kv_head, slot, head_dim)`, made
+    /// whole for the context when the cache is (a ring for a sliding-window layer).
+    /// No sharing, no page limit.
+    Contiguous,
+    /// Pages of [`CHUNK`] positions, made as positions are written and shared between
+    /// sequences holding the same prefix.
+    #[default]
+    Paged,
+}
+
+impl KvStorage {
+    pub fn name(self) -> &'static str {
+        match self {
+            KvStorage::Contiguous => "contiguous",
+            KvStorage::Paged => "paged",
+        }
+    }
+
+    /// `ASTRA_ATTN` where set (an unknown value is reported once and ignored), else
+    /// paged. Decided once.
+    pub fn selected() -> KvStorage {
+        static SELECTED: std::sync::OnceLock<KvStorage> = std::sync::OnceLock::new();
+        *SELECTED.get_or_init(|| match std::env::var("ASTRA_ATTN").as_deref() {
+            Ok("1") => KvStorage::Contiguous,
+            Ok("2") | Err(_) => KvStorage::Paged,
+            Ok(other) => {
+                eprintln!(
+                    "warning: ASTRA_ATTN={other} is not 1 (contiguous) or 2 (paged); using paged"
+                );
+                KvStorage::Paged
+            }
+        })
+    }
+}
+
 /// Keys (or values) of a page, `(layer of its group, kv_head, position in the chunk,
-/// head_dim)`, in the cache's type.
+/// head_dim)`, or of a contiguous cache's layer, `(kv_head, slot, head_dim)`, in the
+/// cache's type.
 #[derive(Clone)]
 enum KvRows {
     F16(Vec<f16>),
@@ -300,7 +342,20 @@ impl Drop for Page {
     }
 }
 
-/// A layer's place in a paged cache.
+/// Where a cache's positions are.
+#[derive(Clone)]
+enum Held {
+    /// For each group, the page of each chunk of positions (`None`: not written yet,
+    /// or released after leaving a sliding window), from `pages`.
+    Pages {
+        pages: Arc<KvPages>,
+        tables: [Vec<Option<Arc<Page>>>; 2],
+    },
+    /// For each layer, its keys and values `(kv_head, slot, head_dim)`.
+    Slots(Vec<(KvRows, KvRows)>),
+}
+
+/// A layer's place in a cache.
 #[derive(Clone, Copy)]
 struct LayerPlace {
     group: usize,
@@ -310,12 +365,10 @@ struct LayerPlace {
     window: Option<usize>,
 }
 
-/// One sequence's keys and values: for each group, the page of each chunk of positions
-/// (`None`: not written yet, or released after leaving a sliding window).
+/// One sequence's keys and values.
 pub struct KvCache {
-    pages: Arc<KvPages>,
     layers: Vec<LayerPlace>,
-    tables: [Vec<Option<Arc<Page>>>; 2],
+    held: Held,
     n_head: usize,
     n_head_kv: usize,
     head_dim: usize,
@@ -332,6 +385,28 @@ impl KvCache {
 
     /// A cache of `layout` over `pages` (which [`KvPages::fits`] the layout).
     pub fn paged(layout: &KvLayout, pages: &Arc<KvPages>) -> KvCache {
+        KvCache::holding(
+            layout,
+            Held::Pages {
+                pages: Arc::clone(pages),
+                tables: [Vec::new(), Vec::new()],
+            },
+        )
+    }
+
+    /// A cache of `layout` in one buffer per layer, made whole now
+    /// ([`KvStorage::Contiguous`]).
+    pub fn contiguous(layout: &KvLayout) -> KvCache {
+        let slots = (0..layout.layers.len())
+            .map(|l| {
+                let n = layout.layer_elems(l);
+                (KvRows::new(layout.elem, n), KvRows::new(layout.elem, n))
+            })
+            .collect();
+        KvCache::holding(layout, Held::Slots(slots))
+    }
+
+    fn holding(layout: &KvLayout, held: Held) -> KvCache {
         let (places, _) = layout.groups();
         let layers = layout
             .layers
@@ -356,9 +431,8 @@ impl KvCache {
             ))
         });
         KvCache {
-            pages: Arc::clone(pages),
             layers,
-            tables: [Vec::new(), Vec::new()],
+            held,
             swa,
             n_head: layout.n_head,
             n_head_kv: layout.n_head_kv,
@@ -381,19 +455,23 @@ impl KvCache {
     /// Makes room for positions `positions` to be written: every page they fall in made
     /// and held by this sequence alone (a shared page copied), and a sliding window's
     /// pages that fall out of it released. Fails, changing nothing, where the pages
-    /// would take more than the limit.
+    /// would take more than the limit. A contiguous cache has its room already.
     pub fn reserve(&mut self, positions: Range<usize>) -> Result<(), EngineError> {
         if positions.is_empty() {
             return Ok(());
         }
         let chunks = positions.start / CHUNK..positions.end.div_ceil(CHUNK);
         let keep_from = self.local_keep_from(positions.end);
+        let Held::Pages { pages, tables } = &mut self.held else {
+            return Ok(());
+        };
+        let pages = &*pages;
         let mut new_bytes = 0;
         for group in [GLOBAL, LOCAL] {
-            if self.pages.page_elems[group] == 0 {
+            if pages.page_elems[group] == 0 {
                 continue;
             }
-            let table = &self.tables[group];
+            let table = &tables[group];
             let owned = |c: usize| {
                 table
                     .get(c)
@@ -406,21 +484,20 @@ impl KvCache {
                 chunks.start
             };
             new_bytes +=
-                (first..chunks.end).filter(|&c| !owned(c)).count() * self.pages.page_bytes(group);
+                (first..chunks.end).filter(|&c| !owned(c)).count() * pages.page_bytes(group);
         }
-        let (now, limit) = (self.pages.bytes(), self.pages.limit());
+        let (now, limit) = (pages.bytes(), pages.limit());
         if new_bytes > 0 && now + new_bytes > limit {
             return Err(EngineError::KvFull {
                 needed: now + new_bytes,
                 limit,
             });
         }
-        let pages = Arc::clone(&self.pages);
         for group in [GLOBAL, LOCAL] {
             if pages.page_elems[group] == 0 {
                 continue;
             }
-            let table = &mut self.tables[group];
+            let table = &mut tables[group];
             // Positions past these are no longer held (a rewind left them behind).
             table.resize(chunks.end, None);
             if group == LOCAL {
@@ -439,17 +516,23 @@ impl KvCache {
     }
 
     /// A cache holding this one's first `n` positions, sharing its pages (the last,
-    /// partly filled one too, until one of them writes to it).
+    /// partly filled one too, until one of them writes to it); a contiguous cache is
+    /// copied whole.
     pub fn fork(&self, n: usize) -> KvCache {
         let chunks = n.div_ceil(CHUNK);
-        let tables = [GLOBAL, LOCAL].map(|g| {
-            let t = &self.tables[g];
-            t[..chunks.min(t.len())].to_vec()
-        });
+        let held = match &self.held {
+            Held::Pages { pages, tables } => Held::Pages {
+                pages: Arc::clone(pages),
+                tables: [GLOBAL, LOCAL].map(|g| {
+                    let t = &tables[g];
+                    t[..chunks.min(t.len())].to_vec()
+                }),
+            },
+            Held::Slots(slots) => Held::Slots(slots.clone()),
+        };
         KvCache {
-            pages: Arc::clone(&self.pages),
             layers: self.layers.clone(),
-            tables,
+            held,
             n_head: self.n_head,
             n_head_kv: self.n_head_kv,
             head_dim: self.head_dim,
@@ -460,16 +543,23 @@ impl KvCache {
     /// Pages this cache holds (a shared page counted by each holder), and which: the
     /// pages' addresses, for counting pages shared between caches.
     pub fn pages_held(&self) -> impl Iterator<Item = usize> + '_ {
-        self.tables
+        let tables: &[Vec<Option<Arc<Page>>>] = match &self.held {
+            Held::Pages { tables, .. } => tables,
+            Held::Slots(_) => &[],
+        };
+        tables
             .iter()
             .flatten()
             .flatten()
             .map(|p| Arc::as_ptr(p) as usize)
     }
 
-    /// The pages these caches hold.
-    pub fn pages(&self) -> &Arc<KvPages> {
-        &self.pages
+    /// The pages this cache's pages come from (none for a contiguous cache).
+    pub fn pages(&self) -> Option<&Arc<KvPages>> {
+        match &self.held {
+            Held::Pages { pages, .. } => Some(pages),
+            Held::Slots(_) => None,
+        }
     }
 
     /// Notes that a micro-batch at `positions` is being stored (every layer's store
@@ -484,12 +574,23 @@ impl KvCache {
     /// making its page where [`KvCache::reserve`] did not.
     pub fn store(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
         let (l, hd) = (self.layers[layer], self.head_dim);
-        let table = &mut self.tables[l.group];
+        let (pages, tables) = match &mut self.held {
+            Held::Pages { pages, tables } => (&*pages, tables),
+            Held::Slots(slots) => {
+                let (keys, values) = &mut slots[layer];
+                for g in 0..self.n_head_kv {
+                    let at = (g * l.slots + pos % l.slots) * hd;
+                    keys.store(at, &k[g * hd..(g + 1) * hd]);
+                    values.store(at, &v[g * hd..(g + 1) * hd]);
+                }
+                return;
+            }
+        };
+        let table = &mut tables[l.group];
         let c = pos / CHUNK;
         if table.len() <= c {
             table.resize(c + 1, None);
         }
-        let pages = &self.pages;
         let page = Arc::make_mut(table[c].get_or_insert_with(|| Arc::new(pages.page(l.group))));
         for g in 0..self.n_head_kv {
             let at = ((l.index * self.n_head_kv + g) * CHUNK + pos % CHUNK) * hd;
@@ -502,8 +603,16 @@ impl KvCache {
     pub fn layer(&self, layer: usize, scale: f32) -> AttnLayer<'_> {
         let l = self.layers[layer];
         AttnLayer {
-            table: &self.tables[l.group],
-            index: l.index,
+            held: match &self.held {
+                Held::Pages { tables, .. } => LayerRows::Pages {
+                    table: &tables[l.group],
+                    index: l.index,
+                },
+                Held::Slots(slots) => LayerRows::Slots {
+                    k: &slots[layer].0,
+                    v: &slots[layer].1,
+                },
+            },
             slots: l.slots,
             window: l.window,
             swa: self.swa.as_ref(),
@@ -526,12 +635,22 @@ struct Partial {
     acc: Vec<f32>, // (head_dim)
 }
 
+/// Where an [`AttnLayer`]'s keys and values are.
+#[derive(Clone, Copy)]
+enum LayerRows<'a> {
+    Pages {
+        /// The pages of the layer's group, by chunk.
+        table: &'a [Option<Arc<Page>>],
+        /// The layer's index in its pages.
+        index: usize,
+    },
+    /// The layer's keys and values, `(kv_head, slot, head_dim)`.
+    Slots { k: &'a KvRows, v: &'a KvRows },
+}
+
 #[derive(Clone, Copy)]
 pub struct AttnLayer<'a> {
-    /// The pages of the layer's group, by chunk.
-    table: &'a [Option<Arc<Page>>],
-    /// The layer's index in its pages.
-    index: usize,
+    held: LayerRows<'a>,
     slots: usize,
     /// Positions attended back (the sliding window), or unlimited.
     window: Option<usize>,
@@ -554,13 +673,25 @@ impl AttnLayer<'_> {
         self.first(pos) / CHUNK..=pos / CHUNK
     }
 
-    /// KV head `g`'s keys and values of chunk `c`: `(position in the chunk, head_dim)`.
-    fn chunk(&self, g: usize, c: usize) -> (&KvRows, &KvRows, usize) {
-        let page = self.table[c]
-            .as_ref()
-            .expect("attended positions are stored");
-        let at = (self.index * self.n_head_kv + g) * CHUNK * self.head_dim;
-        (&page.k, &page.v, at)
+    /// KV head `g`'s keys and values of chunk `c`, `(position in the chunk,
+    /// head_dim)`: the rows that hold them and the range of elements the chunk's
+    /// positions take (`None` where a paged cache holds no page for it).
+    fn chunk(&self, g: usize, c: usize) -> Option<(&KvRows, &KvRows, Range<usize>)> {
+        let hd = self.head_dim;
+        match self.held {
+            LayerRows::Pages { table, index } => {
+                let page = table.get(c)?.as_ref()?;
+                let at = (index * self.n_head_kv + g) * CHUNK * hd;
+                Some((&page.k, &page.v, at..at + CHUNK * hd))
+            }
+            LayerRows::Slots { k, v } => {
+                // A ring of whole chunks, or slots for every position: a chunk's
+                // positions are consecutive slots either way.
+                let slot = (c * CHUNK) % self.slots;
+                let at = (g * self.slots + slot) * hd;
+                Some((k, v, at..at + CHUNK.min(self.slots - slot) * hd))
+            }
+        }
     }
 
     /// The key and value rows (every KV head) stored at `pos`, as f32.
@@ -569,8 +700,8 @@ impl AttnLayer<'_> {
         let hd = self.head_dim;
         let (mut k, mut v) = (Vec::new(), Vec::new());
         for g in 0..self.n_head_kv {
-            let (kr, vr, at) = self.chunk(g, pos / CHUNK);
-            let at = at + (pos % CHUNK) * hd;
+            let (kr, vr, span) = self.chunk(g, pos / CHUNK).expect("a stored position");
+            let at = span.start + (pos % CHUNK) * hd;
             for (rows, out) in [(kr, &mut k), (vr, &mut v)] {
                 match rows {
                     KvRows::F16(x) => out.extend(x[at..at + hd].iter().map(|e| e.to_f32())),
@@ -586,8 +717,10 @@ impl AttnLayer<'_> {
     /// page).
     fn partial(&self, q: &[f32], g: usize, lo: usize, hi: usize) -> Partial {
         let hd = self.head_dim;
-        let (k, v, at) = self.chunk(g, lo / CHUNK);
-        let rows = at + (lo % CHUNK) * hd..at + (hi % CHUNK + 1) * hd;
+        let (k, v, span) = self
+            .chunk(g, lo / CHUNK)
+            .expect("attended positions are stored");
+        let rows = span.start + (lo % CHUNK) * hd..span.start + (hi % CHUNK + 1) * hd;
         let mut weights = [0.0f32; CHUNK];
         let mut acc = vec![0.0f32; hd];
         let w = &mut weights[..hi + 1 - lo];
@@ -848,17 +981,14 @@ impl AttnLayer<'_> {
         };
         let heads: Vec<KvHead> = (0..self.n_head_kv)
             .map(|g| {
-                let chunks = (0..self.table.len())
-                    .map(|c| match self.table[c] {
-                        Some(_) => match self.chunk(g, c) {
-                            (KvRows::F16(k), KvRows::F16(v), at) => {
-                                let span = at..at + CHUNK * hd;
-                                (&k[span.clone()], &v[span])
-                            }
-                            _ => unreachable!(
-                                "llama.cpp's arithmetic runs over an f16 cache (checked at load)"
-                            ),
-                        },
+                let chunks = (0..(n_past + tokens).div_ceil(CHUNK))
+                    .map(|c| match self.chunk(g, c) {
+                        Some((KvRows::F16(k), KvRows::F16(v), span)) => {
+                            (&k[span.clone()], &v[span])
+                        }
+                        Some(_) => unreachable!(
+                            "llama.cpp's arithmetic runs over an f16 cache (checked at load)"
+                        ),
                         None => (&[][..], &[][..]),
                     })
                     .collect();
@@ -928,42 +1058,6 @@ mod tests {
         }
     }
 
-    /// Causal attention in f64 over positions `first..=pos` of f16-rounded keys and values.
-    fn reference(
-        q: &[f32],
-        keys: &[Vec<f32>],
-        values: &[Vec<f32>],
-        first: usize,
-        pos: usize,
-        cfg: &Config,
-        scale: f32,
-    ) -> Vec<f64> {
-        let (hd, group) = (cfg.head_dim, cfg.n_head / cfg.n_head_kv);
-        let r = |x: f32| f16::from_f32(x).to_f64();
-        let mut out = vec![0.0f64; cfg.n_head * hd];
-        for h in 0..cfg.n_head {
-            let g = h / group;
-            let qh = &q[h * hd..(h + 1) * hd];
-            let scores: Vec<f64> = (first..=pos)
-                .map(|p| {
-                    (0..hd)
-                        .map(|i| qh[i] as f64 * r(keys[p][g * hd + i]))
-                        .sum::<f64>()
-                        * scale as f64
-                })
-                .collect();
-            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
-            for (p, s) in (first..=pos).zip(&scores) {
-                let w = (s - max).exp() / sum;
-                for i in 0..hd {
-                    out[h * hd + i] += w * r(values[p][g * hd + i]);
-                }
-            }
-        }
-        out
-    }
-
     /// A sliding-window layer (whose ring of slots wraps several times) and a global
     /// layer, fed in batches of varied sizes: every query's output matches the f64
     /// reference over exactly its window, and a query decoded alone gets the same bits
@@ -981,7 +1075,13 @@ mod tests {
         let mut rng = Rng(7);
         let scale = 0.3;
         let (qd, kd) = (cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim);
-        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        // Keys and values `(position, kv_head, head_dim)` as the f16 cache holds them.
+        let mut held = (Vec::new(), Vec::new());
+        let f16_rounded = |x: &[f32]| {
+            x.iter()
+                .map(|&e| f16::from_f32(e).to_f64())
+                .collect::<Vec<_>>()
+        };
         let mut pos = 0;
         for &n in [1usize, 37, 64, 5, 64, 64, 1, 63, 64, 64, 64, 64, 64, 50]
             .iter()
@@ -992,15 +1092,16 @@ mod tests {
             }
             let q = rng.vec(n * qd);
             let (k, v) = (rng.vec(n * kd), rng.vec(n * kd));
-            for i in 0..n {
-                keys.push(k[i * kd..(i + 1) * kd].to_vec());
-                values.push(v[i * kd..(i + 1) * kd].to_vec());
-            }
+            held.0.extend(f16_rounded(&k));
+            held.1.extend(f16_rounded(&v));
             kv.reserve(pos..pos + n).unwrap();
             // The local layer holds the pages of its ring's positions, no more.
-            let local = kv.tables[LOCAL].iter().flatten().count();
+            let Held::Pages { tables, .. } = &kv.held else {
+                unreachable!("a new cache is paged")
+            };
+            let local = tables[LOCAL].iter().flatten().count();
             assert!(local <= ring / CHUNK + 1, "{local} local pages at {pos}");
-            assert_eq!(kv.tables[GLOBAL].len(), (pos + n).div_ceil(CHUNK));
+            assert_eq!(tables[GLOBAL].len(), (pos + n).div_ceil(CHUNK));
             for layer in 0..2 {
                 for i in 0..n {
                     kv.store(
@@ -1019,20 +1120,18 @@ mod tests {
                     } else {
                         0
                     };
-                    let want = reference(
-                        &q[i * qd..(i + 1) * qd],
-                        &keys,
-                        &values,
-                        first,
-                        p,
+                    let want = crate::attention_parity::reference(
                         &cfg,
+                        &q[i * qd..(i + 1) * qd],
+                        &held,
+                        first..p + 1,
                         scale,
                     );
                     let got = &out[i * qd..(i + 1) * qd];
                     let err = got
                         .iter()
                         .zip(&want)
-                        .map(|(&a, &b)| (a as f64 - b).abs())
+                        .map(|(&a, &b)| (a as f64 - b as f64).abs())
                         .fold(0.0, f64::max);
                     assert!(err < 1e-5, "layer {layer} position {p}: max error {err}");
                     if i == n - 1 {
@@ -1136,7 +1235,7 @@ mod tests {
         let mut rng = Rng(5);
         let (qd, kd) = (cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim);
         let mut a = KvCache::new(&layout);
-        let pages = Arc::clone(a.pages());
+        let pages = Arc::clone(a.pages().expect("a new cache is paged"));
         let held = 150;
         a.reserve(0..held).unwrap();
         for layer in 0..2 {

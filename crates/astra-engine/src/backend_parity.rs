@@ -125,11 +125,24 @@ fn attention_config() -> Config {
 /// [`attention_config`] with heads of `head_dim` elements, `n_head_kv` KV heads for
 /// its four query heads.
 fn attention_config_with(head_dim: usize, n_head_kv: usize) -> Config {
+    attention_layers(head_dim, 4, n_head_kv, Some(40), vec![true, false])
+}
+
+/// A stack of attention layers (here and in [`crate::attention_parity`]): `n_head`
+/// query heads of `head_dim` elements over `n_head_kv` KV heads, the layers
+/// `layer_local` marks keeping a sliding `window`.
+pub(crate) fn attention_layers(
+    head_dim: usize,
+    n_head: usize,
+    n_head_kv: usize,
+    window: Option<usize>,
+    layer_local: Vec<bool>,
+) -> Config {
     Config {
         arch: Arch::Gemma3,
-        n_layer: 2,
+        n_layer: layer_local.len(),
         n_embd: 256,
-        n_head: 4,
+        n_head,
         n_head_kv,
         head_dim,
         n_ff: 512,
@@ -139,8 +152,8 @@ fn attention_config_with(head_dim: usize, n_head_kv: usize) -> Config {
         rope_base: 1e6,
         rope_dim: head_dim,
         embed_scale: None,
-        sliding_window: Some(40),
-        layer_local: vec![true, false],
+        sliding_window: window,
+        layer_local,
         attn_scale: 1.0,
         moe: None,
     }

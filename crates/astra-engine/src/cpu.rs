@@ -10,7 +10,7 @@ use astra_gguf::{GgmlType, GgufFile};
 use astra_quant::matmul::{matmul_many_on, MatmulJob, Parallel, QuantMatrix, QuantizedActivations};
 use astra_quant::{Isa, Kernels};
 
-use crate::attention::{attend_batch, KvCache, KvLayout, KvPages, KvType, SeqQueries};
+use crate::attention::{attend_batch, KvCache, KvLayout, KvPages, KvStorage, KvType, SeqQueries};
 use crate::backend::{Activation, Attend, Backend, KvUsage, Rope, SeqRows};
 use crate::ggml_ops;
 use crate::ops::add_inplace;
@@ -24,6 +24,8 @@ pub struct CpuBackend {
     /// The instruction set of the matrix kernels.
     isa: Isa,
     arithmetic: Arithmetic,
+    /// How its KV caches hold positions.
+    storage: KvStorage,
     /// The pages of this backend's KV caches, one set per page shape.
     kv_pages: Mutex<Vec<Arc<KvPages>>>,
     /// Bytes the pages of each shape may take.
@@ -136,6 +138,7 @@ impl CpuBackend {
             kv,
             isa: Isa::selected(),
             arithmetic: Arithmetic::Astra,
+            storage: KvStorage::selected(),
             kv_pages: Mutex::new(Vec::new()),
             kv_limit: AtomicUsize::new(usize::MAX),
         }
@@ -157,6 +160,12 @@ impl CpuBackend {
     /// changes.
     pub fn with_isa(self, isa: Isa) -> CpuBackend {
         CpuBackend { isa, ..self }
+    }
+
+    /// The same backend with caches held as `storage` says, instead of
+    /// [`KvStorage::selected`].
+    pub fn with_storage(self, storage: KvStorage) -> CpuBackend {
+        CpuBackend { storage, ..self }
     }
 
     pub fn threads(&self) -> usize {
@@ -244,6 +253,10 @@ impl Backend for CpuBackend {
 
     fn describe(&self) -> String {
         let (threads, kv) = (self.threads(), self.kv.name());
+        let kv = match self.storage {
+            KvStorage::Paged => kv.to_owned(),
+            KvStorage::Contiguous => format!("{} {kv}", self.storage.name()),
+        };
         match self.arithmetic {
             Arithmetic::Astra => format!(
                 "cpu ({threads} threads, {}, {kv} KV cache)",
@@ -293,6 +306,9 @@ impl Backend for CpuBackend {
     }
 
     fn kv_cache(&self, layout: &KvLayout) -> Result<KvCache, EngineError> {
+        if self.storage == KvStorage::Contiguous {
+            return Ok(KvCache::contiguous(layout));
+        }
         let mut sets = self.kv_pages.lock().expect("pages lock");
         let pages = match sets.iter().find(|p| p.fits(layout)) {
             Some(p) => Arc::clone(p),
@@ -313,10 +329,14 @@ impl Backend for CpuBackend {
     fn kv_fork(&self, kv: &KvCache, n: usize) -> Option<KvCache> {
         // llama.cpp's cells depend on how a cache was filled: a fork's would not be
         // those of the prompt fed whole.
-        (self.arithmetic == Arithmetic::Astra).then(|| kv.fork(n))
+        (self.arithmetic == Arithmetic::Astra && self.storage == KvStorage::Paged)
+            .then(|| kv.fork(n))
     }
 
     fn kv_usage(&self) -> Option<KvUsage> {
+        if self.storage == KvStorage::Contiguous {
+            return None;
+        }
         let sets = self.kv_pages.lock().expect("pages lock");
         Some(KvUsage {
             pages: sets.iter().map(|p| p.pages()).sum(),

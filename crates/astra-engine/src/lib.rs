@@ -8,6 +8,7 @@
 //! however a prompt is cut into batches, and whether a prefix came from the cache.
 
 pub mod attention;
+pub mod attention_parity;
 pub mod backend;
 pub mod backend_parity;
 pub mod config;
@@ -23,7 +24,7 @@ pub mod sampler;
 pub mod stop;
 pub mod weights;
 
-pub use attention::KvType;
+pub use attention::{KvStorage, KvType};
 pub use backend::Backend;
 pub use config::{Arch, Config};
 pub use cpu::{Arithmetic, CpuBackend};

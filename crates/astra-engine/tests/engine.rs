@@ -4,7 +4,9 @@ use std::sync::Arc;
 
 use astra_engine::perplexity::perplexity;
 use astra_engine::sampler::{argmax, softmax};
-use astra_engine::{Arithmetic, Backend, CpuBackend, KvType, Logits, Model, Stage, Step};
+use astra_engine::{
+    Arithmetic, Backend, CpuBackend, KvStorage, KvType, Logits, Model, Stage, Step,
+};
 use astra_gguf::GgufFile;
 use astra_tokenizer::{EncodeOptions, Tokenizer};
 use serde_json::Value;
@@ -429,6 +431,38 @@ fn smollm2_logits_are_deterministic() {
 #[test]
 fn gemma3_logits_are_deterministic() {
     determinism("gemma3-270m", KvType::F16);
+}
+
+/// Caches held contiguously (`ASTRA_ATTN=1`, the layout before pages) give the paged
+/// caches' logits to the bit: a prompt in chunks, then decoded tokens, 1,300 positions
+/// in all, so that Gemma 3's sliding-window rings (its window and a batch: 1,024
+/// slots) wrap.
+#[test]
+fn contiguous_caches_give_the_paged_logits() {
+    let files = ["smollm2-135m", "gemma3-270m"]
+        .into_iter()
+        .filter_map(|name| Some((name, astra_models::model_for_test(name)?)))
+        .chain([("qwen3moe", moe_file())]);
+    for (name, path) in files {
+        let logits = |storage: KvStorage| {
+            let be = CpuBackend::new(2).with_storage(storage);
+            let model = Model::load_on(be, &path).unwrap();
+            let mut s = model.session(2048).unwrap();
+            let tokens: Vec<u32> = (0..1300u32).map(|i| 100 + (i * 7919) % 900).collect();
+            let mut out = Vec::new();
+            let parts = [0, 5, 70, 500, 1000, 1240];
+            for w in parts.windows(2) {
+                out.extend(model.forward(&mut s, &tokens[w[0]..w[1]], 0).unwrap());
+            }
+            for &t in &tokens[1240..] {
+                out.extend(model.forward(&mut s, &[t], 0).unwrap());
+            }
+            out.into_iter().map(f32::to_bits).collect::<Vec<u32>>()
+        };
+        let (paged, contiguous) = (logits(KvStorage::Paged), logits(KvStorage::Contiguous));
+        let first = paged.iter().zip(&contiguous).position(|(a, b)| a != b);
+        assert!(first.is_none(), "{name}: logits differ first at {first:?}");
+    }
 }
 
 /// The f32 cache is as deterministic, and it is in effect: its logits differ from the

@@ -115,6 +115,41 @@ fn parity_baselines_round_trip() {
         .contains("outputs differ in some bit"));
 }
 
+/// `parity kernels --type attention`: the attention cases within their bound, and the
+/// paged caches' outputs (`ASTRA_ATTN=2`) bit for bit those of the contiguous ones
+/// saved under `ASTRA_ATTN=1`.
+#[test]
+fn paged_attention_equals_the_contiguous_baseline() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let run = |attn: &str, how: &str| {
+        Command::new(env!("CARGO_BIN_EXE_astra"))
+            .args(["parity", "kernels", "--type", "attention", how, d])
+            .env("ASTRA_ATTN", attn)
+            .output()
+            .expect("run astra")
+    };
+    let save = run("1", "--save");
+    let stdout = String::from_utf8_lossy(&save.stdout);
+    assert!(save.status.success(), "{stdout}");
+    assert!(stdout.contains("contiguous f16 KV cache"), "{stdout}");
+    assert_eq!(
+        stdout.matches("54 attention cases, 0 failed").count(),
+        2,
+        "{stdout}"
+    );
+    assert!(!stdout.contains("| Q4_0"), "no dot kernels: {stdout}");
+    let same = run("2", "--bitwise");
+    let stdout = String::from_utf8_lossy(&same.stdout);
+    assert!(same.status.success(), "{stdout}");
+    assert!(!stdout.contains("contiguous"), "{stdout}");
+    assert_eq!(
+        stdout.matches("54 attention cases, 0 failed").count(),
+        2,
+        "{stdout}"
+    );
+}
+
 /// `bench --depth`: both tests run after that many tokens are in the cache, and a depth
 /// past the model's context is one clear line.
 #[test]

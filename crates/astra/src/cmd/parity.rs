@@ -1,6 +1,7 @@
 //! `astra parity kernels`: every CPU kernel against its f64 reference and the scalar
-//! kernel, or every CUDA backend op against the CPU backend's; `--save` / `--bitwise`
-//! compare builds (or kernel variants chosen by environment variables) bit for bit.
+//! kernel, or every CUDA backend op against the CPU backend's, then the attention cases
+//! on the backend's caches; `--save` / `--bitwise` compare builds (or kernel variants
+//! and cache layouts chosen by environment variables) bit for bit.
 //! `astra parity layers` (in `parity_layers`) compares whole models block by block;
 //! `astra parity moe` the routed expert feed-forward with its f64 and fp16 references.
 
@@ -45,7 +46,8 @@ struct MoeArgs {
 
 #[derive(clap::Args)]
 struct KernelArgs {
-    /// Only these weight types (e.g. q4_k); repeatable. Default: every supported type.
+    /// Only these weight types (e.g. q4_k), or `attention` for the attention cases;
+    /// repeatable. Default: every supported type, then the attention cases.
     #[arg(long = "type", value_name = "TYPE")]
     types: Vec<String>,
     /// Only this instruction set (scalar, avx2, avx512vnni). Default: every one this CPU has.
@@ -76,6 +78,12 @@ const BACKEND_BOUND: f64 = 1e-4;
 /// activations to 8-bit blocks: the distance is mostly the CPU's own rounding.
 const GEMM_BOUND: f64 = 2e-2;
 
+/// The CUDA backend's modes, each with the name its baselines carry.
+const CUDA_MODES: [(astra_cuda::Mode, &str); 2] = [
+    (astra_cuda::Mode::Deterministic, "deterministic"),
+    (astra_cuda::Mode::Fast, "default"),
+];
+
 /// Every backend op, on the CUDA backend in its deterministic mode and in its default
 /// one, against the CPU backend; each op's CUDA results saved or compared as `baselines`
 /// says.
@@ -83,10 +91,7 @@ fn backend_ops(baselines: &Baselines<'_>) -> Result<()> {
     let cpu = astra_engine::CpuBackend::new(super::run::default_threads());
     let dir = std::env::temp_dir().join(format!("astra-parity-{}", std::process::id()));
     let (mut failed, mut total) = (0, 0);
-    for (mode, mode_name) in [
-        (astra_cuda::Mode::Deterministic, "deterministic"),
-        (astra_cuda::Mode::Fast, "default"),
-    ] {
+    for (mode, mode_name) in CUDA_MODES {
         let cuda = astra_cuda::CudaBackend::new(0, mode).map_err(|e| anyhow::anyhow!("{e}"))?;
         let before = cuda.gemm_products();
         let reports = astra_engine::backend_parity::compare(&cpu, &cuda, &dir)?;
@@ -107,14 +112,11 @@ fn backend_ops(baselines: &Baselines<'_>) -> Result<()> {
         println!("| op | rel L2 | max abs | bound | result |");
         println!("|----|-------:|--------:|------:|--------|");
         for (i, r) in reports.iter().enumerate() {
-            let mut problems = Vec::new();
-            if r.rel_l2.is_nan() || r.rel_l2 > bound(&r.op) {
-                problems.push("out of bound".to_owned());
-            }
-            problems.extend(baselines.check(
+            let problems = baselines.problems(
                 &format!("cuda-{mode_name}-{i:03}-{}", slug(&r.op)),
+                r.rel_l2 <= bound(&r.op),
                 &r.outputs,
-            )?);
+            )?;
             failed += usize::from(!problems.is_empty());
             let result = verdict(&problems);
             println!(
@@ -189,13 +191,8 @@ fn moe_on<B: astra_engine::Backend>(be: &B, baselines: &Baselines<'_>) -> Result
     for (i, case) in cases.iter().enumerate() {
         let (line, ok) = match run(be, case, &dir, 7000 + i as u64) {
             Ok(r) => {
-                let mut problems = Vec::new();
-                if !r.passed() {
-                    problems.push("out of bound".to_owned());
-                }
-                problems.extend(
-                    baselines.check(&format!("moe-{i:02}-{}", slug(&case.name())), &r.outputs)?,
-                );
+                let name = format!("moe-{i:02}-{}", slug(&case.name()));
+                let problems = baselines.problems(&name, r.passed(), &r.outputs)?;
                 let result = verdict(&problems);
                 (
                     format!(
@@ -281,6 +278,17 @@ impl Baselines<'_> {
         Ok(Baselines { save, bitwise })
     }
 
+    /// What fails in case `name`: its distance out of bound unless `in_bound`, and
+    /// its outputs against their baseline ([`Baselines::check`]).
+    fn problems(&self, name: &str, in_bound: bool, outputs: &[f32]) -> Result<Vec<String>> {
+        let mut problems = Vec::new();
+        if !in_bound {
+            problems.push("out of bound".to_owned());
+        }
+        problems.extend(self.check(name, outputs)?);
+        Ok(problems)
+    }
+
     /// Saves case `name`'s outputs where asked; what differs from its baseline, if one
     /// is compared and anything does.
     fn check(&self, name: &str, outputs: &[f32]) -> Result<Option<String>> {
@@ -318,13 +326,104 @@ impl Baselines<'_> {
     }
 }
 
+/// The `--type` that selects the attention cases.
+const ATTENTION: &str = "attention";
+
 fn kernels(args: KernelArgs) -> Result<()> {
     let baselines = Baselines::new(args.save.as_deref(), args.bitwise.as_deref())?;
+    let attention = args.types.is_empty() || args.types.iter().any(|t| t == ATTENTION);
+    let weight_types: Vec<String> = args
+        .types
+        .iter()
+        .filter(|t| *t != ATTENTION)
+        .cloned()
+        .collect();
+    let dots = args.types.is_empty() || !weight_types.is_empty();
+    let mut failures = Vec::new();
     if args.backend == BackendKind::Cuda {
-        return backend_ops(&baselines);
+        if dots {
+            failures.extend(backend_ops(&baselines).err());
+        }
+        if attention {
+            for (mode, name) in CUDA_MODES {
+                let cases = astra_cuda::CudaBackend::new(0, mode)
+                    .map_err(|e| anyhow::anyhow!("{e}"))
+                    .and_then(|cuda| attention_cases(&cuda, &format!("cuda-{name}"), &baselines));
+                failures.extend(cases.err());
+            }
+        }
+    } else {
+        if dots {
+            failures.extend(dot_kernels(&args, &weight_types, &baselines).err());
+        }
+        if attention {
+            let threads = super::run::default_threads();
+            for kv in [astra_engine::KvType::F16, astra_engine::KvType::F32] {
+                let cpu = astra_engine::CpuBackend::with_kv_type(threads, kv);
+                failures
+                    .extend(attention_cases(&cpu, &format!("cpu-{}", kv.name()), &baselines).err());
+            }
+        }
     }
+    // The same failure (no GPU, say) is reported once.
+    let mut messages: Vec<String> = failures.iter().map(|e| format!("{e:#}")).collect();
+    messages.dedup();
+    match messages.len() {
+        0 => Ok(()),
+        _ => bail!("{}", messages.join("; ")),
+    }
+}
+
+/// The attention cases on `be` against their f64 reference, each case's outputs saved
+/// or compared as `baselines` says under names starting with `prefix`.
+fn attention_cases<B: astra_engine::Backend>(
+    be: &B,
+    prefix: &str,
+    baselines: &Baselines<'_>,
+) -> Result<()> {
+    use astra_engine::attention_parity::{default_cases, run, ATTN_BOUND};
+    println!();
+    println!(
+        "attention on {}: relative L2 vs the f64 reference ≤ {ATTN_BOUND:e}",
+        be.describe()
+    );
+    println!("| case | rel L2 (f64) | max abs | result |");
+    println!("|------|-------------:|--------:|--------|");
+    let cases = default_cases();
+    let mut failed = 0;
+    for (i, case) in cases.iter().enumerate() {
+        let line = match run(be, case, 9000 + i as u64) {
+            Ok(r) => {
+                let name = format!("attn-{prefix}-{i:02}-{}", slug(&case.name()));
+                let problems = baselines.problems(&name, r.passed(), &r.outputs)?;
+                failed += usize::from(!problems.is_empty());
+                format!(
+                    "| {} | {:.3e} | {:.3e} | {} |",
+                    case.name(),
+                    r.rel_l2,
+                    r.max_abs,
+                    verdict(&problems)
+                )
+            }
+            Err(e) => {
+                failed += 1;
+                format!("| {} | | | FAIL: {e} |", case.name())
+            }
+        };
+        println!("{line}");
+    }
+    println!("{} attention cases, {failed} failed", cases.len());
+    if failed > 0 {
+        bail!("{failed} of {} attention cases failed", cases.len());
+    }
+    Ok(())
+}
+
+/// Every dot kernel of `types` (all where empty) on the chosen instruction sets
+/// against its f64 reference and the scalar kernel.
+fn dot_kernels(args: &KernelArgs, types: &[String], baselines: &Baselines<'_>) -> Result<()> {
     let isas = selected_isas(args.isa.as_deref())?;
-    let types = selected_types(&args.types)?;
+    let types = selected_types(types)?;
     if args.tokens == 0 || args.tokens > 64 {
         bail!("--tokens must be between 1 and 64");
     }
@@ -341,11 +440,7 @@ fn kernels(args: KernelArgs) -> Result<()> {
             if r.isa != isa {
                 continue; // no kernel of this set for the type: the scalar row covers it
             }
-            let mut problems = Vec::new();
-            if !r.passed() {
-                problems.push("out of bound".to_owned());
-            }
-            problems.extend(baselines.check(&r.name(), &r.outputs)?);
+            let problems = baselines.problems(&r.name(), r.passed(), &r.outputs)?;
             total += 1;
             failed += usize::from(!problems.is_empty());
             let result = verdict(&problems);
