@@ -205,9 +205,9 @@ pub(crate) struct GatedFfn<B: Backend> {
     pub post_norm: Option<B::Vector>, // (n_embd)
 }
 
-impl<B: Backend> GatedFfn<B> {
+impl<B: Backend> FeedForwardBlock<B> for GatedFfn<B> {
     /// Layer `i`'s feed-forward tensors, with the post-norm where `extras` has one.
-    pub fn load(
+    fn load(
         l: &Loader<'_, B>,
         cfg: &Config,
         i: usize,
@@ -227,8 +227,13 @@ impl<B: Backend> GatedFfn<B> {
         })
     }
 
-    /// The block over the batch `p`, its output added to `p.acts.x`.
-    pub fn forward(&self, be: &B, cfg: &Config, act: Activation, p: &mut Pass<'_, '_, B>) {
+    fn forward(
+        &self,
+        be: &B,
+        cfg: &Config,
+        act: Activation,
+        p: &mut Pass<'_, '_, B>,
+    ) -> Result<(), EngineError> {
         let Activations {
             x, xb, o, gate, up, ..
         } = &mut *p.acts;
@@ -246,6 +251,7 @@ impl<B: Backend> GatedFfn<B> {
             up_rows: up,
             out: o,
         });
+        Ok(())
     }
 }
 
@@ -253,6 +259,7 @@ impl<B: Backend> GatedFfn<B> {
 /// the router, the `k` experts the gating picks run as gated feed-forwards on it, and
 /// `x += Σ_j weight_j · down_j(act(gate_j · n) ⊙ (up_j · n))`.
 pub(crate) struct MoeFfn<B: Backend> {
+    pub moe: Moe,
     pub norm: B::Vector,          // (n_embd)
     pub router: B::Matrix,        // (n_expert, n_embd)
     pub gate: Experts<B::Matrix>, // each (n_ff_expert, n_embd)
@@ -260,9 +267,12 @@ pub(crate) struct MoeFfn<B: Backend> {
     pub down: Experts<B::Matrix>, // each (n_embd, n_ff_expert)
 }
 
-impl<B: Backend> MoeFfn<B> {
-    /// Layer `i`'s router and experts (`ffn_{gate,up,down}_exps`).
-    pub fn load(l: &Loader<'_, B>, cfg: &Config, i: usize, moe: Moe) -> Result<Self, EngineError> {
+impl<B: Backend> FeedForwardBlock<B> for MoeFfn<B> {
+    /// Layer `i`'s router and experts (`ffn_{gate,up,down}_exps`), as `cfg.moe` says.
+    fn load(l: &Loader<'_, B>, cfg: &Config, i: usize, _: Extras) -> Result<Self, EngineError> {
+        let moe = cfg.moe.ok_or_else(|| {
+            EngineError::Invalid("a mixture-of-experts layer without experts".into())
+        })?;
         let (e, ff, n, k) = (cfg.n_embd, moe.n_ff, moe.gating.experts, moe.gating.k);
         let name = |s: &str| blk(i, s);
         let experts = |s: &str, rows, cols| -> Result<Experts<B::Matrix>, EngineError> {
@@ -277,6 +287,7 @@ impl<B: Backend> MoeFfn<B> {
             Ok(x)
         };
         Ok(MoeFfn {
+            moe,
             norm: l.vector(&name("ffn_norm"), e)?,
             router: l.matrix(&name("ffn_gate_inp"), n, e)?,
             gate: experts("ffn_gate_exps", ff, e)?,
@@ -285,12 +296,10 @@ impl<B: Backend> MoeFfn<B> {
         })
     }
 
-    /// The block over the batch `p`, its output added to `p.acts.x`.
-    pub fn forward(
+    fn forward(
         &self,
         be: &B,
         cfg: &Config,
-        moe: Moe,
         act: Activation,
         p: &mut Pass<'_, '_, B>,
     ) -> Result<(), EngineError> {
@@ -306,7 +315,7 @@ impl<B: Backend> MoeFfn<B> {
             .ok_or_else(|| EngineError::Invalid("no mixture-of-experts buffers".into()))?;
         be.rms_norm(x, &self.norm, cfg.rms_eps, xb);
         be.matmul(xb, &mut [(&self.router, &mut acts.scores)]);
-        let routes = be.route(&acts.scores, moe.gating)?;
+        let routes = be.route(&acts.scores, self.moe.gating)?;
         be.routed_matmul(xb, false, &self.gate, &routes, &mut acts.gate)?;
         be.routed_matmul(xb, false, &self.up, &routes, &mut acts.up)?;
         be.glu(&mut acts.gate, &acts.up, act);
@@ -317,13 +326,33 @@ impl<B: Backend> MoeFfn<B> {
     }
 }
 
-/// A pre-norm transformer layer: attention, then the gated feed-forward.
-pub(crate) struct Block<B: Backend> {
-    pub attn: Attention<B>,
-    pub ffn: GatedFfn<B>,
+/// A layer's feed-forward block: the dense gated one or a mixture of experts.
+pub(crate) trait FeedForwardBlock<B: Backend>: Sized {
+    /// Layer `i`'s tensors, with the optional ones `extras` names.
+    fn load(l: &Loader<'_, B>, cfg: &Config, i: usize, extras: Extras)
+        -> Result<Self, EngineError>;
+    /// The block over the batch `p`, its output added to `p.acts.x`.
+    fn forward(
+        &self,
+        be: &B,
+        cfg: &Config,
+        act: Activation,
+        p: &mut Pass<'_, '_, B>,
+    ) -> Result<(), EngineError>;
 }
 
-impl<B: Backend> Block<B> {
+/// A pre-norm transformer layer: attention, then a feed-forward block (the gated one
+/// unless named).
+pub(crate) struct Block<B: Backend, F = GatedFfn<B>> {
+    pub attn: Attention<B>,
+    pub ffn: F,
+}
+
+/// A layer whose feed-forward is a mixture of experts.
+pub(crate) type MoeBlock<B> = Block<B, MoeFfn<B>>;
+
+impl<B: Backend, F: FeedForwardBlock<B>> Block<B, F> {
+    /// Layer `i`, with the optional tensors `extras` names.
     pub fn load(
         l: &Loader<'_, B>,
         cfg: &Config,
@@ -332,7 +361,7 @@ impl<B: Backend> Block<B> {
     ) -> Result<Self, EngineError> {
         Ok(Block {
             attn: Attention::load(l, cfg, i, extras)?,
-            ffn: GatedFfn::load(l, cfg, i, extras)?,
+            ffn: F::load(l, cfg, i, extras)?,
         })
     }
 }
@@ -350,7 +379,7 @@ pub(crate) trait Layer<B: Backend> {
     ) -> Result<(), EngineError>;
 }
 
-impl<B: Backend> Layer<B> for Block<B> {
+impl<B: Backend, F: FeedForwardBlock<B>> Layer<B> for Block<B, F> {
     fn forward(
         &self,
         be: &B,
@@ -362,56 +391,10 @@ impl<B: Backend> Layer<B> for Block<B> {
         let layer = at.layer;
         self.attn.forward(be, cfg, at, p);
         p.show(Stage::Attention(layer));
-        self.ffn.forward(be, cfg, act, p);
+        self.ffn.forward(be, cfg, act, p)?;
         p.show(Stage::Layer(layer));
         Ok(())
     }
-}
-
-/// A pre-norm transformer layer whose feed-forward is a mixture of experts.
-pub(crate) struct MoeBlock<B: Backend> {
-    pub attn: Attention<B>,
-    pub moe: MoeFfn<B>,
-}
-
-impl<B: Backend> MoeBlock<B> {
-    /// Layer `i`: attention with the optional tensors `extras` names, and the experts
-    /// `cfg.moe` describes.
-    pub fn load(
-        l: &Loader<'_, B>,
-        cfg: &Config,
-        i: usize,
-        extras: Extras,
-    ) -> Result<Self, EngineError> {
-        Ok(MoeBlock {
-            attn: Attention::load(l, cfg, i, extras)?,
-            moe: MoeFfn::load(l, cfg, i, moe_of(cfg)?)?,
-        })
-    }
-}
-
-impl<B: Backend> Layer<B> for MoeBlock<B> {
-    /// The layer over the batch `p`: attention, then the experts.
-    fn forward(
-        &self,
-        be: &B,
-        cfg: &Config,
-        at: AttentionParams,
-        act: Activation,
-        p: &mut Pass<'_, '_, B>,
-    ) -> Result<(), EngineError> {
-        let layer = at.layer;
-        self.attn.forward(be, cfg, at, p);
-        p.show(Stage::Attention(layer));
-        self.moe.forward(be, cfg, moe_of(cfg)?, act, p)?;
-        p.show(Stage::Layer(layer));
-        Ok(())
-    }
-}
-
-fn moe_of(cfg: &Config) -> Result<Moe, EngineError> {
-    cfg.moe
-        .ok_or_else(|| EngineError::Invalid("a mixture-of-experts layer without experts".into()))
 }
 
 /// The experts of an `arch` file, where its metadata has them (`expert_count` > 0): how
