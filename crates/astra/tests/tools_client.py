@@ -235,6 +235,13 @@ for event in client.responses.create(stream=True, **kw):
         done = event.response
 assert "".join(deltas) == r.output_text and done.output_text == r.output_text, (deltas, r.output_text)
 assert done.usage.output_tokens == r.usage.output_tokens, (done.usage, r.usage)
+# Cut by the token budget: the response and its message item are incomplete, the text kept.
+kw = dict(model=model, input="Write a long story about the sea.", max_output_tokens=6, temperature=0)
+r = client.responses.create(**kw)
+assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens", r
+assert r.output[-1].type == "message" and r.output[-1].status == "incomplete" and r.output_text, r
+items = [e.item for e in client.responses.create(stream=True, **kw) if e.type == "response.output_item.done"]
+assert items[-1].status == "incomplete" and items[-1].content[0].text == r.output_text, (items, r)
 r = client.responses.create(model=model, input=ask_person, temperature=1, max_output_tokens=300,
                             text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}})
 jsonschema.validate(json.loads(r.output_text), PERSON)

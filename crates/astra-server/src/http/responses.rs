@@ -238,8 +238,9 @@ fn to_chat(body: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
     Ok(out)
 }
 
-/// The output items of an answer: its reasoning, its text, its calls.
-fn output_items(a: &Accepted, c: &Choice) -> (Vec<Value>, bool) {
+/// The output items of an answer (its reasoning, its text, its calls) and the
+/// response's status, which its message item shares.
+fn output_items(a: &Accepted, c: &Choice) -> (Vec<Value>, &'static str) {
     let mut items = Vec::new();
     if !c.reasoning.is_empty() {
         items.push(reasoning_item(a, &c.reasoning));
@@ -248,13 +249,14 @@ fn output_items(a: &Accepted, c: &Choice) -> (Vec<Value>, bool) {
     let text = calls
         .as_ref()
         .map_or(c.text.as_str(), |(rest, _)| rest.as_str());
+    let status = final_status(c.finish, calls.is_some());
     if !text.is_empty() || calls.is_none() {
-        items.push(message_item(a, text, "completed"));
+        items.push(message_item(a, text, status));
     }
     for (k, call) in calls.iter().flat_map(|(_, calls)| calls.iter()).enumerate() {
         items.push(call_item(a, k, call, "completed"));
     }
-    (items, calls.is_some())
+    (items, status)
 }
 
 fn reasoning_item(a: &Accepted, text: &str) -> Value {
@@ -262,20 +264,22 @@ fn reasoning_item(a: &Accepted, text: &str) -> Value {
            "content": [{"type": "reasoning_text", "text": text}]})
 }
 
+/// A message item: `in_progress` (as a stream opens it) with no content yet, else
+/// `completed` or `incomplete` (cut by the token budget) with its text.
 fn message_item(a: &Accepted, text: &str, status: &str) -> Value {
-    let content = if status == "completed" {
-        json!([{"type": "output_text", "text": text, "annotations": [], "logprobs": []}])
-    } else {
+    let content = if status == "in_progress" {
         json!([])
+    } else {
+        json!([{"type": "output_text", "text": text, "annotations": [], "logprobs": []}])
     };
     json!({"type": "message", "id": format!("msg_{}", a.id), "status": status, "role": "assistant", "content": content})
 }
 
 fn call_item(a: &Accepted, k: usize, call: &Call, status: &str) -> Value {
-    let args = if status == "completed" {
-        call.arguments.as_str()
-    } else {
+    let args = if status == "in_progress" {
         ""
+    } else {
+        call.arguments.as_str()
     };
     json!({"type": "function_call", "id": format!("fc_{}_{k}", a.id), "call_id": a.call_id(0, k),
            "name": call.name, "arguments": args, "status": status})
@@ -322,8 +326,7 @@ async fn whole_response(mut a: Accepted, echo: Map<String, Value>) -> Response {
         Err(e) => return e.into_response(),
     };
     let c = &choices[0];
-    let (items, called) = output_items(&a, c);
-    let status = final_status(c.finish, called);
+    let (items, status) = output_items(&a, c);
     axum::Json(response_object(&a, &echo, status, items, c.usage.as_ref())).into_response()
 }
 
@@ -358,7 +361,7 @@ impl Items {
         if self.open == kind {
             return;
         }
-        self.close(a, out);
+        self.close(a, "completed", out);
         let index = self.done.len();
         match kind {
             Open::Reasoning => {
@@ -390,7 +393,8 @@ impl Items {
         self.open = kind;
     }
 
-    fn close(&mut self, a: &Accepted, out: &mut Vec<u8>) {
+    /// Closes the open item; a message item ends with `status`.
+    fn close(&mut self, a: &Accepted, status: &str, out: &mut Vec<u8>) {
         let index = self.done.len();
         let text = std::mem::take(&mut self.text);
         let item = match self.open {
@@ -401,7 +405,7 @@ impl Items {
                 item
             }
             Open::Message => {
-                let item = message_item(a, &text, "completed");
+                let item = message_item(a, &text, status);
                 self.event("response.output_text.done", json!({"item_id": item["id"], "output_index": index, "content_index": 0, "text": text, "logprobs": []}), out);
                 self.event("response.content_part.done", json!({"item_id": item["id"], "output_index": index, "content_index": 0, "part": item["content"][0]}), out);
                 item
@@ -452,10 +456,11 @@ impl AnswerShape for Items {
     }
 
     fn done(&mut self, a: &Accepted, end: AnswerEnd, out: &mut Vec<u8>) {
+        let status = final_status(Some(end.finish), end.calls.is_some());
         match &end.calls {
             Some((rest, calls)) => {
                 self.delta(a, Open::Message, rest, out);
-                self.close(a, out);
+                self.close(a, "completed", out);
                 for (k, call) in calls.iter().enumerate() {
                     let index = self.done.len();
                     let item = call_item(a, k, call, "in_progress");
@@ -489,10 +494,9 @@ impl AnswerShape for Items {
                 if self.done.is_empty() && self.open == Open::None {
                     self.enter(a, Open::Message, out);
                 }
-                self.close(a, out);
+                self.close(a, status, out);
             }
         }
-        let status = final_status(Some(end.finish), end.calls.is_some());
         let r = response_object(a, &self.echo, status, self.done.clone(), Some(&end.usage));
         let kind = if status == "completed" {
             "response.completed"
