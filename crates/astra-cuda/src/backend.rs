@@ -356,7 +356,7 @@ pub struct CudaBackend {
     /// Whether decode steps are recorded as graphs (`ASTRA_CUDA_GRAPHS=0` turns it off).
     graphs: bool,
     /// Whether Q4_K products of 17–64 tokens take a warp a row tile against two token
-    /// tiles (`ASTRA_CUDA_MMQ_MANY=2`) rather than a warp a token tile.
+    /// tiles (the default) rather than a warp a token tile (`ASTRA_CUDA_MMQ_MANY=1`).
     paired_tiles: bool,
     /// Whether decode attention takes a CTA per KV head's group of query heads
     /// (`ASTRA_CUDA_GQA=1`) rather than one per query head.
@@ -685,7 +685,7 @@ impl CudaBackend {
             scratch_generation: AtomicU64::new(0),
             graphs,
             grouped_attention: std::env::var("ASTRA_CUDA_GQA").is_ok_and(|v| v == "1"),
-            paired_tiles: std::env::var("ASTRA_CUDA_MMQ_MANY").is_ok_and(|v| v == "2"),
+            paired_tiles: std::env::var("ASTRA_CUDA_MMQ_MANY").map_or(true, |v| v != "1"),
             k_graph,
             capturing: AtomicBool::new(false),
             capture_failed: AtomicBool::new(false),
