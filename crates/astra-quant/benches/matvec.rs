@@ -14,13 +14,20 @@
 //! - `matmul_batch/{type}/{tokens}`: a matrix larger than the caches (packed as the
 //!   engine packs it) against a decode batch of 1, 4 or 16 tokens on one thread, in
 //!   multiply-adds per second: what a batch of sequences gains over one.
+//! - `matmul_step/{tokens}`: every product of one SmolLM2 decode step (30 layers of
+//!   Q4_1 matrices, then the Q8_0 output head; random weights, 96 MB) against a batch
+//!   of 1, 4 or 16 tokens on two threads, grouped as the engine groups them (Q, K and
+//!   V in one parallel step, gate and up in one): the products' part of a step, with
+//!   the short runs of rows that split small matrices between threads.
 //!
 //! Run: `cargo bench -p astra-quant --bench matvec` (on an idle machine).
 
 use std::hint::black_box;
 use std::time::Duration;
 
-use astra_quant::matmul::{matmul_quantized, pack, QuantMatrix, QuantizedActivations};
+use astra_quant::matmul::{
+    matmul_many_on, matmul_quantized, pack, MatmulJob, QuantMatrix, QuantizedActivations, Rayon,
+};
 use astra_quant::parity::{random_weights, SplitMix};
 use astra_quant::{GgmlType, Kernels, SUPPORTED_TYPES};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -93,6 +100,46 @@ fn stream_read(c: &mut Criterion) {
     g.finish();
 }
 
+/// A random `rows × cols` matrix of `ty` with its best kernels, packed as the engine
+/// holds it where `pack_rows` and the kernels have a packing.
+struct Held {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    bytes: Vec<u8>,
+    packed: bool,
+    kernels: Kernels,
+}
+
+impl Held {
+    fn new(ty: GgmlType, rows: usize, cols: usize, seed: u64, pack_rows: bool) -> Held {
+        let stored = random_weights(ty, rows, cols, seed).expect("weights");
+        let kernels = Kernels::best(ty).expect("kernels");
+        let m = QuantMatrix::new(ty, rows, cols, &stored).expect("matrix");
+        let (bytes, packed) = match pack(&m, &kernels).filter(|_| pack_rows) {
+            Some(packed) => (packed, true),
+            None => (stored, false),
+        };
+        Held {
+            ty,
+            rows,
+            cols,
+            bytes,
+            packed,
+            kernels,
+        }
+    }
+
+    fn view(&self) -> QuantMatrix<'_> {
+        let (ty, rows, cols, bytes) = (self.ty, self.rows, self.cols, &self.bytes[..]);
+        match self.packed {
+            true => QuantMatrix::packed(ty, rows, cols, bytes),
+            false => QuantMatrix::new(ty, rows, cols, bytes),
+        }
+        .expect("matrix")
+    }
+}
+
 /// `rows × cols` of `ty` times one token on `threads` threads; the rows packed where
 /// `packed` and the kernels have a packing.
 fn bench_matvec(
@@ -102,26 +149,20 @@ fn bench_matvec(
     threads: usize,
     packed: bool,
 ) {
-    let weights = random_weights(ty, rows, cols, 1).expect("weights");
-    let kernels = Kernels::best(ty).expect("kernels");
-    let stored = QuantMatrix::new(ty, rows, cols, &weights).expect("matrix");
-    let packed_bytes = pack(&stored, &kernels).filter(|_| packed);
-    let w = match &packed_bytes {
-        Some(bytes) => QuantMatrix::packed(ty, rows, cols, bytes).expect("matrix"),
-        None => stored,
-    };
+    let held = Held::new(ty, rows, cols, 1, packed);
+    let (w, kernels) = (held.view(), &held.kernels);
     let mut rng = SplitMix::new(2);
     let x: Vec<f32> = (0..cols).map(|_| rng.activation()).collect();
     let mut out = vec![0.0f32; rows];
     let p = pool(threads);
-    g.throughput(Throughput::Bytes(weights.len() as u64));
+    g.throughput(Throughput::Bytes(held.bytes.len() as u64));
     g.bench_function(id, |b| {
         b.iter(|| {
             p.install(|| {
                 // Quantizing the activations is part of every matvec.
                 let acts =
                     QuantizedActivations::new(kernels.act, black_box(&x), cols).expect("acts");
-                matmul_quantized(&w, &acts, &mut out, &kernels);
+                matmul_quantized(&w, &acts, &mut out, kernels);
             });
             black_box(&out);
         })
@@ -236,14 +277,8 @@ fn matmul_batch(c: &mut Criterion) {
         .measurement_time(Duration::from_secs(2));
     let p = pool(1);
     for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
-        let weights = random_weights(ty, rows, cols, 1).expect("weights");
-        let kernels = Kernels::best(ty).expect("kernels");
-        let stored = QuantMatrix::new(ty, rows, cols, &weights).expect("matrix");
-        let packed = pack(&stored, &kernels);
-        let w = match &packed {
-            Some(bytes) => QuantMatrix::packed(ty, rows, cols, bytes).expect("matrix"),
-            None => stored,
-        };
+        let held = Held::new(ty, rows, cols, 1, true);
+        let (w, kernels) = (held.view(), &held.kernels);
         for tokens in [1, 4, 16] {
             let mut rng = SplitMix::new(2);
             let x: Vec<f32> = (0..cols * tokens).map(|_| rng.activation()).collect();
@@ -252,11 +287,84 @@ fn matmul_batch(c: &mut Criterion) {
             g.throughput(Throughput::Elements((rows * cols * tokens) as u64));
             g.bench_function(BenchmarkId::new(ty.name(), tokens), |b| {
                 b.iter(|| {
-                    p.install(|| matmul_quantized(&w, black_box(&acts), &mut out, &kernels));
+                    p.install(|| matmul_quantized(&w, black_box(&acts), &mut out, kernels));
                     black_box(&out);
                 })
             });
         }
+    }
+    g.finish();
+}
+
+/// SmolLM2-135M's products: (weight type, rows, columns) of each matrix, in groups that
+/// share an input, layer by layer; then the output head.
+fn smollm2_products() -> Vec<Vec<(GgmlType, usize, usize)>> {
+    let q = GgmlType::Q4_1;
+    let layer = [
+        vec![(q, 576, 576), (q, 192, 576), (q, 192, 576)],
+        vec![(q, 576, 576)],
+        vec![(q, 1536, 576), (q, 1536, 576)],
+        vec![(q, 576, 1536)],
+    ];
+    let mut step: Vec<_> = (0..30).flat_map(|_| layer.clone()).collect();
+    step.push(vec![(GgmlType::Q8_0, 49152, 576)]);
+    step
+}
+
+fn matmul_step(c: &mut Criterion) {
+    let mut g = c.benchmark_group("matmul_step");
+    g.sample_size(20)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3));
+    let step: Vec<Vec<Held>> = smollm2_products()
+        .iter()
+        .enumerate()
+        .map(|(i, group)| {
+            group
+                .iter()
+                .map(|&(ty, rows, cols)| Held::new(ty, rows, cols, i as u64, true))
+                .collect()
+        })
+        .collect();
+    let macs: usize = step.iter().flatten().map(|h| h.rows * h.cols).sum();
+    let p = pool(2);
+    for tokens in [1, 4, 16] {
+        // Each group's input, quantized once for its matrices (one weight type each).
+        let mut rng = SplitMix::new(3);
+        let acts: Vec<QuantizedActivations> = step
+            .iter()
+            .map(|group| {
+                let x: Vec<f32> = (0..group[0].cols * tokens)
+                    .map(|_| rng.activation())
+                    .collect();
+                QuantizedActivations::new(group[0].kernels.act, &x, group[0].cols).expect("acts")
+            })
+            .collect();
+        let mut outs: Vec<Vec<Vec<f32>>> = step
+            .iter()
+            .map(|group| group.iter().map(|h| vec![0.0; h.rows * tokens]).collect())
+            .collect();
+        g.throughput(Throughput::Elements((macs * tokens) as u64));
+        g.bench_function(BenchmarkId::from_parameter(tokens), |b| {
+            b.iter(|| {
+                p.install(|| {
+                    for ((group, acts), outs) in step.iter().zip(&acts).zip(&mut outs) {
+                        let mut jobs: Vec<MatmulJob> = group
+                            .iter()
+                            .zip(outs.iter_mut())
+                            .map(|(h, out)| MatmulJob {
+                                w: h.view(),
+                                acts,
+                                out,
+                                kernels: &h.kernels,
+                            })
+                            .collect();
+                        matmul_many_on(&Rayon, &mut jobs);
+                    }
+                });
+                black_box(&outs);
+            })
+        });
     }
     g.finish();
 }
@@ -267,6 +375,7 @@ criterion_group!(
     matvec_4096,
     matvec_models,
     matmul_prefill,
-    matmul_batch
+    matmul_batch,
+    matmul_step
 );
 criterion_main!(benches);

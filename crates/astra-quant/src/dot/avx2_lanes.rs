@@ -606,18 +606,14 @@ unsafe fn tile_groups<F: Lanes8, const PACKED: bool>(
         };
         tile.push([x0, x1]);
     }
-    // The rows after these (a caller's next tile) are asked of the caches while the
-    // first token runs, so that decoding them does not wait on memory. A prefetch of an
-    // address past the weights is harmless.
-    let (next, per_block) = (w.as_ptr().wrapping_add(w.len()), w.len().div_ceil(blocks));
+    // The tiles after this one are asked of the caches while the first token runs.
+    let per_block = w.len().div_ceil(blocks);
     for (i, (a, out)) in a.iter().zip(out.iter_mut()).enumerate() {
         let act = Act::new::<F>(a, blocks);
         let (mut acc, mut min) = ([_mm256_setzero_ps(); 2], [_mm256_setzero_ps(); 2]);
         for (b, x) in tile.iter().enumerate() {
             if i == 0 {
-                for p in (b * per_block..(b + 1) * per_block).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(p).cast());
-                }
+                super::avx2::prefetch_tiles_ahead(w, b, per_block);
             }
             let y = broadcasts(act, b);
             for h in 0..2 {

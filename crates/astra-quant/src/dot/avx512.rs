@@ -330,10 +330,8 @@ unsafe fn tile_groups<F: Packed16, const PACKED: bool>(
     // the block's codes are loaded once for all of them (loads of the tile, not the
     // products, bounded a token at a time). Each chain is a token's alone, in block
     // order: the results are the same for any grouping.
-    // The rows after these (a caller's next tile) are asked of the caches while the
-    // first tokens run, so that decoding them does not wait on memory. A prefetch of an
-    // address past the weights is harmless.
-    let (next, per_block) = (w.as_ptr().wrapping_add(w.len()), w.len().div_ceil(blocks));
+    // The tiles after this one are asked of the caches while the first tokens run.
+    let per_block = w.len().div_ceil(blocks);
     let mut groups = a
         .chunks_exact(TILE_TOKENS)
         .zip(out.chunks_exact_mut(TILE_TOKENS));
@@ -343,9 +341,7 @@ unsafe fn tile_groups<F: Packed16, const PACKED: bool>(
         let mut min = [_mm512_setzero_ps(); TILE_TOKENS];
         for (b, x) in tile.iter().enumerate() {
             if i == 0 {
-                for p in (b * per_block..(b + 1) * per_block).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(p).cast());
-                }
+                super::avx2::prefetch_tiles_ahead(w, b, per_block);
             }
             let x = *x;
             for t in 0..TILE_TOKENS {
@@ -657,11 +653,16 @@ unsafe fn k_tile_dot<F: KLaneFormat>(
     for b in 0..blocks {
         tile.push(F::lane_block(&rows, b));
     }
-    for (a, out) in a.iter().zip(out.iter_mut()) {
+    // The tiles after this one are asked of the caches while the first token runs.
+    let per_block = w.len().div_ceil(blocks);
+    for (i, (a, out)) in a.iter().zip(out.iter_mut()).enumerate() {
         let a = as_blocks::<BlockQ8K>(a.bytes);
         assert_eq!(a.len(), blocks, "activation row does not match the weights");
         let (mut acc, mut min) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-        for (x, a) in tile.iter().zip(a) {
+        for (b, (x, a)) in tile.iter().zip(a).enumerate() {
+            if i == 0 {
+                super::avx2::prefetch_tiles_ahead(w, b, per_block);
+            }
             let da = _mm512_set1_ps(a.d());
             let (sum, mins) = F::sums(x, a);
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(x.d, da), acc);
