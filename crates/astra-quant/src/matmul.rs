@@ -401,13 +401,15 @@ fn run_rows(
             );
             for (t, v) in tile_out.iter().enumerate() {
                 // SAFETY: as for `put`: token t's outputs for this tile's rows, in bounds
-                // and written by this task only.
+                // and written by this task only. A whole tile is one fixed-size store
+                // rather than a call to copy a run of any length.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        v.as_ptr(),
-                        out.0.add(t * rows + tile.start),
-                        tile.len(),
-                    )
+                    let to = out.0.add(t * rows + tile.start);
+                    if tile.len() == TILE_ROWS {
+                        to.cast::<[f32; TILE_ROWS]>().write_unaligned(*v);
+                    } else {
+                        std::ptr::copy_nonoverlapping(v.as_ptr(), to, tile.len());
+                    }
                 };
             }
         }

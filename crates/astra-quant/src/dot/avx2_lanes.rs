@@ -25,7 +25,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::lanes::{
-    group, lane_entries, tile_rows, Act, LaneFormat, Q4_1Lanes, Q5_0Lanes, Q8_0Lanes,
+    group, lane_entries, tile_of, tile_shape, Act, LaneFormat, Q4_1Lanes, Q5_0Lanes, Q8_0Lanes,
 };
 use super::{ActRow, ActType, Packing, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_ROWS};
 use crate::blocks::*;
@@ -579,32 +579,36 @@ unsafe fn tile_groups<F: Lanes8, const PACKED: bool>(
     a: &[ActRow<'_>],
     out: &mut [[f32; TILE_ROWS]],
 ) {
-    let (rows, blocks) = tile_rows::<F::W>(w, row_bytes, a.len(), out.len());
-    let n = w.len() / row_bytes;
+    let (n, blocks) = tile_shape::<F::W>(w, row_bytes, a.len(), out.len());
     // Taken out of the thread-local rather than used in a closure: a closure would not
     // inherit this function's target features.
-    let mut tile = TILE.take();
-    tile.clear();
-    let (first, second) = (
-        Stored(rows[..LANES].try_into().expect("eight")),
-        Stored(rows[LANES..].try_into().expect("eight")),
-    );
+    let mut whole = TILE.take();
+    let tile = tile_of(&mut whole, blocks, || std::mem::zeroed());
     let (p_first, p_second) = (
         Packed(w.as_ptr()),
         Packed(w.as_ptr().wrapping_add(LANES * row_bytes)),
     );
-    for b in 0..blocks {
-        let x0 = if PACKED && n >= LANES {
-            Blocks::<F>::block(&p_first, b)
-        } else {
-            Blocks::<F>::block(&first, b)
-        };
-        let x1 = if PACKED && n == TILE_ROWS {
-            Blocks::<F>::block(&p_second, b)
-        } else {
-            Blocks::<F>::block(&second, b)
-        };
-        tile.push([x0, x1]);
+    if PACKED && n == TILE_ROWS {
+        for (b, x) in tile.iter_mut().enumerate() {
+            *x = [
+                Blocks::<F>::block(&p_first, b),
+                Blocks::<F>::block(&p_second, b),
+            ];
+        }
+    } else {
+        let rows = group::<F::W, TILE_ROWS>(w, row_bytes, 0, n);
+        let (first, second) = (
+            Stored(rows[..LANES].try_into().expect("eight")),
+            Stored(rows[LANES..].try_into().expect("eight")),
+        );
+        for (b, x) in tile.iter_mut().enumerate() {
+            let x0 = if PACKED && n >= LANES {
+                Blocks::<F>::block(&p_first, b)
+            } else {
+                Blocks::<F>::block(&first, b)
+            };
+            *x = [x0, Blocks::<F>::block(&second, b)];
+        }
     }
     // The tiles after this one are asked of the caches while the first token runs.
     let per_block = w.len().div_ceil(blocks);
@@ -625,7 +629,7 @@ unsafe fn tile_groups<F: Lanes8, const PACKED: bool>(
             out[h * LANES..(h + 1) * LANES].copy_from_slice(&finish::<F>(acc[h], min[h]));
         }
     }
-    TILE.set(tile);
+    TILE.set(whole);
 }
 
 #[cfg(test)]

@@ -30,7 +30,7 @@ use std::cell::RefCell;
 
 use super::avx2_lanes::{self, Lanes8};
 use super::lanes::{
-    group, lane_entries, tile_rows, Act, LaneFormat, Q4_1Lanes, Q5_0Lanes, Q8_0Lanes,
+    group, lane_entries, tile_of, tile_shape, Act, LaneFormat, Q4_1Lanes, Q5_0Lanes, Q8_0Lanes,
 };
 use super::{ActRow, ActType, Packing, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_ROWS};
 use crate::blocks::*;
@@ -313,18 +313,20 @@ unsafe fn tile_groups<F: Packed16, const PACKED: bool>(
     a: &[ActRow<'_>],
     out: &mut [[f32; TILE_ROWS]],
 ) {
-    let (rows, blocks) = tile_rows::<F::W>(w, row_bytes, a.len(), out.len());
-    let packed = PACKED && w.len() == TILE_ROWS * row_bytes;
+    let (n, blocks) = tile_shape::<F::W>(w, row_bytes, a.len(), out.len());
     // Taken out of the thread-local rather than used in a closure: a closure would not
     // inherit this function's target features.
-    let mut tile = TILE.take();
-    tile.clear();
-    for b in 0..blocks {
-        tile.push(if packed {
-            packed_lane_block::<F>(w.as_ptr(), row_bytes, b)
-        } else {
-            lane_block::<F>(&rows, b)
-        });
+    let mut whole = TILE.take();
+    let tile = tile_of(&mut whole, blocks, || std::mem::zeroed());
+    if PACKED && n == TILE_ROWS {
+        for (b, x) in tile.iter_mut().enumerate() {
+            *x = packed_lane_block::<F>(w.as_ptr(), row_bytes, b);
+        }
+    } else {
+        let rows = group::<F::W, TILE_ROWS>(w, row_bytes, 0, n);
+        for (b, x) in tile.iter_mut().enumerate() {
+            *x = lane_block::<F>(&rows, b);
+        }
     }
     // Tokens TILE_TOKENS at a time, their chains side by side over each block, so that
     // the block's codes are loaded once for all of them (loads of the tile, not the
@@ -361,7 +363,7 @@ unsafe fn tile_groups<F: Packed16, const PACKED: bool>(
         }
         *out = finish::<F>(acc, min);
     }
-    TILE.set(tile);
+    TILE.set(whole);
 }
 
 /// Tokens a tile's blocks are run against together ([`tile_groups`]).
@@ -647,11 +649,12 @@ unsafe fn k_tile_dot<F: KLaneFormat>(
     a: &[ActRow<'_>],
     out: &mut [[f32; TILE_ROWS]],
 ) {
-    let (rows, blocks) = tile_rows::<F::W>(w, row_bytes, a.len(), out.len());
-    let mut tile = K_TILE.take();
-    tile.clear();
-    for b in 0..blocks {
-        tile.push(F::lane_block(&rows, b));
+    let (n, blocks) = tile_shape::<F::W>(w, row_bytes, a.len(), out.len());
+    let rows = group::<F::W, TILE_ROWS>(w, row_bytes, 0, n);
+    let mut whole = K_TILE.take();
+    let tile = tile_of(&mut whole, blocks, || std::mem::zeroed());
+    for (b, x) in tile.iter_mut().enumerate() {
+        *x = F::lane_block(&rows, b);
     }
     // The tiles after this one are asked of the caches while the first token runs.
     let per_block = w.len().div_ceil(blocks);
@@ -672,7 +675,7 @@ unsafe fn k_tile_dot<F: KLaneFormat>(
         }
         *out = std::mem::transmute::<__m512, [f32; TILE_ROWS]>(_mm512_sub_ps(acc, min));
     }
-    K_TILE.set(tile);
+    K_TILE.set(whole);
 }
 
 #[cfg(test)]

@@ -162,24 +162,34 @@ pub(crate) fn group<W: Block, const N: usize>(
     })
 }
 
-/// The rows of a tile (`w`: 1..=16 rows of `row_bytes`, as [`group`] gives them) and
-/// their blocks per row, checked against a batch of `tokens` and its outputs.
-pub(crate) fn tile_rows<W: Block>(
+/// The rows of a tile (`w`: 1..=16 rows of `row_bytes`) and their blocks per row,
+/// checked against a batch of `tokens` and its outputs.
+pub(crate) fn tile_shape<W: Block>(
     w: &[u8],
     row_bytes: usize,
     tokens: usize,
     outs: usize,
-) -> ([&[W]; TILE_ROWS], usize) {
+) -> (usize, usize) {
     let n = w.len() / row_bytes.max(1);
     assert!(
-        row_bytes > 0 && w.len() == row_bytes * n && (1..=TILE_ROWS).contains(&n),
-        "weights are not 1..=16 rows"
+        row_bytes > 0
+            && w.len() == row_bytes * n
+            && (1..=TILE_ROWS).contains(&n)
+            && row_bytes.is_multiple_of(std::mem::size_of::<W>()),
+        "weights are not 1..=16 rows of whole blocks"
     );
     assert_eq!(tokens, outs, "one output row per token");
-    (
-        group::<W, TILE_ROWS>(w, row_bytes, 0, n),
-        row_bytes / std::mem::size_of::<W>(),
-    )
+    (n, row_bytes / std::mem::size_of::<W>())
+}
+
+/// A thread's tile of `blocks` entries, each written before it is read: `tile` grown
+/// to hold them where it is short (a tile is kilobytes, so it is written in place
+/// rather than pushed, which copies each entry through the stack).
+pub(crate) fn tile_of<T>(tile: &mut Vec<T>, blocks: usize, zero: impl FnMut() -> T) -> &mut [T] {
+    if tile.len() < blocks {
+        tile.resize_with(blocks, zero);
+    }
+    &mut tile[..blocks]
 }
 
 /// The kernels' arithmetic in scalar code, for one row and one token: what they must
