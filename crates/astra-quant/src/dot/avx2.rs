@@ -123,26 +123,51 @@ pub(super) unsafe fn prefetch_ahead(w: &[u8], at: usize, len: usize) {
     }
 }
 
-/// Tiles past the next one that a batch tile asks for ([`prefetch_tiles_ahead`]). Of
-/// the distances tried in `matmul_batch` (0, 1, 2, 3 and 5 tiles past the next; a tile
-/// of SmolLM2's 576 columns is 5.8 KB), two and five were the fastest, asked into L2;
-/// into L1 (at one) or L3 (at two) was slower than into L2 at the same distance.
+/// Tiles past the next one that a batch tile asks for ([`Ahead`]). Of the distances
+/// tried in `matmul_batch` (0, 1, 2, 3 and 5 tiles past the next; a tile of SmolLM2's
+/// 576 columns is 5.8 KB), two and five were the fastest, asked into L2; into L1 (at
+/// one) or L3 (at two) was slower than into L2 at the same distance.
 const TILES_AHEAD: usize = 2;
 
-/// A batch tile (`tile`, the weight bytes of its rows) asks for block `b`'s share
-/// (`per_block` bytes) of the tile [`TILES_AHEAD`] past the next one, into L2: the
-/// tiles that follow are contiguous and the same size, so each is asked for while the
-/// tiles before it compute. Into L2 rather than L1: an L1 prefetch holds one of the
-/// core's few miss buffers until its line arrives, and a burst of them one tile ahead
-/// stalled the arithmetic beside them. A prefetch of an address past the weights is
-/// harmless.
-#[inline(always)]
-pub(super) unsafe fn prefetch_tiles_ahead(tile: &[u8], b: usize, per_block: usize) {
-    let from = tile
-        .as_ptr()
-        .wrapping_add((TILES_AHEAD + 1) * tile.len() + b * per_block);
-    for p in (0..per_block).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T1>(from.wrapping_add(p).cast());
+/// A batch tile's requests for the tile [`TILES_AHEAD`] past the next one, into L2,
+/// spread evenly over the steps of its arithmetic: within a task's run of rows the
+/// tiles are contiguous and the same size, so each is asked for while the tiles before
+/// it compute (a run's first tiles are not asked for ahead, and its last ones ask for
+/// rows past it, which another task may be computing). Into L2 rather than L1, and
+/// spread rather than in a burst: a prefetch waits for a free miss buffer, and a burst
+/// of L1 prefetches one tile ahead stalled the arithmetic beside them. A prefetch of an
+/// address past the weights is harmless.
+pub(super) struct Ahead {
+    next: *const u8,
+    end: *const u8,
+    /// Bytes asked for per step (whole lines).
+    per_step: usize,
+}
+
+impl Ahead {
+    /// For a tile (`tile`, the weight bytes of its rows) whose arithmetic takes `steps`
+    /// calls of [`Ahead::step`].
+    #[inline(always)]
+    pub(super) fn new(tile: &[u8], steps: usize) -> Ahead {
+        let next = tile.as_ptr().wrapping_add((TILES_AHEAD + 1) * tile.len());
+        Ahead {
+            next,
+            end: next.wrapping_add(tile.len()),
+            per_step: 64 * tile.len().div_ceil(64).div_ceil(steps.max(1)),
+        }
+    }
+
+    /// Asks for this step's share of the lines.
+    ///
+    /// # Safety
+    /// None beyond x86-64's SSE: a prefetch never faults, whatever the address.
+    #[inline(always)]
+    pub(super) unsafe fn step(&mut self) {
+        let stop = self.next.wrapping_add(self.per_step).min(self.end);
+        while self.next < stop {
+            _mm_prefetch::<_MM_HINT_T1>(self.next.cast());
+            self.next = self.next.wrapping_add(64);
+        }
     }
 }
 

@@ -610,15 +610,12 @@ unsafe fn tile_groups<F: Lanes8, const PACKED: bool>(
             *x = [x0, Blocks::<F>::block(&second, b)];
         }
     }
-    // The tiles after this one are asked of the caches while the first token runs.
-    let per_block = w.len().div_ceil(blocks);
-    for (i, (a, out)) in a.iter().zip(out.iter_mut()).enumerate() {
+    let mut ahead = super::avx2::Ahead::new(w, a.len() * blocks);
+    for (a, out) in a.iter().zip(out.iter_mut()) {
         let act = Act::new::<F>(a, blocks);
         let (mut acc, mut min) = ([_mm256_setzero_ps(); 2], [_mm256_setzero_ps(); 2]);
         for (b, x) in tile.iter().enumerate() {
-            if i == 0 {
-                super::avx2::prefetch_tiles_ahead(w, b, per_block);
-            }
+            ahead.step();
             let y = broadcasts(act, b);
             for h in 0..2 {
                 let isum = block_sums::<F>(&x[h], &y, act, b);

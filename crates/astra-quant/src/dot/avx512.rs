@@ -332,19 +332,16 @@ unsafe fn tile_groups<F: Packed16, const PACKED: bool>(
     // the block's codes are loaded once for all of them (loads of the tile, not the
     // products, bounded a token at a time). Each chain is a token's alone, in block
     // order: the results are the same for any grouping.
-    // The tiles after this one are asked of the caches while the first tokens run.
-    let per_block = w.len().div_ceil(blocks);
+    let mut ahead = super::avx2::Ahead::new(w, a.len() / TILE_TOKENS * blocks);
     let mut groups = a
         .chunks_exact(TILE_TOKENS)
         .zip(out.chunks_exact_mut(TILE_TOKENS));
-    for (i, (a, out)) in groups.by_ref().enumerate() {
+    for (a, out) in groups.by_ref() {
         let act: [Act; TILE_TOKENS] = std::array::from_fn(|t| Act::new::<F>(&a[t], blocks));
         let mut acc = [_mm512_setzero_ps(); TILE_TOKENS];
         let mut min = [_mm512_setzero_ps(); TILE_TOKENS];
         for (b, x) in tile.iter().enumerate() {
-            if i == 0 {
-                super::avx2::prefetch_tiles_ahead(w, b, per_block);
-            }
+            ahead.step();
             let x = *x;
             for t in 0..TILE_TOKENS {
                 step::<F>(&x, act[t], b, &mut acc[t], &mut min[t]);
@@ -656,16 +653,13 @@ unsafe fn k_tile_dot<F: KLaneFormat>(
     for (b, x) in tile.iter_mut().enumerate() {
         *x = F::lane_block(&rows, b);
     }
-    // The tiles after this one are asked of the caches while the first token runs.
-    let per_block = w.len().div_ceil(blocks);
-    for (i, (a, out)) in a.iter().zip(out.iter_mut()).enumerate() {
+    let mut ahead = super::avx2::Ahead::new(w, a.len() * blocks);
+    for (a, out) in a.iter().zip(out.iter_mut()) {
         let a = as_blocks::<BlockQ8K>(a.bytes);
         assert_eq!(a.len(), blocks, "activation row does not match the weights");
         let (mut acc, mut min) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-        for (b, (x, a)) in tile.iter().zip(a).enumerate() {
-            if i == 0 {
-                super::avx2::prefetch_tiles_ahead(w, b, per_block);
-            }
+        for (x, a) in tile.iter().zip(a) {
+            ahead.step();
             let da = _mm512_set1_ps(a.d());
             let (sum, mins) = F::sums(x, a);
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(x.d, da), acc);
