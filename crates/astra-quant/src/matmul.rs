@@ -143,14 +143,21 @@ impl QuantizedActivations {
         let tokens = x.len().checked_div(cols).unwrap_or(0);
         let mut data = vec![0u8; row_bytes * tokens];
         let (mut scales, mut quants, mut neg_sums) = (Vec::new(), Vec::new(), Vec::new());
-        for (xr, out) in x
+        for (t, (xr, out)) in x
             .chunks_exact(cols.max(1))
             .zip(data.chunks_exact_mut(row_bytes.max(1)))
+            .enumerate()
         {
             act.quantize(xr, out);
             act.row_scales(out, &mut scales);
             act.row_quants(out, &mut quants);
             act.row_neg_sums(out, &mut neg_sums);
+            if t == 0 {
+                // Every row adds as many as the first: room for the rest at once.
+                scales.reserve_exact(scales.len() * tokens.saturating_sub(1));
+                quants.reserve_exact(quants.len() * tokens.saturating_sub(1));
+                neg_sums.reserve_exact(neg_sums.len() * tokens.saturating_sub(1));
+            }
         }
         let per_token = |n: usize| n.checked_div(tokens).unwrap_or(0);
         let (row_scales, row_quants, row_sums) = (
@@ -192,24 +199,34 @@ impl QuantizedActivations {
             let rows = &x[i * per_task * cols..((i + 1) * per_task).min(tokens) * cols];
             *parts[i].lock().expect("own slot") = Some(Self::new(act, rows, cols));
         });
-        let mut whole: Option<Self> = None;
-        for part in parts {
-            let part = part
-                .into_inner()
-                .expect("own slot")
-                .expect("every task ran")?;
-            match whole.as_mut() {
-                None => whole = Some(part),
-                Some(w) => {
-                    w.tokens += part.tokens;
-                    w.data.extend_from_slice(&part.data);
-                    w.scales.extend_from_slice(&part.scales);
-                    w.quants.extend_from_slice(&part.quants);
-                    w.neg_sums.extend_from_slice(&part.neg_sums);
-                }
+        let parts = parts
+            .into_iter()
+            .map(|p| p.into_inner().expect("own slot").expect("every task ran"))
+            .collect::<Result<Vec<Self>, QuantError>>()?;
+        // Joined into buffers of the whole batch's size, each allocated once.
+        fn joined<T: Copy>(
+            parts: &[QuantizedActivations],
+            part: impl Fn(&QuantizedActivations) -> &[T],
+        ) -> Vec<T> {
+            let mut whole = Vec::with_capacity(parts.iter().map(|p| part(p).len()).sum());
+            for p in parts {
+                whole.extend_from_slice(part(p));
             }
+            whole
         }
-        Ok(whole.expect("at least one task"))
+        let first = &parts[0];
+        Ok(QuantizedActivations {
+            act: first.act,
+            tokens,
+            row_bytes: first.row_bytes,
+            data: joined(&parts, |p| &p.data),
+            row_scales: first.row_scales,
+            scales: joined(&parts, |p| &p.scales),
+            row_quants: first.row_quants,
+            quants: joined(&parts, |p| &p.quants),
+            row_sums: first.row_sums,
+            neg_sums: joined(&parts, |p| &p.neg_sums),
+        })
     }
 
     #[inline]
