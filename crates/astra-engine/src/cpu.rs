@@ -54,7 +54,8 @@ struct RowOps {
     kernels: fn(GgmlType, Isa) -> Result<Kernels, EngineError>,
     rms_norm: fn(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]),
     rms_norm_inplace: fn(x: &mut [f32], w: &[f32], eps: f32),
-    rope: fn(head: &mut [f32], pos: usize, dims: usize, base: f32, neox: bool),
+    /// RoPE on every head of one token's row.
+    rope: fn(row: &mut [f32], head_dim: usize, pos: usize, dims: usize, base: f32, neox: bool),
     /// `gate = act(gate) · up` over rows of `width`.
     glu: fn(gate: &mut [f32], up: &[f32], width: usize, act: Activation),
     /// Each sequence's queries over a layer of its own cache, into its output.
@@ -459,9 +460,7 @@ impl Backend for CpuBackend {
     fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &Vec<u32>, r: Rope) {
         let rope = self.ops().rope;
         for (row, &pos) in x.rows_mut().zip(positions) {
-            for head in row.chunks_exact_mut(head_dim) {
-                rope(head, pos as usize, r.dims, r.base, r.neox);
-            }
+            rope(row, head_dim, pos as usize, r.dims, r.base, r.neox);
         }
     }
 

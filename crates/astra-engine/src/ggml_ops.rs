@@ -40,23 +40,22 @@ pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
     x.iter_mut().zip(w).for_each(|(v, &w)| *v = *v * scale * w);
 }
 
-/// `ggml_compute_forward_rope_flt` of one head at `pos` (no frequency scaling): the
-/// angles by repeated multiplication from `pos`, sine and cosine from libm, each pair
-/// rotated with the fusions GCC makes of `x0·cos − x1·sin` and `x0·sin + x1·cos`:
-/// the products with x0 fused, those with x1 rounded first.
-pub fn rope(head: &mut [f32], pos: usize, dims: usize, base: f32, neox: bool) {
+/// `ggml_compute_forward_rope_flt` of a token's row of heads (of `head_dim` values) at
+/// `pos` (no frequency scaling): the angles by repeated multiplication from `pos`, sine
+/// and cosine from libm, once for the row (ggml's rope cache), each pair rotated with
+/// the fusions GCC makes of `x0·cos − x1·sin` and `x0·sin + x1·cos`: the products with
+/// x0 fused, those with x1 rounded first.
+pub fn rope(row: &mut [f32], head_dim: usize, pos: usize, dims: usize, base: f32, neox: bool) {
     let theta_scale = base.powf(-2.0 / dims as f32);
     let mut theta = pos as f32;
     for i in 0..dims / 2 {
         let (sin, cos) = (theta.sin(), theta.cos());
-        let (a, b) = if neox {
-            (i, i + dims / 2)
-        } else {
-            (2 * i, 2 * i + 1)
-        };
-        let (x0, x1) = (head[a], head[b]);
-        head[a] = x0.mul_add(cos, -(x1 * sin));
-        head[b] = x0.mul_add(sin, x1 * cos);
+        let (a, b) = crate::ops::rope_pair(i, dims, neox);
+        for head in row.chunks_exact_mut(head_dim) {
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0.mul_add(cos, -(x1 * sin));
+            head[b] = x0.mul_add(sin, x1 * cos);
+        }
         theta *= theta_scale;
     }
 }

@@ -25,23 +25,32 @@ pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
-/// Rotary position embedding of one head at position `pos`, on its first `dims`
-/// values: adjacent pairs (Llama) or the two halves (NeoX). The angle of pair i is
-/// pos · base^(−2i/dims), built by repeated multiplication as ggml builds it.
-pub fn rope(head: &mut [f32], pos: usize, dims: usize, base: f32, neox: bool) {
+/// Rotary position embedding of every head (of `head_dim` values) of a token's row at
+/// position `pos`, on each head's first `dims` values: adjacent pairs (Llama) or the
+/// two halves (NeoX). The angle of pair i is pos · base^(−2i/dims), built by repeated
+/// multiplication as ggml builds it, once for all the heads.
+pub fn rope(row: &mut [f32], head_dim: usize, pos: usize, dims: usize, base: f32, neox: bool) {
     let theta_scale = base.powf(-2.0 / dims as f32);
     let mut theta = pos as f32;
     for i in 0..dims / 2 {
         let (sin, cos) = theta.sin_cos();
-        let (a, b) = if neox {
-            (i, i + dims / 2)
-        } else {
-            (2 * i, 2 * i + 1)
-        };
-        let (x0, x1) = (head[a], head[b]);
-        head[a] = x0 * cos - x1 * sin;
-        head[b] = x0 * sin + x1 * cos;
+        let (a, b) = rope_pair(i, dims, neox);
+        for head in row.chunks_exact_mut(head_dim) {
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0 * cos - x1 * sin;
+            head[b] = x0 * sin + x1 * cos;
+        }
         theta *= theta_scale;
+    }
+}
+
+/// The two elements of a head that RoPE's pair `i` rotates together.
+#[inline]
+pub(crate) fn rope_pair(i: usize, dims: usize, neox: bool) -> (usize, usize) {
+    if neox {
+        (i, i + dims / 2)
+    } else {
+        (2 * i, 2 * i + 1)
     }
 }
 
@@ -499,8 +508,11 @@ mod tests {
     #[test]
     fn rope_rotates_by_the_angle() {
         for neox in [false, true] {
-            let mut h = vec![1.0f32, 0.0, 0.5, 0.25];
-            rope(&mut h, 3, 4, 10000.0, neox);
+            // Two heads of four: the second a copy of the first, rotated alike.
+            let mut row = vec![1.0f32, 0.0, 0.5, 0.25, 1.0, 0.0, 0.5, 0.25];
+            rope(&mut row, 4, 3, 4, 10000.0, neox);
+            assert_eq!(row[..4], row[4..]);
+            let h = &row[..4];
             let (a, b) = if neox { (0, 2) } else { (0, 1) };
             let (x0, x1) = if neox { (1.0f64, 0.5) } else { (1.0, 0.0) };
             let t = 3.0f64;
@@ -509,6 +521,23 @@ mod tests {
             // Norm is preserved.
             let n: f32 = h.iter().map(|v| v * v).sum();
             assert!((n - (1.0 + 0.25 + 0.0625)).abs() < 1e-5);
+        }
+    }
+
+    /// With fewer rotated dimensions than a head has, each head of the row turns its
+    /// first `dims` values as a head of `dims` alone would, and keeps the rest.
+    #[test]
+    fn rope_turns_the_first_dims_of_every_head() {
+        for neox in [false, true] {
+            let head = [0.3f32, -1.2, 0.7, 2.0, 5.0, -6.0];
+            let mut alone = head[..4].to_vec();
+            rope(&mut alone, 4, 9, 4, 10000.0, neox);
+            let mut row = [head, head].concat();
+            rope(&mut row, 6, 9, 4, 10000.0, neox);
+            for h in row.chunks_exact(6) {
+                assert_eq!(h[..4], alone[..]);
+                assert_eq!(h[4..], head[4..]);
+            }
         }
     }
 
