@@ -145,6 +145,88 @@ fn answer_room_zero_turns_the_reservation_off() {
         .ends_with(WRAP_UP));
 }
 
+/// The output items of a streamed Responses answer (each `response.output_item.done`)
+/// and the final response object.
+fn streamed_items(text: &str) -> (Vec<Value>, Value) {
+    let (mut items, mut last) = (Vec::new(), Value::Null);
+    for event in text.split("\n\n") {
+        let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
+            continue;
+        };
+        let v: Value = serde_json::from_str(data).unwrap();
+        match v["type"].as_str() {
+            Some("response.output_item.done") => items.push(v["item"].clone()),
+            Some("response.completed" | "response.incomplete") => last = v["response"].clone(),
+            _ => {}
+        }
+    }
+    (items, last)
+}
+
+/// An item's type, status and text: what a whole and a streamed answer share (ids
+/// differ from request to request).
+fn item_shape(item: &Value) -> (Value, Value, Value) {
+    (
+        item["type"].clone(),
+        item["status"].clone(),
+        item["content"][0]["text"].clone(),
+    )
+}
+
+/// A Responses answer that the token budget cuts while it still reasons is its
+/// reasoning item alone, and one that ends its turn inside the reasoning ends in an
+/// empty message; whole and streamed alike.
+#[test]
+fn a_response_cut_in_its_reasoning_is_the_reasoning_alone() {
+    let Some(s) = Server::start(&["--answer-room", "0"]) else {
+        return;
+    };
+    // 8 tokens cut the first prompt's reasoning; SmolLM2 ends its turn inside the
+    // reasoning on the second (as an_end_of_turn_inside_the_thinking_still_gets_an_answer
+    // shows).
+    for (prompt, max, status, types) in [
+        (
+            "Explain in detail how bread rises, step by step.",
+            8,
+            "incomplete",
+            vec!["reasoning"],
+        ),
+        ("Say hello.", 64, "completed", vec!["reasoning", "message"]),
+    ] {
+        let body = json!({"input": prompt, "max_output_tokens": max, "temperature": 0,
+                          "reasoning": {"effort": "medium"}});
+        let (code, whole) = s.post("/v1/responses", &body);
+        assert_eq!(code, 200, "{whole}");
+        let output = whole["output"].as_array().unwrap();
+        let got: Vec<&str> = output.iter().map(|o| o["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            (whole["status"].as_str(), got),
+            (Some(status), types),
+            "{whole}"
+        );
+        assert!(
+            !output[0]["content"][0]["text"].as_str().unwrap().is_empty(),
+            "{whole}"
+        );
+        if let Some(message) = output.get(1) {
+            assert_eq!(message["content"][0]["text"], "", "{whole}");
+        }
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let (code, text) = s.post_raw("/v1/responses", &streamed.to_string());
+        assert_eq!(code, 200, "{text}");
+        let (items, last) = streamed_items(&text);
+        let shapes = |items: &[Value]| items.iter().map(item_shape).collect::<Vec<_>>();
+        assert_eq!(shapes(&items), shapes(output), "{prompt}: {text}");
+        let last_output = last["output"].as_array();
+        assert_eq!(
+            shapes(last_output.unwrap_or_else(|| panic!("no final response: {text}"))),
+            shapes(output)
+        );
+        assert_eq!(last["status"], whole["status"]);
+    }
+}
+
 #[test]
 fn capabilities_are_stated_and_enforced() {
     let Some(s) = Server::start(&[]) else { return };

@@ -250,13 +250,20 @@ fn output_items(a: &Accepted, c: &Choice) -> (Vec<Value>, &'static str) {
         .as_ref()
         .map_or(c.text.as_str(), |(rest, _)| rest.as_str());
     let status = final_status(c.finish, calls.is_some());
-    if !text.is_empty() || calls.is_none() {
+    if !text.is_empty() || (calls.is_none() && !cut_in_reasoning(status, &c.reasoning, text)) {
         items.push(message_item(a, text, status));
     }
     for (k, call) in calls.iter().flat_map(|(_, calls)| calls.iter()).enumerate() {
         items.push(call_item(a, k, call, "completed"));
     }
     (items, status)
+}
+
+/// Whether an answer with no calls is its reasoning item alone: one that reasoned and
+/// that the token budget cut before any text, as OpenAI's reasoning models answer.
+/// Every other answer ends in a message item, empty where the model said nothing.
+fn cut_in_reasoning(status: &str, reasoning: &str, text: &str) -> bool {
+    status == "incomplete" && !reasoning.is_empty() && text.is_empty()
 }
 
 fn reasoning_item(a: &Accepted, text: &str) -> Value {
@@ -491,7 +498,14 @@ impl AnswerShape for Items {
             }
             None => {
                 self.delta(a, Open::Message, &end.held, out);
-                if self.done.is_empty() && self.open == Open::None {
+                // No message yet: the answer said nothing after its reasoning, or nothing
+                // at all. It gets its (empty) message as the whole answer does, unless
+                // the budget cut it in its reasoning ([`cut_in_reasoning`]).
+                let reasoning = match self.open {
+                    Open::Reasoning => self.text.as_str(),
+                    _ => "",
+                };
+                if self.open != Open::Message && !cut_in_reasoning(status, reasoning, "") {
                     self.enter(a, Open::Message, out);
                 }
                 self.close(a, status, out);
