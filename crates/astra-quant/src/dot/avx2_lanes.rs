@@ -74,11 +74,11 @@ pub(crate) trait Lanes8: LaneFormat {
     /// # Safety
     /// The module's features; `rows` has eight rows of more than `b` blocks.
     unsafe fn lane_codes(rows: &[&[Self::W]], b: usize) -> [__m256i; 8];
-    /// Bytes of a packed block before its codes: the eight scales, then the eight
-    /// minimums (Q4_1) or the fifth bits (Q5_0).
-    const PACKED_HEAD: usize;
-    /// Writes the part of a packed block after the scales.
-    fn pack_rest(blocks: [&Self::W; LANES], out: &mut [u8]);
+    /// Bytes a lane of a packed block has before the codes: its scale, then its
+    /// minimum (Q4_1) or its fifth bits (Q5_0). A block of n lanes has n times as many.
+    const HEAD_BYTES: usize;
+    /// Writes the part of a packed block of `blocks.len()` lanes after the scales.
+    fn pack_rest(blocks: &[&Self::W], out: &mut [u8]);
     /// [`Lanes8::lane_codes`] of the packed block at `p`.
     ///
     /// # Safety
@@ -86,22 +86,22 @@ pub(crate) trait Lanes8: LaneFormat {
     unsafe fn packed_codes(p: *const u8) -> [__m256i; 8];
 }
 
-/// Eight blocks (one per row) packed: the scales (f16, lane order), then the rest as
-/// the format packs it.
-fn pack_blocks<F: Lanes8>(blocks: [&F::W; LANES], out: &mut [u8]) {
+/// A block of each of `blocks.len()` rows (one per lane) packed: the scales (f16, lane
+/// order), then the rest as the format packs it.
+fn pack_blocks<F: Lanes8>(blocks: &[&F::W], out: &mut [u8]) {
     for (l, b) in blocks.iter().enumerate() {
         out[2 * l..2 * l + 2].copy_from_slice(&F::d(b).to_le_bytes());
     }
     F::pack_rest(blocks, out);
 }
 
-/// Eight rows' codes of four bytes each (`codes[l]`, 4 · `n` bytes) as `n` vectors:
-/// vector k lane l holds row l's bytes 4k..4k+4 (what the transposes build in
-/// registers).
-fn pack_dwords(codes: [&[u8]; LANES], n: usize, out: &mut [u8]) {
-    for (l, c) in codes.iter().enumerate() {
+/// Rows' codes, four bytes at a time, as `n` vectors of `lanes` lanes: vector k lane l
+/// holds `dword(l, k)`, row l's bytes 4k..4k+4 (what the transposes build in registers).
+fn pack_dwords(lanes: usize, n: usize, out: &mut [u8], dword: impl Fn(usize, usize) -> [u8; 4]) {
+    for l in 0..lanes {
         for k in 0..n {
-            out[32 * k + 4 * l..32 * k + 4 * l + 4].copy_from_slice(&c[4 * k..4 * k + 4]);
+            let at = 4 * (lanes * k + l);
+            out[at..at + 4].copy_from_slice(&dword(l, k));
         }
     }
 }
@@ -109,20 +109,32 @@ fn pack_dwords(codes: [&[u8]; LANES], n: usize, out: &mut [u8]) {
 /// `out` is `w` (whole rows) with each whole group of eight rows packed, block by
 /// block, in the group's place; the rows after the last whole group are copied.
 pub(super) fn pack<F: Lanes8>(w: &[u8], row_bytes: usize, out: &mut [u8]) {
+    pack_groups::<F>(w, row_bytes, LANES, out);
+}
+
+/// As [`pack`], in groups of `lanes` rows (at most [`TILE_ROWS`]): a block of a group
+/// is its rows' blocks packed as one vector of `lanes` lanes would take them.
+pub(super) fn pack_groups<F: Lanes8>(w: &[u8], row_bytes: usize, lanes: usize, out: &mut [u8]) {
     assert!(
-        row_bytes > 0 && w.len().is_multiple_of(row_bytes) && out.len() == w.len(),
+        row_bytes > 0
+            && w.len().is_multiple_of(row_bytes)
+            && out.len() == w.len()
+            && (1..=TILE_ROWS).contains(&lanes),
         "packing whole rows"
     );
-    let (span, block) = (LANES * row_bytes, std::mem::size_of::<F::W>());
+    let (span, block) = (lanes * row_bytes, std::mem::size_of::<F::W>());
     let whole = w.len() / span * span;
     for (g, out) in w[..whole]
         .chunks_exact(span)
         .zip(out[..whole].chunks_exact_mut(span))
     {
-        let rows: [&[F::W]; LANES] =
-            std::array::from_fn(|l| as_blocks::<F::W>(&g[l * row_bytes..(l + 1) * row_bytes]));
-        for (b, out) in out.chunks_exact_mut(LANES * block).enumerate() {
-            pack_blocks::<F>(std::array::from_fn(|l| &rows[l][b]), out);
+        let rows: [&[F::W]; TILE_ROWS] = std::array::from_fn(|l| {
+            let l = l.min(lanes - 1);
+            as_blocks::<F::W>(&g[l * row_bytes..(l + 1) * row_bytes])
+        });
+        for (b, out) in out.chunks_exact_mut(lanes * block).enumerate() {
+            let blocks: [&F::W; TILE_ROWS] = std::array::from_fn(|l| &rows[l][b]);
+            pack_blocks::<F>(&blocks[..lanes], out);
         }
     }
     out[whole..].copy_from_slice(&w[whole..]);
@@ -192,17 +204,20 @@ impl Lanes8 for Q4_1Lanes {
             &rows.get_unchecked(l).get_unchecked(b).qs
         }))
     }
-    // Eight scales, eight minimums.
-    const PACKED_HEAD: usize = 32;
-    fn pack_rest(blocks: [&BlockQ4_1; LANES], out: &mut [u8]) {
+    // The scales, then the minimums.
+    const HEAD_BYTES: usize = 4;
+    fn pack_rest(blocks: &[&BlockQ4_1], out: &mut [u8]) {
+        let n = blocks.len();
         for (l, b) in blocks.iter().enumerate() {
-            out[16 + 2 * l..18 + 2 * l].copy_from_slice(&b.m.0);
+            out[2 * (n + l)..2 * (n + l) + 2].copy_from_slice(&b.m.0);
         }
-        pack_dwords(blocks.map(|b| &b.qs[..]), 4, &mut out[Self::PACKED_HEAD..]);
+        pack_dwords(n, 4, &mut out[Self::HEAD_BYTES * n..], |l, k| {
+            std::array::from_fn(|j| blocks[l].qs[4 * k + j])
+        });
     }
     #[inline(always)]
     unsafe fn packed_codes(p: *const u8) -> [__m256i; 8] {
-        packed_nibbles(p.add(Self::PACKED_HEAD))
+        packed_nibbles(p.add(Self::HEAD_BYTES * LANES))
     }
 }
 
@@ -240,24 +255,28 @@ impl Lanes8 for Q5_0Lanes {
         }
         codes
     }
-    // Eight scales, then the fifth bits as 32 bytes: bit k of byte 4l + j is row l's
-    // fifth bit of element 4k + j, the code in byte j of lane l of vector k.
-    const PACKED_HEAD: usize = 48;
-    fn pack_rest(blocks: [&BlockQ5_0; LANES], out: &mut [u8]) {
+    // The scales, then the fifth bits as four bytes a lane: bit k of byte 4l + j is
+    // row l's fifth bit of element 4k + j, the code in byte j of lane l of vector k.
+    const HEAD_BYTES: usize = 6;
+    fn pack_rest(blocks: &[&BlockQ5_0], out: &mut [u8]) {
+        let n = blocks.len();
         for (l, b) in blocks.iter().enumerate() {
             let qh = u32::from_le_bytes(b.qh);
             for j in 0..4 {
-                out[16 + 4 * l + j] = (0..8).map(|k| (((qh >> (4 * k + j)) & 1) as u8) << k).sum();
+                out[2 * n + 4 * l + j] =
+                    (0..8).map(|k| (((qh >> (4 * k + j)) & 1) as u8) << k).sum();
             }
         }
-        pack_dwords(blocks.map(|b| &b.qs[..]), 4, &mut out[Self::PACKED_HEAD..]);
+        pack_dwords(n, 4, &mut out[Self::HEAD_BYTES * n..], |l, k| {
+            std::array::from_fn(|j| blocks[l].qs[4 * k + j])
+        });
     }
     #[inline(always)]
     unsafe fn packed_codes(p: *const u8) -> [__m256i; 8] {
-        let mut codes = packed_nibbles(p.add(Self::PACKED_HEAD));
+        let mut codes = packed_nibbles(p.add(Self::HEAD_BYTES * LANES));
         // Vector k's fifth bits are bit k of every byte: shifted to bit 4 (16-bit
         // shifts; the mask drops what crosses from the neighbouring byte).
-        let bits = _mm256_loadu_si256(p.add(16).cast());
+        let bits = _mm256_loadu_si256(p.add(2 * LANES).cast());
         let sixteen = _mm256_set1_epi8(16);
         let at4 = [
             _mm256_slli_epi16::<4>(bits),
@@ -309,21 +328,19 @@ impl Lanes8 for Q8_0Lanes {
         }
         out
     }
-    // Eight scales.
-    const PACKED_HEAD: usize = 16;
-    fn pack_rest(blocks: [&BlockQ8_0; LANES], out: &mut [u8]) {
-        let codes = blocks.map(|b| b.qs.map(|q| q as u8));
-        pack_dwords(
-            std::array::from_fn(|l| &codes[l][..]),
-            8,
-            &mut out[Self::PACKED_HEAD..],
-        );
+    // The scales.
+    const HEAD_BYTES: usize = 2;
+    fn pack_rest(blocks: &[&BlockQ8_0], out: &mut [u8]) {
+        let n = blocks.len();
+        pack_dwords(n, 8, &mut out[Self::HEAD_BYTES * n..], |l, k| {
+            std::array::from_fn(|j| blocks[l].qs[4 * k + j] as u8)
+        });
     }
     #[inline(always)]
     unsafe fn packed_codes(p: *const u8) -> [__m256i; 8] {
         let mut codes = [_mm256_setzero_si256(); 8];
         for (k, c) in codes.iter_mut().enumerate() {
-            *c = _mm256_loadu_si256(p.add(Self::PACKED_HEAD + 32 * k).cast());
+            *c = _mm256_loadu_si256(p.add(Self::HEAD_BYTES * LANES + 32 * k).cast());
         }
         codes
     }

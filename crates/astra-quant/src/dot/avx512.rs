@@ -11,8 +11,9 @@
 //! Decode streams each 16-row group once, transposing it as it goes ([`dot1_groups`]);
 //! prefill transposes a group once into a scratch tile that every token of the batch
 //! then meets ([`tile_groups`]). Both run the same per-lane arithmetic. Rows packed at
-//! load ([`pack16`]: AVX2's packing, whose lanes are these kernels' lanes) are already
-//! in lane order, so decoding a block of them is loads and masks, with the same results.
+//! load ([`pack16`]: AVX2's packing, in blocks of sixteen lanes for Q4_1 and Q8_0 and
+//! as two of AVX2's groups of eight for Q5_0) are already in lane order, so decoding a
+//! block of them is loads and masks, with the same results.
 //!
 //! Q4_K and Q6_K batches run the same way over super-blocks ([`k_tile_dot`]): exact
 //! integer super-block sums (group sums times their integer scales), then AVX2's float
@@ -289,7 +290,7 @@ unsafe fn dot1_groups<F: Packed16, const PACKED: bool>(
         for b in 0..blocks {
             super::avx2::prefetch_ahead(w, next + b * span / blocks, span / blocks);
             let x = match packed {
-                Some(p) => packed_lane_block::<F>(p, row_bytes, b),
+                Some(p) => F::packed_lane_block(p, row_bytes, b),
                 None => lane_block::<F>(&rows, b),
             };
             step::<F>(&x, act, b, &mut acc, &mut min);
@@ -320,7 +321,7 @@ unsafe fn tile_groups<F: Packed16, const PACKED: bool>(
     let tile = tile_of(&mut whole, blocks, || std::mem::zeroed());
     if PACKED && n == TILE_ROWS {
         for (b, x) in tile.iter_mut().enumerate() {
-            *x = packed_lane_block::<F>(w.as_ptr(), row_bytes, b);
+            *x = F::packed_lane_block(w.as_ptr(), row_bytes, b);
         }
     } else {
         let rows = group::<F::W, TILE_ROWS>(w, row_bytes, 0, n);
@@ -366,42 +367,100 @@ unsafe fn tile_groups<F: Packed16, const PACKED: bool>(
 /// Tokens a tile's blocks are run against together ([`tile_groups`]).
 const TILE_TOKENS: usize = 4;
 
-/// A [`Lanes16`] format whose rows are packed at load as AVX2's kernels pack them
-/// ([`avx2_lanes::pack`]), in groups of sixteen rows: two of AVX2's groups of eight,
-/// one after the other. AVX2 puts in lane l of its vector k what the transposes here
-/// put in lane l (or l + 8) of vector k, so a packed block is two loads per vector.
-pub(crate) trait Packed16: Lanes16 + Lanes8 {
-    /// AVX2's lane codes as these kernels take them.
+/// A [`Lanes16`] format whose rows are packed at load by AVX2's packing
+/// ([`avx2_lanes::pack_groups`]), in groups of sixteen rows. By default as AVX2's
+/// kernels take them: two of AVX2's groups of eight, one after the other. AVX2 puts in
+/// lane l of its vector k what the transposes here put in lane l (or l + 8) of vector
+/// k, so a packed block is two loads and a join per vector. A format may instead pack
+/// each block of sixteen rows as one group of sixteen lanes, for fewer instructions a
+/// block.
+trait Packed16: Lanes16 + Lanes8 + Sized {
+    /// Lanes of a packed block: AVX2's eight, or sixteen.
+    const PACKED_LANES: usize = avx2_lanes::LANES;
+
+    /// Block `b` of the packed group of sixteen rows of `row_bytes` at `g`: the same
+    /// values [`lane_block`] makes of the rows it was packed from.
     ///
     /// # Safety
-    /// The module's features.
+    /// The module's features; `g` is a packed group of more than `b` blocks.
     #[inline(always)]
-    unsafe fn from_lanes8(codes: __m512i) -> __m512i {
-        codes
+    unsafe fn packed_lane_block(g: *const u8, row_bytes: usize, b: usize) -> LaneBlock {
+        let at = b * avx2_lanes::LANES * std::mem::size_of::<<Self as LaneFormat>::W>();
+        let low = avx2_lanes::packed_block::<Self>(g.add(at));
+        let high = avx2_lanes::packed_block::<Self>(g.add(avx2_lanes::LANES * row_bytes + at));
+        let mut codes = [_mm512_setzero_si512(); 8];
+        for (k, c) in codes.iter_mut().enumerate() {
+            *c = join_i(low.codes[k], high.codes[k]);
+        }
+        LaneBlock {
+            codes,
+            d: join_f(low.d, high.d),
+            m: join_f(low.m, high.m),
+        }
     }
 }
 
-impl Packed16 for Q4_1Lanes {}
+/// Q4_1 packs blocks of sixteen lanes: the sixteen scales, the sixteen minimums, then
+/// four 64-byte vectors of the nibble bytes (vector k lane l: row l's bytes 4k..4k+4).
+/// A block is then six loads (four of codes), the split into low and high nibbles and
+/// two conversions, where two of AVX2's groups take twelve loads and ten joins.
+impl Packed16 for Q4_1Lanes {
+    const PACKED_LANES: usize = TILE_ROWS;
+
+    #[inline(always)]
+    unsafe fn packed_lane_block(g: *const u8, _row_bytes: usize, b: usize) -> LaneBlock {
+        let p = g.add(b * TILE_ROWS * std::mem::size_of::<BlockQ4_1>());
+        let low = _mm512_set1_epi8(0x0F);
+        let mut codes = [_mm512_setzero_si512(); 8];
+        for k in 0..4 {
+            let at = Self::HEAD_BYTES * TILE_ROWS + 4 * TILE_ROWS * k;
+            let bytes = _mm512_loadu_si512(p.add(at).cast());
+            codes[k] = _mm512_and_si512(bytes, low);
+            codes[4 + k] = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), low);
+        }
+        LaneBlock {
+            codes,
+            d: _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+            m: _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * TILE_ROWS).cast())),
+        }
+    }
+}
 
 impl Packed16 for Q5_0Lanes {}
 
+/// Q8_0 packs blocks of sixteen lanes: the sixteen scales, then eight 64-byte vectors
+/// of codes (vector k lane l: row l's codes 4k..4k+4), signed as AVX2 keeps them and
+/// offset here by a flip of the sign bit. A block is then nine loads, eight flips and
+/// a conversion, where two of AVX2's groups take eighteen loads and the joins of their
+/// halves too.
 impl Packed16 for Q8_0Lanes {
-    /// AVX2 keeps Q8_0's codes signed; here they are offset.
+    const PACKED_LANES: usize = TILE_ROWS;
+
     #[inline(always)]
-    unsafe fn from_lanes8(codes: __m512i) -> __m512i {
-        _mm512_xor_si512(codes, _mm512_set1_epi8(-128))
+    unsafe fn packed_lane_block(g: *const u8, _row_bytes: usize, b: usize) -> LaneBlock {
+        let p = g.add(b * TILE_ROWS * std::mem::size_of::<BlockQ8_0>());
+        let mut codes = [_mm512_setzero_si512(); 8];
+        for (k, c) in codes.iter_mut().enumerate() {
+            let at = Self::HEAD_BYTES * TILE_ROWS + 4 * TILE_ROWS * k;
+            *c = _mm512_xor_si512(_mm512_loadu_si512(p.add(at).cast()), _mm512_set1_epi8(-128));
+        }
+        LaneBlock {
+            codes,
+            d: _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+            m: _mm512_setzero_ps(),
+        }
     }
 }
 
-/// `out` is `w` (whole rows) with each whole group of sixteen rows packed (as two of
-/// AVX2's groups of eight), the rows after the last whole group as stored.
+/// `out` is `w` (whole rows) with each whole group of sixteen rows packed (in blocks of
+/// [`Packed16::PACKED_LANES`] lanes), the rows after the last whole group as stored.
 fn pack16<F: Packed16>(w: &[u8], row_bytes: usize, out: &mut [u8]) {
     assert!(
         row_bytes > 0 && w.len().is_multiple_of(row_bytes) && out.len() == w.len(),
         "packing whole rows"
     );
     let whole = w.len() / (TILE_ROWS * row_bytes) * (TILE_ROWS * row_bytes);
-    avx2_lanes::pack::<F>(&w[..whole], row_bytes, &mut out[..whole]);
+    avx2_lanes::pack_groups::<F>(&w[..whole], row_bytes, F::PACKED_LANES, &mut out[..whole]);
     out[whole..].copy_from_slice(&w[whole..]);
 }
 
@@ -418,24 +477,6 @@ unsafe fn join_f(low: __m256, high: __m256) -> __m512 {
         _mm512_castpd256_pd512(_mm256_castps_pd(low)),
         _mm256_castps_pd(high),
     ))
-}
-
-/// Block `b` of the packed group of sixteen rows of `row_bytes` at `g`: the same values
-/// [`lane_block`] makes of the rows it was packed from.
-#[inline(always)]
-unsafe fn packed_lane_block<F: Packed16>(g: *const u8, row_bytes: usize, b: usize) -> LaneBlock {
-    let at = b * avx2_lanes::LANES * std::mem::size_of::<<F as LaneFormat>::W>();
-    let low = avx2_lanes::packed_block::<F>(g.add(at));
-    let high = avx2_lanes::packed_block::<F>(g.add(avx2_lanes::LANES * row_bytes + at));
-    let mut codes = [_mm512_setzero_si512(); 8];
-    for (k, c) in codes.iter_mut().enumerate() {
-        *c = F::from_lanes8(join_i(low.codes[k], high.codes[k]));
-    }
-    LaneBlock {
-        codes,
-        d: join_f(low.d, high.d),
-        m: join_f(low.m, high.m),
-    }
 }
 
 // ------------------------------------------------------------- 256-element K-quants
