@@ -2177,27 +2177,8 @@ __device__ void attend_out(const Running<Q>& r, int nq, float* out, long row, in
     for (int iq = 0; iq < nq; iq++) out[(row + iq) * width + h * head_dim + t] = r.acc[iq] * (1.0f / r.sum[iq]);
 }
 
-// The results of one row's G heads h0.. (split_group's rows), each written as
-// attend_out writes a row's one head.
-template <int G>
-__device__ void group_out(const Running<G>& r, float* out, long row, int h0, int width, int head_dim, u8* qout, int qkind) {
-    int t = threadIdx.x;
-    for (int g = 0; g < G; g++) {
-        int h = h0 + g;
-        if (qout) {
-            int d0 = (t / WARP) * WARP;
-            if (d0 >= head_dim) continue;
-            float inv = 1.0f / r.sum[g];
-            int block = (h * head_dim + d0) / 32;
-            q8_32_block(r.acc[g] * inv, qout + (row * (width / 32) + block) * (qkind == QUANT_Q8_1 ? 36 : 34), qkind);
-        } else if (t < head_dim) {
-            out[row * width + h * head_dim + t] = r.acc[g] * (1.0f / r.sum[g]);
-        }
-    }
-}
-
 // Query rows row0.. (positions pos0, pos0 + 1, …), Q per CTA, every chunk in turn;
-// grid (n_head, ceil(rows / Q)). Decode rows of up to four chunks run it with Q = 1
+// grid (n_head, ceil(rows / Q)). Decode rows of one chunk run it with Q = 1
 // (attention_split's one-CTA case); a batch's rows take attend_batch.
 template <int Q>
 __device__ void attend(const float* q, const u16* kc, const u16* vc, float* out, int row0, int pos0, int rows,
@@ -2357,6 +2338,106 @@ __device__ __forceinline__ float ld_cg(const float* p) {
     return v;
 }
 
+// The most warps of a CTA that runs merge_parts (attention_merge's: a thread for each
+// element of a head and one for Σexp; split_row's has at most ATT_THREADS), each taking
+// two parts a lane when the rescaling factors are computed.
+#define MERGE_WARPS (MAX_HEAD_DIM / WARP + 1)
+static_assert(ATT_THREADS / WARP <= MERGE_WARPS, "split_row's CTA merges its parts");
+#define MERGE_WARP_PARTS (2 * WARP)
+
+// One chain of merge_part's: c ← c · a_old[i] + value_i · a_new[i] (each product and
+// sum rounded as merge_part rounds them) for i < n, value_i = p[i · stride] when `on`,
+// the values loaded B ahead of the B being merged. K chains side by side.
+template <int B, int K>
+__device__ __forceinline__ void merge_chains(float (&c)[K], const float* (&p)[K], const bool (&on)[K], long stride, int n, const float* a_old,
+                                             const float* a_new) {
+    float cur[K][B], next[K][B];
+#pragma unroll
+    for (int k = 0; k < K; k++)
+#pragma unroll
+        for (int u = 0; u < B; u++) cur[k][u] = on[k] && u < n ? ld_cg(p[k] + u * stride) : 0.0f;
+    for (int b = 0; b < n; b += B) {
+#pragma unroll
+        for (int k = 0; k < K; k++)
+#pragma unroll
+            for (int u = 0; u < B; u++) next[k][u] = on[k] && b + B + u < n ? ld_cg(p[k] + (b + B + u) * stride) : 0.0f;
+#pragma unroll
+        for (int u = 0; u < B; u++) {
+            if (b + u >= n) break;
+#pragma unroll
+            for (int k = 0; k < K; k++) c[k] = __fmaf_rn(c[k], a_old[b + u], __fmul_rn(cur[k][u], a_new[b + u]));
+        }
+#pragma unroll
+        for (int k = 0; k < K; k++)
+#pragma unroll
+            for (int u = 0; u < B; u++) cur[k][u] = next[k][u];
+    }
+}
+
+// The n chunk parts of head h of one decode row (as split_row writes them: per head,
+// max_chunks parts of head_dim + 2 floats) merged into r, exactly as merge_part merges
+// them one after another in chunk order. Only the chains that need the order run in
+// order. The running maximum before each part is a prefix maximum, exact in any order,
+// so the rescaling factors (merge_part's a_old and a_new) of up to MERGE_WARP_PARTS
+// parts a warp are computed side by side; then Σexp and each element of the head are
+// head_dim + 1 independent chains over the parts, element e = t taken by thread t (Σexp
+// being element head_dim) and, with K = 2, also e = t + blockDim.x: blockDim.x ≥
+// head_dim and K · blockDim.x > head_dim, in at most MERGE_WARPS warps.
+template <int B, int K>
+__device__ void merge_parts(Running<1>& r, const float* parts, int h, int n, int max_chunks, int head_dim) {
+    __shared__ float a_old[MERGE_WARPS * MERGE_WARP_PARTS], a_new[MERGE_WARPS * MERGE_WARP_PARTS];
+    __shared__ float warp_top[MERGE_WARPS], carry, sum;
+    int t = threadIdx.x, lane = t % WARP, warp = t / WARP, warps = blockDim.x / WARP;
+    int span = warps * MERGE_WARP_PARTS;
+    long stride = head_dim + 2;
+    const float* ph = parts + (long)h * max_chunks * stride;
+    float c[K];
+    const float* p[K];
+    bool on[K];
+    for (int k = 0; k < K; k++) {
+        int e = t + k * blockDim.x;
+        c[k] = 0.0f;
+        on[k] = e <= head_dim;
+        p[k] = ph + (e < head_dim ? 2 + e : 1);
+    }
+    if (t == 0) carry = NEG_INF;
+    for (int w0 = 0; w0 < n; w0 += span) {
+        int wn = min(span, n - w0);
+        __syncthreads();
+        int i0 = warp * MERGE_WARP_PARTS + 2 * lane, i1 = i0 + 1;
+        float m0 = i0 < wn ? ld_cg(ph + (w0 + i0) * stride) : NEG_INF;
+        float m1 = i1 < wn ? ld_cg(ph + (w0 + i1) * stride) : NEG_INF;
+        float x = fmaxf(m0, m1);
+        for (int o = 1; o < WARP; o <<= 1) {
+            float y = __shfl_up_sync(0xffffffffu, x, o);
+            if (lane >= o) x = fmaxf(x, y);
+        }
+        if (lane == WARP - 1) warp_top[warp] = x;
+        __syncthreads();
+        float before = carry;
+        for (int w = 0; w < warp; w++) before = fmaxf(before, warp_top[w]);
+        float prev = __shfl_up_sync(0xffffffffu, x, 1);
+        float max0 = lane == 0 ? before : fmaxf(before, prev);
+        float max1 = fmaxf(max0, m0), max2 = fmaxf(max1, m1);
+        a_old[i0] = max0 == NEG_INF ? 0.0f : expf(max0 - max1);
+        a_new[i0] = expf(m0 - max1);
+        a_old[i1] = max1 == NEG_INF ? 0.0f : expf(max1 - max2);
+        a_new[i1] = expf(m1 - max2);
+        __syncthreads();
+        if (t == 0)
+            for (int w = 0; w < warps; w++) carry = fmaxf(carry, warp_top[w]);
+        const float* pw[K];
+        for (int k = 0; k < K; k++) pw[k] = p[k] + w0 * stride;
+        merge_chains<B, K>(c, pw, on, stride, wn, a_old, a_new);
+    }
+    for (int k = 0; k < K; k++)
+        if (t + k * (int)blockDim.x == head_dim) sum = c[k];
+    __syncthreads();
+    r.max[0] = carry;
+    r.sum[0] = sum;
+    r.acc[0] = t < head_dim ? c[0] : 0.0f;
+}
+
 // How many chunks a decode row's attention spans before attention_split spreads them
 // over CTAs; up to this many, the head's first CTA runs them all (attend). One: two
 // chunks in two CTAs and a merge measured faster than both in one CTA (commit d679ddd;
@@ -2395,8 +2476,6 @@ __device__ __forceinline__ void split_row(const float* q, const u16* kc, const u
     int width = n_head * head_dim;
     for (int d = t; d < head_dim; d += blockDim.x) sq[0][d] = q[(long)row0 * width + h * head_dim + d];
     __syncthreads();
-    Running<1> run;
-    running_init(run);
     long stride = head_dim + 2;
     float* mine = parts + (long)h * max_chunks * stride;
     for (int i = s; i < n; i += S) {
@@ -2416,24 +2495,8 @@ __device__ __forceinline__ void split_row(const float* q, const u16* kc, const u
     if (!last) return;
     if (t == 0) tickets[h] = 0;
     __threadfence();
-    // The parts in order, eight read ahead of their merge.
-    for (int i0 = 0; i0 < n; i0 += 8) {
-        ChunkPart<1> batch[8];
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            if (i0 + u >= n) break;
-            const float* p = mine + (i0 + u) * stride;
-            batch[u].m[0] = ld_cg(p);
-            batch[u].sum[0] = ld_cg(p + 1);
-            batch[u].on[0] = true;
-            batch[u].acc[0] = t < head_dim ? ld_cg(p + 2 + t) : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            if (i0 + u >= n) break;
-            merge_part<1>(run, batch[u], head_dim);
-        }
-    }
+    Running<1> run;
+    merge_parts<8, 2>(run, parts, h, n, max_chunks, head_dim);
     attend_out<1>(run, 1, out, row0, h, width, head_dim, qout, qkind);
 }
 
@@ -2449,104 +2512,151 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_split_bat
     split_row(q, e.kc, e.vc, out, e.row0, positions, e.slots, window, n_head, group, head_dim, scale, 0, -1, e.parts, e.tickets, e.max_chunks);
 }
 
-// split_row for the G query heads that share a KV head (grouped-query attention),
-// in one CTA: grid (n_head / G, S). A chunk's keys and values are read once for all G
-// heads, which run as chunk_part's G query rows; every row's arithmetic is exactly
-// what it is alone, and the parts are written where split_row writes them and merged
-// in the same order, so each head's row is split_row's bit for bit. `tickets` counts
-// per KV head.
+// chunk_part for G query rows that see the same positions, lo..hi of chunk c (the
+// heads of a KV head at one decode row), each row's arithmetic exactly chunk_part's:
+// the rows' weights are kept key by key, so that the pass over the values reads them
+// together and tests no row's span.
 template <int G>
-__device__ __forceinline__ void split_group(const float* q, const u16* kc, const u16* vc, float* out, int row0, const unsigned int* positions, int slots, int window, int n_head, int head_dim, float scale, u8* qout, int qkind, float* parts, unsigned int* tickets, int max_chunks) {
+__device__ void group_chunk(const float (*sq)[MAX_HEAD_DIM], const u16* kh, const u16* vh, int slots, int head_dim, float scale, int lo,
+                            int hi, int c, ChunkPart<G>& out) {
+    __shared__ __align__(16) float sp[CHUNK][G];
+    extern __shared__ __align__(16) u16 sv[];
+    const int vs = SV_STRIDE(head_dim);
+    int t = threadIdx.x, lanes = key_lanes(), key = t / lanes;
+    int p = c * CHUNK + key;
+    bool active = p >= lo && p <= hi;
+    long row = (long)(p % slots) * head_dim;
+    load_values(sv, vh + row, head_dim, active);
+    float dot[G], s[G];
+    key_dot<G>(sq, kh + row, head_dim, active, dot);
+    for (int g = 0; g < G; g++) {
+        s[g] = active ? __fmul_rn(dot[g], scale) : NEG_INF;
+        out.m[g] = s[g];
+        out.on[g] = true;
+    }
+    chunk_reduce<G, true>(out.m);
+    for (int g = 0; g < G; g++) {
+        float e = active ? expf(s[g] - out.m[g]) : 0.0f;
+        if (t % lanes == 0) sp[key][g] = e;
+        out.sum[g] = e;
+    }
+    chunk_reduce<G, false>(out.sum);
+    for (int g = 0; g < G; g++) out.acc[g] = 0.0f;
+    if (t < head_dim) {
+#pragma unroll 4
+        for (int pp = lo - c * CHUNK; pp <= hi - c * CHUNK; pp++) {
+            float vd = h2f(sv[pp * vs + t]);
+            for (int g = 0; g < G; g++) out.acc[g] = __fmaf_rn(sp[pp][g], vd, out.acc[g]);
+        }
+    }
+    __syncthreads();
+}
+
+// A chunk part of G rows written where split_row writes row g's part i: its head's
+// (h0 + g) parts, part i.
+template <int G>
+__device__ __forceinline__ void write_parts(const ChunkPart<G>& part, float* parts, int h0, int i, int max_chunks, int head_dim) {
+    for (int g = 0; g < G; g++) {
+        float* p = parts + ((long)(h0 + g) * max_chunks + i) * (head_dim + 2);
+        if (threadIdx.x == 0) {
+            p[0] = part.m[g];
+            p[1] = part.sum[g];
+        }
+        if (threadIdx.x < head_dim) p[2 + threadIdx.x] = part.acc[g];
+    }
+}
+
+// The chunk parts of one decode row (row row0, at positions[row0]) for the G query
+// heads h0.. that share KV head blockIdx.x (grouped-query attention): grid (n_head / G,
+// S) with S ≥ G. A shallow row (n chunks, n · G ≤ S) takes a CTA per (head, chunk); a
+// deeper one a CTA per chunk for all G heads, CTA s taking chunks s, s + S, …, so that
+// each chunk's keys and values are read once for the group. Either way every part is
+// the one split_row computes, written where split_row writes it; attention_merge then
+// merges each head's parts as split_row does, so each head's row is split_row's bit for
+// bit. A row of one chunk is written here, by a CTA a head (the spread form's CTAs each
+// take one chunk, so this and attention_merge's skipping such rows hold for SPLIT_FROM
+// = 1 only).
+static_assert(SPLIT_FROM == 1, "group_parts writes a row of one chunk whole");
+template <int G>
+__device__ __forceinline__ void group_parts(const float* q, const u16* kc, const u16* vc, float* out, int row0, const unsigned int* positions, int slots, int window, int n_head, int head_dim, float scale, u8* qout, int qkind, float* parts, int max_chunks) {
     __shared__ float sq[G][MAX_HEAD_DIM];
-    __shared__ bool last;
     int hk = blockIdx.x, h0 = hk * G, s = blockIdx.y, t = threadIdx.x, S = gridDim.y;
     int pos = (int)positions[row0];
-    // G copies of the row's span: every head of the group sees the same positions.
-    QueryRows<G> qr;
-    qr.n = G;
-    for (int g = 0; g < G; g++) {
-        qr.pos[g] = pos;
-        qr.first[g] = window > 0 ? max(0, pos + 1 - window) : 0;
-    }
-    int c0 = qr.first[0] / CHUNK, n = pos / CHUNK - c0 + 1;
-    bool whole = n <= SPLIT_FROM;
-    if (s >= (whole ? 1 : n)) return;
+    int first = window > 0 ? max(0, pos + 1 - window) : 0;
+    int c0 = first / CHUNK, n = pos / CHUNK - c0 + 1;
+    bool spread = n * G <= S, whole = spread && n <= SPLIT_FROM;
+    if (s >= (spread ? n * G : min(S, n))) return;
     const u16* kh = kc + (long)hk * slots * head_dim;
     const u16* vh = vc + (long)hk * slots * head_dim;
     if (PDL) {
-        if (whole) prefetch_cache(kh, vh, qr.first[0], pos, SPLIT_FROM, 1, slots, head_dim);
+        if (spread) prefetch_cache(kh, vh, whole ? first : (c0 + s / G) * CHUNK, pos, 1, 1, slots, head_dim);
         else prefetch_cache(kh, vh, (c0 + s) * CHUNK, pos, (n - s + S - 1) / S, S, slots, head_dim);
     }
     PDL_START
     int width = n_head * head_dim;
+    if (spread) {
+        // One head's chunk, as split_row's CTA for it.
+        int h = h0 + s % G, c = c0 + s / G;
+        for (int d = t; d < head_dim; d += blockDim.x) sq[0][d] = q[(long)row0 * width + h * head_dim + d];
+        __syncthreads();
+        ChunkPart<1> part;
+        group_chunk<1>(sq, kh, vh, slots, head_dim, scale, max(c * CHUNK, first), min(c * CHUNK + CHUNK - 1, pos), c, part);
+        if (whole) {
+            Running<1> run;
+            running_init(run);
+            merge_part<1>(run, part, head_dim);
+            attend_out<1>(run, 1, out, row0, h, width, head_dim, qout, qkind);
+        } else {
+            write_parts<1>(part, parts, h, s / G, max_chunks, head_dim);
+        }
+        return;
+    }
     for (int g = 0; g < G; g++)
         for (int d = t; d < head_dim; d += blockDim.x) sq[g][d] = q[(long)row0 * width + (h0 + g) * head_dim + d];
     __syncthreads();
-    Running<G> run;
-    running_init(run);
-    if (whole) {
-        // attend's loop: its chunks merged as they come.
-        for (int c = c0; c <= pos / CHUNK; c++) {
-            ChunkPart<G> part;
-            chunk_part<G>(sq, kh, vh, slots, head_dim, scale, qr, c, part);
-            merge_part<G>(run, part, head_dim);
-        }
-        group_out<G>(run, out, row0, h0, width, head_dim, qout, qkind);
-        return;
-    }
-    long stride = head_dim + 2;
     for (int i = s; i < n; i += S) {
+        int c = c0 + i;
         ChunkPart<G> part;
-        chunk_part<G>(sq, kh, vh, slots, head_dim, scale, qr, c0 + i, part);
-        for (int g = 0; g < G; g++) {
-            float* p = parts + ((long)(h0 + g) * max_chunks + i) * stride;
-            if (t == 0) {
-                p[0] = part.m[g];
-                p[1] = part.sum[g];
-            }
-            if (t < head_dim) p[2 + t] = part.acc[g];
-        }
+        group_chunk<G>(sq, kh, vh, slots, head_dim, scale, max(c * CHUNK, first), min(c * CHUNK + CHUNK - 1, pos), c, part);
+        write_parts<G>(part, parts, h0, i, max_chunks, head_dim);
     }
-    __threadfence();
-    __syncthreads();
-    if (t == 0) last = atomicAdd(&tickets[hk], 1u) == (unsigned int)min(S, n) - 1;
-    __syncthreads();
-    if (!last) return;
-    if (t == 0) tickets[hk] = 0;
-    __threadfence();
-    // The parts in order, a few read ahead of their merge.
-    constexpr int AHEAD = G >= 4 ? 2 : 8 / G;
-    for (int i0 = 0; i0 < n; i0 += AHEAD) {
-        ChunkPart<G> batch[AHEAD];
-#pragma unroll
-        for (int u = 0; u < AHEAD; u++) {
-            if (i0 + u >= n) break;
-            for (int g = 0; g < G; g++) {
-                const float* p = parts + ((long)(h0 + g) * max_chunks + i0 + u) * stride;
-                batch[u].m[g] = ld_cg(p);
-                batch[u].sum[g] = ld_cg(p + 1);
-                batch[u].on[g] = true;
-                batch[u].acc[g] = t < head_dim ? ld_cg(p + 2 + t) : 0.0f;
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < AHEAD; u++) {
-            if (i0 + u >= n) break;
-            merge_part<G>(run, batch[u], head_dim);
-        }
-    }
-    group_out<G>(run, out, row0, h0, width, head_dim, qout, qkind);
 }
 
-#define ATTENTION_GROUP(G)                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_group_##G(const AttentionSplitArgs kargs) {          \
-        UNPACK_AttentionSplitArgs(kargs) split_group<G>(q, kc, vc, out, row0, positions, slots, window, n_head, head_dim, scale, \
-                                                        qout, qkind, parts, tickets, max_chunks);                                \
-    }                                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_group_batch_##G(const AttentionBatchArgs kargs) {    \
-        UNPACK_AttentionBatchArgs(kargs) const SeqKv& e = ((const SeqKv*)seqs)[blockIdx.z];                                      \
-        split_group<G>(q, e.kc, e.vc, out, e.row0, positions, e.slots, window, n_head, head_dim, scale, 0, -1, e.parts,          \
-                       e.tickets, e.max_chunks);                                                                                 \
+// The parts attention_group_G wrote for the decode row of head blockIdx.x merged in
+// chunk order, as split_row merges them, and the row written as attend writes it; a
+// row of at most SPLIT_FROM chunks, written whole there, is left alone. Grid (n_head),
+// head_dim + 1 threads rounded up to whole warps.
+__device__ __forceinline__ void merge_row(float* out, int row0, const unsigned int* positions, int window, int n_head, int head_dim, u8* qout, int qkind, const float* parts, int max_chunks) {
+    int h = blockIdx.x, pos = (int)positions[row0];
+    int first = window > 0 ? max(0, pos + 1 - window) : 0;
+    int n = pos / CHUNK - first / CHUNK + 1;
+    PDL_START
+    if (n <= SPLIT_FROM) return;
+    Running<1> run;
+    merge_parts<32, 1>(run, parts, h, n, max_chunks, head_dim);
+    attend_out<1>(run, 1, out, row0, h, n_head * head_dim, head_dim, qout, qkind);
+}
+
+extern "C" __global__ void attention_merge(const AttentionSplitArgs kargs) { UNPACK_AttentionSplitArgs(kargs)
+    merge_row(out, row0, positions, window, n_head, head_dim, qout, qkind, parts, max_chunks);
+}
+
+// attention_merge for the decode row of every sequence of `seqs`: grid (n_head, 1,
+// sequences).
+extern "C" __global__ void attention_merge_batch(const AttentionBatchArgs kargs) { UNPACK_AttentionBatchArgs(kargs)
+    const SeqKv& e = ((const SeqKv*)seqs)[blockIdx.z];
+    merge_row(out, e.row0, positions, window, n_head, head_dim, 0, -1, e.parts, e.max_chunks);
+}
+
+#define ATTENTION_GROUP(G)                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_group_##G(const AttentionSplitArgs kargs) {       \
+        UNPACK_AttentionSplitArgs(kargs) group_parts<G>(q, kc, vc, out, row0, positions, slots, window, n_head, head_dim,    \
+                                                        scale, qout, qkind, parts, max_chunks);                              \
+    }                                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_group_batch_##G(const AttentionBatchArgs kargs) { \
+        UNPACK_AttentionBatchArgs(kargs) const SeqKv& e = ((const SeqKv*)seqs)[blockIdx.z];                                   \
+        group_parts<G>(q, e.kc, e.vc, out, e.row0, positions, e.slots, window, n_head, head_dim, scale, 0, -1, e.parts,      \
+                       e.max_chunks);                                                                                        \
     }
 ATTENTION_GROUP(2)
 ATTENTION_GROUP(3)

@@ -82,9 +82,12 @@ struct Kernels {
     attention: (CudaFunction, CudaFunction),
     /// Attention of several sequences' decode rows in one launch.
     attention_batch: CudaFunction,
-    /// `attention.0` and `attention_batch` for the 2, 3 or 4 query heads of a KV head
-    /// together (astra.cu, `split_group`): the same bits, the cache read once a group.
+    /// The chunk parts of `attention.0` and `attention_batch` for the 2, 3 or 4 query
+    /// heads of a KV head together (astra.cu, `group_parts`): the same bits, the cache
+    /// read once a group at depth.
     attention_group: [(CudaFunction, CudaFunction); 3],
+    /// The grouped kernels' parts merged, each head's row written (single row, batch).
+    attention_merge: (CudaFunction, CudaFunction),
     _module: Arc<CudaModule>,
 }
 
@@ -208,6 +211,7 @@ impl Kernels {
                 (f("attention_group_3")?, f("attention_group_batch_3")?),
                 (f("attention_group_4")?, f("attention_group_batch_4")?),
             ],
+            attention_merge: (f("attention_merge")?, f("attention_merge_batch")?),
             _module: Arc::clone(&module),
         };
         // The IQ2_S codebook, from the one table the CPU kernels use.
@@ -358,9 +362,12 @@ pub struct CudaBackend {
     /// Whether Q4_K products of 17–64 tokens take a warp a row tile against two token
     /// tiles (the default) rather than a warp a token tile (`ASTRA_CUDA_MMQ_MANY=1`).
     paired_tiles: bool,
-    /// Whether decode attention takes a CTA per KV head's group of query heads
-    /// (`ASTRA_CUDA_GQA=1`) rather than one per query head.
+    /// Whether decode attention takes a CTA per KV head's group of query heads (the
+    /// default) rather than one per query head (`ASTRA_CUDA_GQA=0`).
     grouped_attention: bool,
+    /// The most CTAs a query head's decode attention spreads its chunks over
+    /// ([`SPLIT_CTAS`] unless a test asks for fewer).
+    split_ctas: usize,
     /// The kernels compiled to be launched as programmatic dependents of the one
     /// before, used while a decode step is recorded; `None` where that is off.
     k_graph: Option<Kernels>,
@@ -521,8 +528,9 @@ struct LayerKv {
 }
 
 /// One sequence's KV cache, laid out as the engine's [`KvLayout`] says, and the scratch
-/// of its decode attention (astra.cu's `attention_split`): each head's chunk parts and
-/// the tickets that find the CTA merging them.
+/// of its decode attention (astra.cu's `attention_split` and `attention_group_*`): each
+/// head's chunk parts, and the tickets that find the CTA of `attention_split` merging
+/// them.
 pub struct GpuKv {
     layers: Vec<LayerKv>,
     n_head: usize,
@@ -550,15 +558,28 @@ const MMQ_MIN_TOKENS: usize = 2;
 /// (docs/performance.md). Between the two is not measured.
 const MMQ_MAX_TOKENS: usize = 64;
 
-/// The most CTAs a head's decode attention spreads its chunks over: the fastest of the
-/// values tried (commit 57aea41); to retune, time decode deep in a conversation
-/// (`astra bench -d N`) with other values.
+/// The most CTAs a query head's decode attention spreads its chunks over: the fastest of
+/// the values tried (commit 57aea41); to retune, time decode deep in a conversation
+/// (`astra bench -d N`) with other values. A KV head's group of query heads spreads
+/// over as many for each head of the group, so that a layer has as many CTAs either
+/// way.
 const SPLIT_CTAS: usize = 32;
 
 /// Threads per attention CTA for heads of `head_dim`: 1, 2 or 4 per key of a chunk,
 /// the fewest that give a thread per element of the head (astra.cu, `key_lanes`).
 fn attention_threads(head_dim: usize) -> u32 {
     (head_dim.div_ceil(CHUNK).next_power_of_two().min(4) * CHUNK) as u32
+}
+
+/// The grid of astra.cu's `attention_merge` for `seqs` sequences' decode rows: a CTA a
+/// head and sequence, a thread for each element of the head and one for the sum of its
+/// weights (in whole warps).
+fn merge_grid(n_head: usize, head_dim: usize, seqs: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n_head as u32, 1, seqs as u32),
+        block_dim: ((head_dim + 1).next_multiple_of(32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// Threads per CTA for element-wise kernels.
@@ -600,6 +621,14 @@ impl CudaBackend {
     /// either way.
     pub fn with_grouped_attention(mut self, on: bool) -> CudaBackend {
         self.grouped_attention = on;
+        self
+    }
+
+    /// The backend with a decode row's attention spread over at most `ctas` CTAs a query
+    /// head (at least one): the same bits for any number. With few, shallow rows take
+    /// the grouped kernel's deep form (a CTA a chunk for all the heads of a group).
+    pub fn with_split_ctas(mut self, ctas: usize) -> CudaBackend {
+        self.split_ctas = ctas.max(1);
         self
     }
 
@@ -684,7 +713,8 @@ impl CudaBackend {
             gated_acts: Mutex::new(Scratch { buf: None }),
             scratch_generation: AtomicU64::new(0),
             graphs,
-            grouped_attention: std::env::var("ASTRA_CUDA_GQA").is_ok_and(|v| v == "1"),
+            grouped_attention: std::env::var("ASTRA_CUDA_GQA").map_or(true, |v| v != "0"),
+            split_ctas: SPLIT_CTAS,
             paired_tiles: std::env::var("ASTRA_CUDA_MMQ_MANY").map_or(true, |v| v != "1"),
             k_graph,
             capturing: AtomicBool::new(false),
@@ -1179,15 +1209,16 @@ impl CudaBackend {
         // A row's result is the same whichever kernel runs it (astra.cu, `attend`).
         let block_dim = (attention_threads(hd), 1, 1);
         if n == 1 {
-            let split = kv.max_chunks.min(SPLIT_CTAS);
             // The chunk's value rows in dynamic shared memory, each padded by 16 bytes
             // (astra.cu, chunk_part and SV_STRIDE).
             let shared = (CHUNK * (hd + 8) * 2) as u32;
             let grouped = self.group_attention(group);
-            let ctas = if grouped.is_some() {
-                kv.n_head_kv
+            // The grouped kernel takes at least a CTA a head of its group (astra.cu,
+            // `group_parts`).
+            let (ctas, split) = if grouped.is_some() {
+                (kv.n_head_kv, group * kv.max_chunks.min(self.split_ctas))
             } else {
-                n_head
+                (n_head, kv.max_chunks.min(self.split_ctas))
             };
             let cfg = LaunchConfig {
                 grid_dim: (ctas as u32, split as u32, 1),
@@ -1214,8 +1245,15 @@ impl CudaBackend {
                 tickets: Out::of(&mut kv.tickets, &self.stream),
                 max_chunks,
             };
-            let kernel = grouped.map_or(&self.k().attention.0, |k| &k.0);
-            self.launch(kernel, &args, cfg);
+            let Some(grouped) = grouped else {
+                return self.launch(&self.k().attention.0, &args, cfg);
+            };
+            self.launch(&grouped.0, &args, cfg);
+            self.launch(
+                &self.k().attention_merge.0,
+                &args,
+                merge_grid(n_head, hd, 1),
+            );
             return;
         }
         let cfg = LaunchConfig {
@@ -2162,18 +2200,19 @@ impl Backend for CudaBackend {
             // As many CTAs a head as the longest row spans chunks (this launch is not
             // recorded, so the positions are known); a row's bits do not depend on how
             // many (astra.cu, `attention_split`).
-            let split = a
-                .seqs
-                .iter()
-                .map(|s| (s.pos + 1).div_ceil(CHUNK).min(SPLIT_CTAS))
-                .max()
-                .unwrap_or(1);
-            let grouped = self.group_attention(kv.n_head / kv.n_head_kv);
-            let ctas = if grouped.is_some() {
-                kv.n_head_kv
+            let group = kv.n_head / kv.n_head_kv;
+            let grouped = self.group_attention(group);
+            let (ctas, per_head) = if grouped.is_some() {
+                (kv.n_head_kv, group)
             } else {
-                kv.n_head
+                (kv.n_head, 1)
             };
+            let split = per_head
+                * a.seqs
+                    .iter()
+                    .map(|s| (s.pos + 1).div_ceil(CHUNK).min(self.split_ctas))
+                    .max()
+                    .unwrap_or(1);
             let cfg = LaunchConfig {
                 grid_dim: (ctas as u32, split as u32, a.seqs.len() as u32),
                 block_dim: (attention_threads(kv.head_dim), 1, 1),
@@ -2190,8 +2229,12 @@ impl Backend for CudaBackend {
                 head_dim: kv.head_dim as i32,
                 scale: a.scale,
             };
-            let kernel = grouped.map_or(&self.k().attention_batch, |k| &k.1);
-            return self.launch(kernel, &args, cfg);
+            let Some(grouped) = grouped else {
+                return self.launch(&self.k().attention_batch, &args, cfg);
+            };
+            self.launch(&grouped.1, &args, cfg);
+            let merge = merge_grid(kv.n_head, kv.head_dim, a.seqs.len());
+            return self.launch(&self.k().attention_merge.1, &args, merge);
         }
         for seq in 0..a.seqs.len() {
             self.launch_attention(&mut a, seq, out, None);

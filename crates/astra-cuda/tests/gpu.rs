@@ -41,17 +41,26 @@ fn bits(v: &[f32]) -> Vec<u32> {
 
 /// Logits of a prompt fed as one batch, token by token (decode steps replayed from a
 /// recorded graph, recorded again midway when a larger batch of another sequence has
-/// replaced the buffers it read; past 256 positions a decode row's attention spreads its
+/// replaced the buffers it read; past 64 positions a decode row's attention spreads its
 /// chunks over CTAs), and in chunks over the cached prefix; and of 1, 4 and 16 sequences
-/// sharing batches: all bitwise the same. Decode attention runs both ways, a CTA per
-/// query head and per KV head's group of them, and equals the batch's either way.
+/// sharing batches: all bitwise the same. Decode attention runs three ways, a CTA per
+/// query head, a CTA per KV head's group of them (a head and chunk a CTA at these
+/// depths), and with two CTAs a head, so that the grouped kernel takes whole groups a
+/// chunk a CTA past the second chunk; it equals the batch's every way.
 fn deterministic(like: &str, ty: astra_gguf::GgmlType) {
-    for grouped in [false, true] {
-        let setup = |b: CudaBackend| b.with_grouped_attention(grouped);
+    for (grouped, split) in [(false, None), (true, None), (true, Some(2))] {
+        let setup = |b: CudaBackend| {
+            let b = b.with_grouped_attention(grouped);
+            match split {
+                Some(ctas) => b.with_split_ctas(ctas),
+                None => b,
+            }
+        };
         let Some((_dir, model)) = gpu_model_with(like, ty, Mode::Deterministic, setup) else {
             return;
         };
-        deterministic_on(&model, &format!("{like} (grouped attention {grouped})"));
+        let how = format!("grouped attention {grouped}, split {split:?}");
+        deterministic_on(&model, &format!("{like} ({how})"));
     }
 }
 
