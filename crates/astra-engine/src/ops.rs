@@ -328,9 +328,10 @@ mod simd {
         )
     }
 
-    /// [`super::attend_rows`] with AVX2 and F16C, in its arithmetic: the scores four keys
-    /// at a time (the query loaded once for four independent chains), their maximum in
-    /// eight lanes (a maximum is exact in any order), then the weighted values 64
+    /// [`super::attend_rows`] with AVX2 and F16C, in its arithmetic: the scores eight keys
+    /// at a time (the query loaded once for eight independent chains), their maximum in
+    /// eight lanes (a maximum is exact in any order), the weights, their sum in order,
+    /// then the weighted values 64
     /// elements at a time with their sums held in registers across every key (each
     /// element still takes the keys in order, a multiply then an add).
     #[target_feature(enable = "avx2,f16c")]
@@ -349,9 +350,9 @@ mod simd {
         );
         // Rows past the last repeat it (their scores are not kept).
         let row = |r: usize| -> *const T { k[r.min(n - 1) * hd..].as_ptr() };
-        for r in (0..n).step_by(4) {
-            let s = dot4(q, [row(r), row(r + 1), row(r + 2), row(r + 3)]);
-            for i in 0..4.min(n - r) {
+        for r in (0..n).step_by(8) {
+            let s = dot8(q, std::array::from_fn(|i| row(r + i)));
+            for i in 0..8.min(n - r) {
                 weights[r + i] = s[i] * scale;
             }
         }
@@ -365,11 +366,12 @@ mod simd {
             .iter()
             .chain(&weights[n / 8 * 8..])
             .fold(f32::NEG_INFINITY, |m, &w| m.max(w));
-        let mut sum = 0.0f32;
+        // The weights first, then their sum in order: libm's calls then do not hold the
+        // running sum (kept in memory across each call) on their path.
         for w in weights.iter_mut() {
             *w = (*w - max).exp();
-            sum += *w;
         }
+        let sum = weights.iter().fold(0.0f32, |s, &w| s + w);
         let mut e = 0;
         while e + 64 <= hd {
             let mut a = [_mm256_setzero_ps(); 8];
@@ -395,29 +397,53 @@ mod simd {
         (max, sum)
     }
 
-    /// [`dot`] of `a` with four rows of cache elements of its length at once (each
-    /// converted exactly).
+    /// [`dot`] of `a` with eight rows of cache elements of its length at once (each
+    /// converted exactly): each row's eight lane sums as `dot` takes them, then
+    /// [`super::reduce_lanes`]'s tree for the eight rows together in three vector steps
+    /// that add the same pairs, then each row's tail.
     #[inline(always)]
-    unsafe fn dot4<T: KvElem>(a: &[f32], b: [*const T; 4]) -> [f32; 4] {
+    unsafe fn dot8<T: KvElem>(a: &[f32], b: [*const T; 8]) -> [f32; 8] {
         let chunks = a.len() / 8;
-        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut acc = [_mm256_setzero_ps(); 8];
         for c in 0..chunks {
             let x = _mm256_loadu_ps(a.as_ptr().add(8 * c));
             for (acc, b) in acc.iter_mut().zip(b) {
                 *acc = _mm256_add_ps(*acc, _mm256_mul_ps(x, T::load8(b.add(8 * c))));
             }
         }
-        let mut out = [0.0f32; 4];
-        for i in 0..4 {
-            let mut lanes = [0.0f32; 8];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i]);
+        // A row's lanes l0..l7 reduce as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 +
+        // l7)). First its halves added, xi = li + l(i+4), two rows a register:
+        // [x0 x1 x2 x3] of row r in the low half, of row r + 1 in the high one.
+        let halves = |r0: __m256, r1: __m256| {
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(r0, r1),
+                _mm256_permute2f128_ps::<0x31>(r0, r1),
+            )
+        };
+        let (h01, h23) = (halves(acc[0], acc[1]), halves(acc[2], acc[3]));
+        let (h45, h67) = (halves(acc[4], acc[5]), halves(acc[6], acc[7]));
+        // Then x0 + x2 and x1 + x3 of rows 0, 2 (low half) and 1, 3 (high), and so on.
+        let pairs = |p: __m256, q: __m256| {
+            _mm256_add_ps(
+                _mm256_shuffle_ps::<0x44>(p, q),
+                _mm256_shuffle_ps::<0xEE>(p, q),
+            )
+        };
+        let (s0, s1) = (pairs(h01, h23), pairs(h45, h67));
+        // Then their sum: rows 0, 2, 4, 6 in the low half, 1, 3, 5, 7 in the high one.
+        let sums = _mm256_add_ps(
+            _mm256_shuffle_ps::<0x88>(s0, s1),
+            _mm256_shuffle_ps::<0xDD>(s0, s1),
+        );
+        let mut lanes = [0.0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), sums);
+        std::array::from_fn(|i| {
             let mut tail = 0.0;
             for (j, &x) in a.iter().enumerate().skip(8 * chunks) {
                 tail += x * (*b[i].add(j)).to_f32();
             }
-            out[i] = super::reduce_lanes(lanes) + tail;
-        }
-        out
+            lanes[i / 2 + 4 * (i % 2)] + tail
+        })
     }
 
     /// [`super::glu`] on whole groups of eight; returns how many elements it did.
