@@ -113,6 +113,10 @@ block!(/// 256 activations: `q * d` (d an f32), with sums of each 16 in `bsums`.
 block!(/// 256 weights in 8 groups of 32, each two halves of 16 with a 4-bit scale; weights
     /// from the 1024-entry IQ2_S grid, eight at a time, with explicit signs.
     BlockIq2S, QK_K, 82, { d: F16Le, qs: [u8; 64], qh: [u8; 8], scales: [u8; 8] });
+block!(/// 256 weights in 8 groups of 32, each with a 4-bit scale (two to a byte); weights
+    /// from the 512-entry IQ3_S grid, four at a time (eight index bytes and a ninth-bit
+    /// byte a group), with explicit signs.
+    BlockIq3S, QK_K, 110, { d: F16Le, qs: [u8; 64], qh: [u8; 8], signs: [u8; 32], scales: [u8; 4] });
 block!(/// 256 weights in 8 groups of 32: each group's four grid indices (a byte each) and
     /// its four 7-bit sign codes and 4-bit scale packed in two u32s; weights from the
     /// 256-entry IQ2_XXS grid, eight at a time.

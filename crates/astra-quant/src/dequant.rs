@@ -7,6 +7,7 @@
 use crate::blocks::*;
 use crate::iq2s_grid::IQ2S_GRID;
 use crate::iq2xs_grid::{IQ2XS_GRID, IQ2XXS_GRID};
+use crate::iq3s_grid::IQ3S_GRID;
 
 pub fn dequantize_q4_0(blocks: &[BlockQ4_0], out: &mut [f32]) {
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(32)) {
@@ -235,6 +236,39 @@ pub fn dequantize_iq2_s(blocks: &[BlockIq2S], out: &mut [f32]) {
             for (l, y) in y.chunks_exact_mut(8).enumerate() {
                 let signs = iq2s_signs(b, ib32, l);
                 signed_grid(db[l / 2], iq2s_grid_point(b, ib32, l), signs, y);
+            }
+        }
+    }
+}
+
+/// The four magnitudes of grid index `k` (0..8) of 32-weight group `ib32` of an IQ3_S
+/// block (weights 4k..4k + 4 of the group): its byte in `qs`, its ninth bit bit k of
+/// the group's `qh` byte.
+#[inline(always)]
+pub(crate) fn iq3s_grid_point(b: &BlockIq3S, ib32: usize, k: usize) -> [u8; 4] {
+    let index = b.qs[8 * ib32 + k] as usize | (((b.qh[ib32] >> k) as usize & 1) << 8);
+    IQ3S_GRID[index].to_le_bytes()
+}
+
+/// The multiplier of group `ib32` of an IQ3_S block: 2s + 1 for its 4-bit scale s (the
+/// low nibble of its byte for even groups, the high one for odd).
+#[inline(always)]
+pub(crate) fn iq3s_scale(b: &BlockIq3S, ib32: usize) -> i32 {
+    2 * ((b.scales[ib32 / 2] >> (4 * (ib32 % 2))) & 0xF) as i32 + 1
+}
+
+pub fn dequantize_iq3_s(blocks: &[BlockIq3S], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let d = b.d.get();
+        for (ib32, y) in y.chunks_exact_mut(32).enumerate() {
+            let db = d * iq3s_scale(b, ib32) as f32;
+            for (l, y) in y.chunks_exact_mut(8).enumerate() {
+                let (lo, hi) = (
+                    iq3s_grid_point(b, ib32, 2 * l),
+                    iq3s_grid_point(b, ib32, 2 * l + 1),
+                );
+                let grid = [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]];
+                signed_grid(db, grid, b.signs[4 * ib32 + l], y);
             }
         }
     }

@@ -18,6 +18,7 @@ pub mod dequant;
 pub mod dot;
 mod iq2s_grid;
 mod iq2xs_grid;
+mod iq3s_grid;
 
 pub use iq2s_grid::IQ2S_GRID;
 pub mod matmul;
@@ -49,7 +50,7 @@ pub enum QuantError {
 }
 
 /// The weight types the CPU kernels handle (SPEC section 1).
-pub const SUPPORTED_TYPES: [GgmlType; 19] = [
+pub const SUPPORTED_TYPES: [GgmlType; 20] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -67,6 +68,7 @@ pub const SUPPORTED_TYPES: [GgmlType; 19] = [
     GgmlType::IQ2_XXS,
     GgmlType::IQ2_XS,
     GgmlType::IQ2_S,
+    GgmlType::IQ3_S,
     GgmlType::IQ4_NL,
     GgmlType::Q2_0,
 ];
@@ -113,6 +115,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Qua
         GgmlType::IQ2_XXS => dequantize_iq2_xxs(b(bytes), out),
         GgmlType::IQ2_XS => dequantize_iq2_xs(b(bytes), out),
         GgmlType::IQ2_S => dequantize_iq2_s(b(bytes), out),
+        GgmlType::IQ3_S => dequantize_iq3_s(b(bytes), out),
         GgmlType::IQ4_NL => dequantize_iq4_nl(b(bytes), out),
         GgmlType::Q2_0 => dequantize_q2_0(b(bytes), out),
         other => return Err(QuantError::Unsupported(other)),

@@ -128,7 +128,7 @@ fn scale_fields(ty: GgmlType) -> &'static [(usize, bool)] {
         Q3_K => &[(108, false)],
         Q4_K | Q5_K => &[(0, false), (2, false)],
         Q6_K => &[(208, false)],
-        IQ2_XXS | IQ2_XS | IQ2_S | IQ4_NL => &[(0, false)],
+        IQ2_XXS | IQ2_XS | IQ2_S | IQ3_S | IQ4_NL => &[(0, false)],
         _ => &[],
     }
 }

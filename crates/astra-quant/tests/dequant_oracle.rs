@@ -4,9 +4,9 @@
 use astra_quant::{dequantize, GgmlType};
 use serde_json::Value;
 
-const TYPES: [&str; 16] = [
-    "BF16", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ4_NL", "Q2_0", "Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K",
-    "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0",
+const TYPES: [&str; 17] = [
+    "BF16", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_S", "IQ4_NL", "Q2_0", "Q2_K", "Q3_K", "Q4_0",
+    "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0",
 ];
 
 fn hex(s: &str) -> Vec<u8> {

@@ -13,7 +13,7 @@ pub enum SynthError {
     #[error("unknown shape {0:?} (known: {1})")]
     UnknownShape(String, String),
     #[error(
-        "{0} weights cannot be synthesized (supported: q4_0, q4_1, q5_0, q8_0, q4_k, q6_k, iq2_s)"
+        "{0} weights cannot be synthesized (supported: q4_0, q4_1, q5_0, q8_0, q4_k, q6_k, iq2_s, iq3_s)"
     )]
     UnsupportedType(GgmlType),
     #[error("writing {path}: {err}")]
@@ -268,8 +268,9 @@ fn scale_fields(ty: GgmlType) -> Result<&'static [(usize, f32)], SynthError> {
         GgmlType::Q8_0 => &[(0, 0.0002)],
         GgmlType::Q4_K => &[(0, 0.0002), (2, 0.0002)],
         GgmlType::Q6_K => &[(208, 0.0001)],
-        // Every bit pattern of the rest is a valid IQ2_S block.
+        // Every bit pattern of the rest is a valid IQ2_S or IQ3_S block.
         GgmlType::IQ2_S => &[(0, 0.0002)],
+        GgmlType::IQ3_S => &[(0, 0.0001)],
         other => return Err(SynthError::UnsupportedType(other)),
     })
 }

@@ -14,7 +14,10 @@ use std::arch::x86_64::*;
 
 use super::{ActRow, VecDot4Fn, VecDotFn};
 use crate::blocks::*;
-use crate::dequant::{iq2s_grid_point, iq2s_signs, iq2xs_point, iq2xxs_group, iq2xxs_point};
+use crate::dequant::{
+    iq2s_grid_point, iq2s_signs, iq2xs_point, iq2xxs_group, iq2xxs_point, iq3s_grid_point,
+    iq3s_scale,
+};
 use crate::GgmlType;
 
 /// The kernels for a weight type: the dot product on bytes, and the four-token variant
@@ -56,6 +59,7 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, Option<VecDot4Fn>)
         IQ2_XXS => (avx2_dot_fn!(dot_iq2_xxs_q8_k), None),
         IQ2_XS => (avx2_dot_fn!(dot_iq2_xs_q8_k), None),
         IQ2_S => (avx2_dot_fn!(dot_iq2_s_q8_k), None),
+        IQ3_S => (avx2_dot_fn!(dot_iq3_s_q8_k), None),
         _ => return None,
     })
 }
@@ -643,6 +647,38 @@ unsafe fn dot_iq2_s_q8_k(w: &[u8], a: &[u8]) -> f32 {
         }
         acc = _mm256_fmadd_ps(
             _mm256_set1_ps(f16(w.d) * a.d() * 0.125),
+            _mm256_cvtepi32_ps(sumi),
+            acc,
+        );
+    }
+    hsum_f32(acc)
+}
+
+/// IQ3_S: each 32-weight group's eight grid points (four magnitudes each) as 32 bytes,
+/// its four sign bytes applied to the activations, the products summed in pairs and
+/// times the group's multiplier 2s + 1 as eight i32 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_iq3_s_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (w, a) in as_blocks::<BlockIq3S>(w)
+        .iter()
+        .zip(as_blocks::<BlockQ8K>(a))
+    {
+        let mut sumi = _mm256_setzero_si256();
+        for ib32 in 0..8 {
+            let g = |k: usize| i32::from_le_bytes(iq3s_grid_point(w, ib32, k));
+            let qx = _mm256_set_epi32(g(7), g(6), g(5), g(4), g(3), g(2), g(1), g(0));
+            let signs =
+                u32::from_le_bytes(w.signs[4 * ib32..4 * ib32 + 4].try_into().expect("4 bytes"));
+            // -1 where the weight is negative, +1 elsewhere.
+            let sign = _mm256_or_si256(bits_to_bytes(signs), _mm256_set1_epi8(1));
+            let y = _mm256_sign_epi8(load(&a.qs[32 * ib32..]), sign);
+            let ls = iq3s_scale(w, ib32) as i16;
+            let part = _mm256_madd_epi16(_mm256_maddubs_epi16(qx, y), scale_pair(ls, ls));
+            sumi = _mm256_add_epi32(sumi, part);
+        }
+        acc = _mm256_fmadd_ps(
+            _mm256_set1_ps(f16(w.d) * a.d()),
             _mm256_cvtepi32_ps(sumi),
             acc,
         );

@@ -87,7 +87,9 @@ impl ActType {
         Ok(match ty {
             Q4_0 | Q5_0 | Q8_0 | IQ4_NL | Q2_0 => ActType::Q8_0,
             Q4_1 | Q5_1 => ActType::Q8_1,
-            Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | Q8_K | IQ2_XXS | IQ2_XS | IQ2_S => ActType::Q8K,
+            Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | Q8_K | IQ2_XXS | IQ2_XS | IQ2_S | IQ3_S => {
+                ActType::Q8K
+            }
             F32 | F16 | BF16 => ActType::F32,
             other => return Err(QuantError::Unsupported(other)),
         })
@@ -448,6 +450,7 @@ pub fn scalar_dot_fn(weights: GgmlType) -> Result<VecDotFn, QuantError> {
         IQ2_XXS => dot_iq2_xxs_q8_k,
         IQ2_XS => dot_iq2_xs_q8_k,
         IQ2_S => dot_iq2_s_q8_k,
+        IQ3_S => dot_iq3_s_q8_k,
         other => return Err(QuantError::Unsupported(other)),
     })
 }

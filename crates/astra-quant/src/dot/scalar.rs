@@ -11,7 +11,10 @@
 #![allow(clippy::needless_range_loop)]
 
 use crate::blocks::*;
-use crate::dequant::{iq2s_grid_point, iq2s_signs, iq2xs_point, iq2xxs_group, iq2xxs_point};
+use crate::dequant::{
+    iq2s_grid_point, iq2s_signs, iq2xs_point, iq2xxs_group, iq2xxs_point, iq3s_grid_point,
+    iq3s_scale,
+};
 
 #[inline(always)]
 fn pairs<'a, W: Block, A: Block>(w: &'a [u8], a: &'a [u8]) -> impl Iterator<Item = (&'a W, &'a A)> {
@@ -336,6 +339,30 @@ pub fn dot_iq2_s_q8_k(w: &[u8], a: &[u8]) -> f32 {
         }
         // Weight scale d * (0.5 + s) / 4 = d * (2s + 1) / 8.
         sum += isum as f32 * (w.d.get() * a.d()) * 0.125;
+    }
+    sum
+}
+
+/// Each group's signed grid products, times its multiplier 2s + 1, summed over the
+/// block as integers; the block scaled by d times the activations' scale (ggml's
+/// weight scale d · (2s + 1)).
+pub fn dot_iq3_s_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0.0f32;
+    for (w, a) in pairs::<BlockIq3S, BlockQ8K>(w, a) {
+        let mut isum = 0i32;
+        for ib32 in 0..8 {
+            let mut gsum = 0i32;
+            for k in 0..8 {
+                let grid = iq3s_grid_point(w, ib32, k);
+                let signs = w.signs[4 * ib32 + k / 2] >> (4 * (k % 2));
+                for j in 0..4 {
+                    let v = grid[j] as i32 * a.qs[32 * ib32 + 4 * k + j] as i32;
+                    gsum += if signs & (1 << j) != 0 { -v } else { v };
+                }
+            }
+            isum += iq3s_scale(w, ib32) * gsum;
+        }
+        sum += (w.d.get() * a.d()) * isum as f32;
     }
     sum
 }

@@ -14,7 +14,7 @@ pub struct Args {
     /// qwen3-0.6b, qwen3-30b-a3b, mixtral-8x7b.
     #[arg(long)]
     like: String,
-    /// Weight type of the matrices (q4_0, q4_1, q5_0, q8_0, q4_k, q6_k, iq2_s); matrices whose
+    /// Weight type of the matrices (q4_0, q4_1, q5_0, q8_0, q4_k, q6_k, iq2_s, iq3_s); matrices whose
     /// rows are not whole blocks of it get q5_0, as llama.cpp's quantizer does.
     #[arg(long = "type", default_value = "q4_k")]
     ty: String,
