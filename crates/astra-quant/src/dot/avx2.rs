@@ -569,14 +569,16 @@ unsafe fn dot_q8_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     hsum_f32(acc)
 }
 
-/// One 32-weight group of a 2-bit codebook type: its four grid points (eight
-/// magnitudes and a sign byte each) against 32 activations, each half's sum times its
-/// odd scale `sc` (`scale_pair`), as eight i32 lanes.
+/// One 32-weight group of a 2-bit codebook type: its four grid points (`point(l)`:
+/// eight magnitudes and a sign byte each) against 32 activations, each half's sum times
+/// its odd scale `sc` (`scale_pair`), as eight i32 lanes. The points go into the
+/// vectors from general registers, one by one, rather than through an array.
 #[inline(always)]
-unsafe fn iq2_group(points: [([u8; 8], u8); 4], q8: &[i8], sc: __m256i) -> __m256i {
-    let g = |l: usize| i64::from_le_bytes(points[l].0);
-    let qx = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
-    let signs = u32::from_le_bytes(std::array::from_fn(|l| points[l].1));
+unsafe fn iq2_group(point: impl Fn(usize) -> ([u8; 8], u8), q8: &[i8], sc: __m256i) -> __m256i {
+    let ((g0, s0), (g1, s1), (g2, s2), (g3, s3)) = (point(0), point(1), point(2), point(3));
+    let g = i64::from_le_bytes;
+    let qx = _mm256_set_epi64x(g(g3), g(g2), g(g1), g(g0));
+    let signs = s0 as u32 | (s1 as u32) << 8 | (s2 as u32) << 16 | (s3 as u32) << 24;
     // -1 where the weight is negative, +1 elsewhere.
     let sign = _mm256_or_si256(bits_to_bytes(signs), _mm256_set1_epi8(1));
     let y = _mm256_sign_epi8(load(q8), sign);
@@ -594,8 +596,8 @@ unsafe fn dot_iq2_xxs_q8_k(w: &[u8], a: &[u8]) -> f32 {
         for ib32 in 0..8 {
             let group = iq2xxs_group(w, ib32);
             let ls = 2 * (group.1 >> 28) as i16 + 1;
-            let points = std::array::from_fn(|l| iq2xxs_point(group, l));
-            let part = iq2_group(points, &a.qs[32 * ib32..], scale_pair(ls, ls));
+            let point = |l| iq2xxs_point(group, l);
+            let part = iq2_group(point, &a.qs[32 * ib32..], scale_pair(ls, ls));
             sumi = _mm256_add_epi32(sumi, part);
         }
         acc = _mm256_fmadd_ps(
@@ -618,8 +620,8 @@ unsafe fn dot_iq2_xs_q8_k(w: &[u8], a: &[u8]) -> f32 {
         for ib32 in 0..8 {
             let s = w.scales[ib32];
             let sc = scale_pair(2 * (s & 0xF) as i16 + 1, 2 * (s >> 4) as i16 + 1);
-            let points = std::array::from_fn(|l| iq2xs_point(w, ib32, l));
-            sumi = _mm256_add_epi32(sumi, iq2_group(points, &a.qs[32 * ib32..], sc));
+            let point = |l| iq2xs_point(w, ib32, l);
+            sumi = _mm256_add_epi32(sumi, iq2_group(point, &a.qs[32 * ib32..], sc));
         }
         acc = _mm256_fmadd_ps(
             _mm256_set1_ps(f16(w.d) * a.d() * 0.125),
@@ -641,9 +643,8 @@ unsafe fn dot_iq2_s_q8_k(w: &[u8], a: &[u8]) -> f32 {
         for ib32 in 0..8 {
             let s = w.scales[ib32];
             let sc = scale_pair(2 * (s & 0xF) as i16 + 1, 2 * (s >> 4) as i16 + 1);
-            let points =
-                std::array::from_fn(|l| (iq2s_grid_point(w, ib32, l), iq2s_signs(w, ib32, l)));
-            sumi = _mm256_add_epi32(sumi, iq2_group(points, &a.qs[32 * ib32..], sc));
+            let point = |l| (iq2s_grid_point(w, ib32, l), iq2s_signs(w, ib32, l));
+            sumi = _mm256_add_epi32(sumi, iq2_group(point, &a.qs[32 * ib32..], sc));
         }
         acc = _mm256_fmadd_ps(
             _mm256_set1_ps(f16(w.d) * a.d() * 0.125),
