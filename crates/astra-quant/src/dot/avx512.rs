@@ -17,7 +17,9 @@
 //!
 //! Q4_K and Q6_K batches run the same way over super-blocks ([`k_tile_dot`]): exact
 //! integer super-block sums (group sums times their integer scales), then AVX2's float
-//! chains, so that a batch equals AVX2's single-token kernel bit for bit.
+//! chains, so that a batch equals AVX2's single-token kernel bit for bit. A single
+//! Q6_K token takes a row at a time instead ([`q6k_dot1`]: a super-block in four
+//! 512-bit vectors, four rows' sums reduced together), with the same sums and chains.
 //!
 //! Signed codes (Q5_0, Q8_0) are read as unsigned `c + 2^SHIFT` so that `vpdpbusd` can
 //! take them (`lanes` says how the offset comes back).
@@ -37,10 +39,8 @@ use super::{ActRow, ActType, Packing, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_RO
 use crate::blocks::*;
 use crate::GgmlType;
 
-/// The kernels for a weight type, if this set has its own: the whole set (dot, decode,
-/// tile) or, for the K-quants, a tile for batches beside AVX2's kernels.
-/// A weight type's AVX-512 kernels: the batch tile, and for 32-element formats the
-/// single-token entry points too (K-quants keep AVX2's for single tokens).
+/// A weight type's AVX-512 kernels: the batch tile, and for the 32-element formats and
+/// Q6_K the single-token entry points too (Q4_K keeps AVX2's for single tokens).
 pub(crate) struct LaneKernels {
     pub single: Option<(VecDotFn, VecDot1Fn)>,
     pub tile: VecDotTileFn,
@@ -84,7 +84,21 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<LaneKernels> {
         GgmlType::Q5_0 => Some(entries!(Q5_0Lanes, ActType::Q8_0)),
         GgmlType::Q8_0 => Some(entries!(Q8_0Lanes, ActType::Q8_0)),
         GgmlType::Q4_K => Some(k_tile!(Q4KLanes)),
-        GgmlType::Q6_K => Some(k_tile!(Q6KLanes)),
+        GgmlType::Q6_K => {
+            fn dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
+                // SAFETY: as for `dot1` above.
+                unsafe { q6k_dot1(w, row_bytes, a, out) }
+            }
+            fn dot(w: &[u8], a: &[u8]) -> f32 {
+                let mut out = [0.0];
+                super::with_act_row(ActType::Q8K, a, |row| dot1(w, w.len(), row, &mut out));
+                out[0]
+            }
+            Some(LaneKernels {
+                single: Some((dot as VecDotFn, dot1 as VecDot1Fn)),
+                ..k_tile!(Q6KLanes)
+            })
+        }
         _ => None,
     }
 }
@@ -674,6 +688,146 @@ impl KLaneFormat for Q6KLanes {
     }
 }
 
+/// The exact integer sum Σ sc·(q − 32)·a of one Q6_K super-block against its Q8_K
+/// block, spread over sixteen i32 lanes, in four 64-element vectors. A 64-byte run of
+/// `ql` holds, in its low nibbles, the low bits of 64 consecutive weights
+/// (128n..128n+64 for run n) and in its high nibbles those of the next 64; the two
+/// high bits of weight 128n + 32j + l are bits 2j, 2j + 1 of `qh[32n + l]`, so each
+/// 32-byte half of `qh` is put in both halves of a vector and shifted by word (a
+/// shift's bits that cross into the next byte fall outside the two kept).
+#[inline(always)]
+unsafe fn q6k_block_lanes(w: &BlockQ6K, a: &BlockQ8K) -> __m512i {
+    let m4 = _mm512_set1_epi8(0x0F);
+    let m30 = _mm512_set1_epi8(0x30);
+    // The high bits of the low-nibble vectors go up by 4 and 2, those of the
+    // high-nibble ones by 0 and down by 2 (per 256-bit half).
+    let up = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
+    let down = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
+    let qh = _mm512_loadu_si512(w.qh.as_ptr().cast());
+    let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(w.scales.as_ptr().cast()));
+    let sc = _mm512_castsi256_si512(sc16);
+    let mut sum = _mm512_setzero_si512();
+    for n in 0..2 {
+        let ql = _mm512_loadu_si512(w.ql.as_ptr().add(64 * n).cast());
+        let h = if n == 0 {
+            _mm512_shuffle_i64x2::<0b01_00_01_00>(qh, qh)
+        } else {
+            _mm512_shuffle_i64x2::<0b11_10_11_10>(qh, qh)
+        };
+        // A | (B & C): the nibble with the two high bits in place.
+        let codes = [
+            _mm512_ternarylogic_epi32::<0xF8>(
+                _mm512_and_si512(ql, m4),
+                _mm512_sllv_epi16(h, up),
+                m30,
+            ),
+            _mm512_ternarylogic_epi32::<0xF8>(
+                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
+                _mm512_srlv_epi16(h, down),
+                m30,
+            ),
+        ];
+        for (c, codes) in codes.into_iter().enumerate() {
+            // Weights 64v..64v+64 (v = 2n + c): 128-bit lane L is sub-block 4v + L.
+            let v = 2 * n + c;
+            let y = _mm512_loadu_si512(a.qs.as_ptr().add(64 * v).cast());
+            let word_scale = _mm512_loadu_si512(SUB_BLOCK_OF_WORD[v].as_ptr().cast());
+            let scales = _mm512_permutexvar_epi16(word_scale, sc);
+            sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(codes, y), scales);
+        }
+    }
+    // Σ sc·(q − 32)·a = Σ sc·q·a − 32 · Σ sc·(16-element sums of a), exactly.
+    let offset = _mm256_madd_epi16(_mm256_loadu_si256(a.bsums.as_ptr().cast()), sc16);
+    _mm512_sub_epi32(sum, _mm512_zextsi256_si512(_mm256_slli_epi32::<5>(offset)))
+}
+
+/// For each of a super-block's four 64-element vectors, the sub-block (16 elements) of
+/// each of its 32 pairs: word j of vector v reads scale 4v + j / 8.
+const SUB_BLOCK_OF_WORD: [[u16; 32]; 4] = {
+    let mut t = [[0u16; 32]; 4];
+    let mut w = 0;
+    while w < 128 {
+        t[w / 32][w % 32] = (4 * (w / 32) + w % 32 / 8) as u16;
+        w += 1;
+    }
+    t
+};
+
+/// The lane sums of four vectors, in order: four independent horizontal sums (exact in
+/// any order, being integers) with their shuffles shared.
+#[inline(always)]
+unsafe fn reduce4_epi32(v: [__m512i; 4]) -> __m128i {
+    let x = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(v[0], v[1]),
+        _mm512_unpackhi_epi32(v[0], v[1]),
+    );
+    let y = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(v[2], v[3]),
+        _mm512_unpackhi_epi32(v[2], v[3]),
+    );
+    // Each 128-bit lane: partial sums of v[0], v[1], v[2], v[3].
+    let z = _mm512_add_epi32(_mm512_unpacklo_epi64(x, y), _mm512_unpackhi_epi64(x, y));
+    let z = _mm256_add_epi32(_mm512_castsi512_si256(z), _mm512_extracti64x4_epi64::<1>(z));
+    _mm_add_epi32(_mm256_castsi256_si128(z), _mm256_extracti128_si256::<1>(z))
+}
+
+/// `out[i] = K·(row i of w, a)` for consecutive Q6_K rows of `row_bytes`: each
+/// super-block's exact integer sum ([`q6k_block_lanes`]), then AVX2's float chain
+/// `acc ← fma(Σ, d·d_a, acc)` over the super-blocks in order, so that a row gives
+/// AVX2's single-token kernel's bits (and the tiles'). Four rows go together, their
+/// sums reduced as one and their chains in the lanes of one vector.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q6k_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
+    assert!(
+        row_bytes > 0 && w.len() == row_bytes * out.len(),
+        "weights are not out.len() rows"
+    );
+    let a = as_blocks::<BlockQ8K>(a.bytes);
+    assert_eq!(
+        a.len() * std::mem::size_of::<BlockQ6K>(),
+        row_bytes,
+        "activation row does not match the weights"
+    );
+    for (rows, out) in w.chunks_exact(4 * row_bytes).zip(out.chunks_exact_mut(4)) {
+        // Loops rather than closures around the intrinsics: a closure would not
+        // inherit this function's target features.
+        let rows = as_blocks::<BlockQ6K>(rows);
+        let mut acc = _mm_setzero_ps();
+        for (i, b) in a.iter().enumerate() {
+            let mut lanes = [_mm512_setzero_si512(); 4];
+            let mut d = [0u16; 4];
+            for r in 0..4 {
+                let x = &rows[r * a.len() + i];
+                lanes[r] = q6k_block_lanes(x, b);
+                d[r] = u16::from_le_bytes(x.d.0);
+            }
+            let totals = reduce4_epi32(lanes);
+            let d = _mm_cvtph_ps(_mm_loadl_epi64(d.as_ptr().cast()));
+            acc = _mm_fmadd_ps(
+                _mm_cvtepi32_ps(totals),
+                _mm_mul_ps(d, _mm_set1_ps(b.d())),
+                acc,
+            );
+        }
+        _mm_storeu_ps(out.as_mut_ptr(), acc);
+    }
+    let rest = out.len() / 4 * 4;
+    for (row, out) in w[rest * row_bytes..]
+        .chunks_exact(row_bytes)
+        .zip(&mut out[rest..])
+    {
+        let mut acc = 0.0f32;
+        for (x, a) in as_blocks::<BlockQ6K>(row).iter().zip(a) {
+            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                u16::from_le_bytes(x.d.0) as i32
+            )));
+            let total = _mm512_reduce_add_epi32(q6k_block_lanes(x, a));
+            acc = (total as f32).mul_add(d * a.d(), acc);
+        }
+        *out = acc;
+    }
+}
+
 thread_local! {
     /// A thread's transposed K-quant tile, reused from call to call.
     static K_TILE: RefCell<Vec<KLaneBlock>> = const { RefCell::new(Vec::new()) };
@@ -784,8 +938,34 @@ mod tests {
         acc - min
     }
 
-    /// K-quant tiles equal AVX2's single-token kernel and the scalar statement of their
-    /// arithmetic bit for bit: a batch gives what each token gives alone.
+    /// Sets every other super-block of `w` to the extremes its integer sums must hold:
+    /// the largest codes and scales of either sign (Q6_K: codes 63 and 0, scales 127
+    /// and −128; Q4_K: every bit set).
+    fn extremes(ty: GgmlType, w: &mut [u8]) {
+        match ty {
+            GgmlType::Q6_K => {
+                for (i, b) in as_blocks_mut::<BlockQ6K>(w).iter_mut().enumerate() {
+                    if i % 2 == 0 {
+                        let high = i % 4 == 0;
+                        b.ql = [if high { 0xFF } else { 0 }; 128];
+                        b.qh = [if high { 0xFF } else { 0 }; 64];
+                        b.scales = std::array::from_fn(|g| if g % 3 == 0 { -128 } else { 127 });
+                    }
+                }
+            }
+            _ => {
+                for b in as_blocks_mut::<BlockQ4K>(w).iter_mut().step_by(2) {
+                    b.scales = [0xFF; 12];
+                    b.qs = [0xFF; 128];
+                }
+            }
+        }
+    }
+
+    /// K-quant tiles, AVX2's single-token kernel and this set's own single-token kernels
+    /// (Q6_K) equal the scalar statement of their arithmetic bit for bit: a batch gives
+    /// what each token gives alone. Random rows, and rows at the codes' and scales'
+    /// extremes.
     #[test]
     fn k_tiles_equal_the_single_token_kernels() {
         if !crate::Isa::Avx512Vnni.available() {
@@ -793,10 +973,21 @@ mod tests {
             return;
         }
         for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
-            let tile = kernels(ty).unwrap().tile;
+            let LaneKernels {
+                tile, single: own, ..
+            } = kernels(ty).unwrap();
             let single = crate::Kernels::new(ty, crate::Isa::Avx2).unwrap().dot;
-            for (rows, cols) in [(1, 256), (16, 512), (21, 768), (40, 2048)] {
-                let weights = random_weights(ty, rows, cols, 7).unwrap();
+            for (rows, cols, extreme) in [
+                (1, 256, false),
+                (16, 512, false),
+                (21, 768, false),
+                (40, 2048, false),
+                (19, 512, true),
+            ] {
+                let mut weights = random_weights(ty, rows, cols, 7).unwrap();
+                if extreme {
+                    extremes(ty, &mut weights);
+                }
                 let row_bytes = weights.len() / rows;
                 let mut rng = SplitMix::new(8);
                 let x: Vec<f32> = (0..3 * cols).map(|_| rng.activation()).collect();
@@ -806,6 +997,19 @@ mod tests {
                     .map(|t| quantized.act_row(t))
                     .collect();
                 let tokens: Vec<&[u8]> = acts.iter().map(|a| a.bytes).collect();
+                if let Some((dot, dot1)) = own {
+                    for (t, a) in acts.iter().enumerate() {
+                        let mut got = vec![0.0f32; rows];
+                        dot1(&weights, row_bytes, *a, &mut got);
+                        for (r, got) in got.iter().enumerate() {
+                            let w = &weights[r * row_bytes..(r + 1) * row_bytes];
+                            let want = k_reference(ty, w, a.bytes).to_bits();
+                            let what = format!("{ty} {rows}x{cols} row {r} token {t}");
+                            assert_eq!(got.to_bits(), want, "{what} (rows)");
+                            assert_eq!(dot(w, a.bytes).to_bits(), want, "{what} (one row)");
+                        }
+                    }
+                }
                 for first in (0..rows).step_by(TILE_ROWS) {
                     let n = TILE_ROWS.min(rows - first);
                     let mut out = vec![[0.0f32; TILE_ROWS]; acts.len()];
