@@ -72,7 +72,7 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<(VecDotFn, Option<VecDot4Fn>)
 /// would make the conversion wait on whatever register the compiler picks to insert
 /// into, which can be the previous block's accumulator.
 #[inline(always)]
-unsafe fn f16_pair(lo: F16Le, hi: F16Le) -> (f32, f32) {
+pub(super) unsafe fn f16_pair(lo: F16Le, hi: F16Le) -> (f32, f32) {
     let bits = u16::from_le_bytes(lo.0) as u32 | (u16::from_le_bytes(hi.0) as u32) << 16;
     let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
     (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
@@ -91,7 +91,7 @@ unsafe fn f16(x: F16Le) -> f32 {
 }
 
 #[inline(always)]
-unsafe fn hsum_f32(v: __m256) -> f32 {
+pub(super) unsafe fn hsum_f32(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -100,7 +100,7 @@ unsafe fn hsum_f32(v: __m256) -> f32 {
 
 /// The exact sum of eight i32 lanes.
 #[inline(always)]
-unsafe fn hsum_i32(v: __m256i) -> i32 {
+pub(super) unsafe fn hsum_i32(v: __m256i) -> i32 {
     let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
     let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
     _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s)))
@@ -494,7 +494,7 @@ unsafe fn dot_q3_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
 /// A Q4_K/Q5_K block's eight group scales, and its eight group minimums each twice as
 /// sixteen i16 lanes (one per 16-element activation sum), for [`k4_min_lanes`].
 #[inline(always)]
-unsafe fn k4_scales_mins(scales: &[u8; 12]) -> ([u8; 8], __m256i) {
+pub(super) unsafe fn k4_scales_mins(scales: &[u8; 12]) -> ([u8; 8], __m256i) {
     let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
     for g in 0..8 {
         (sc[g], mn[g]) = scale_min_k4(g, scales);
@@ -506,7 +506,7 @@ unsafe fn k4_scales_mins(scales: &[u8; 12]) -> ([u8; 8], __m256i) {
 /// Lane g: group g's minimum × the sum of its 32 activations (exact), from
 /// [`k4_scales_mins`]'s lanes and the block's 16-element sums.
 #[inline(always)]
-unsafe fn k4_min_lanes(mins16: __m256i, a: &BlockQ8K) -> __m256i {
+pub(super) unsafe fn k4_min_lanes(mins16: __m256i, a: &BlockQ8K) -> __m256i {
     _mm256_madd_epi16(_mm256_loadu_si256(a.bsums.as_ptr().cast()), mins16)
 }
 

@@ -19,7 +19,8 @@
 //! integer super-block sums (group sums times their integer scales), then AVX2's float
 //! chains, so that a batch equals AVX2's single-token kernel bit for bit. A single
 //! Q6_K token takes a row at a time instead ([`q6k_dot1`]: a super-block in four
-//! 512-bit vectors, four rows' sums reduced together), with the same sums and chains.
+//! 512-bit vectors, four rows' sums reduced together), with the same sums and chains;
+//! Q5_K rows likewise ([`q5k_dot1`]), in AVX2's eight lanes of sums.
 //!
 //! Signed codes (Q5_0, Q8_0) are read as unsigned `c + 2^SHIFT` so that `vpdpbusd` can
 //! take them (`lanes` says how the offset comes back).
@@ -31,6 +32,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
+use super::avx2;
 use super::avx2_lanes::{self, Lanes8};
 use super::lanes::{
     group, lane_entries, tile_of, tile_shape, Act, LaneFormat, Q4_1Lanes, Q5_0Lanes, Q8_0Lanes,
@@ -39,11 +41,14 @@ use super::{ActRow, ActType, Packing, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_RO
 use crate::blocks::*;
 use crate::GgmlType;
 
-/// A weight type's AVX-512 kernels: the batch tile, and for the 32-element formats and
-/// Q6_K the single-token entry points too (Q4_K keeps AVX2's for single tokens).
+/// A weight type's AVX-512 kernels: the batch tile, and for the 32-element formats,
+/// Q5_K and Q6_K the single-token entry points too (Q4_K keeps AVX2's for single
+/// tokens).
 pub(crate) struct LaneKernels {
     pub single: Option<(VecDotFn, VecDot1Fn)>,
-    pub tile: VecDotTileFn,
+    /// The batch tile, where the type has one (Q5_K's batches take `single` a token
+    /// at a time).
+    pub tile: Option<VecDotTileFn>,
     /// The packing at load, where the type has one.
     pub packing: Option<Packing>,
 }
@@ -56,7 +61,7 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<LaneKernels> {
                 lane_entries!(dot1_groups, tile_groups, $f, $act, true);
             LaneKernels {
                 single: Some((dot, dot1)),
-                tile,
+                tile: Some(tile),
                 packing: Some(Packing {
                     rows: TILE_ROWS,
                     pack: pack16::<$f>,
@@ -74,9 +79,24 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<LaneKernels> {
             }
             LaneKernels {
                 single: None,
-                tile: tile as VecDotTileFn,
+                tile: Some(tile as VecDotTileFn),
                 packing: None,
             }
+        }};
+    }
+    macro_rules! rows {
+        ($dot1:ident) => {{
+            fn dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
+                // SAFETY: handed out only where the set's features are present (the
+                // module's doc).
+                unsafe { $dot1(w, row_bytes, a, out) }
+            }
+            fn dot(w: &[u8], a: &[u8]) -> f32 {
+                let mut out = [0.0];
+                super::with_act_row(ActType::Q8K, a, |row| dot1(w, w.len(), row, &mut out));
+                out[0]
+            }
+            (dot as VecDotFn, dot1 as VecDot1Fn)
         }};
     }
     match weights {
@@ -84,21 +104,15 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<LaneKernels> {
         GgmlType::Q5_0 => Some(entries!(Q5_0Lanes, ActType::Q8_0)),
         GgmlType::Q8_0 => Some(entries!(Q8_0Lanes, ActType::Q8_0)),
         GgmlType::Q4_K => Some(k_tile!(Q4KLanes)),
-        GgmlType::Q6_K => {
-            fn dot1(w: &[u8], row_bytes: usize, a: ActRow, out: &mut [f32]) {
-                // SAFETY: as for `dot1` above.
-                unsafe { q6k_dot1(w, row_bytes, a, out) }
-            }
-            fn dot(w: &[u8], a: &[u8]) -> f32 {
-                let mut out = [0.0];
-                super::with_act_row(ActType::Q8K, a, |row| dot1(w, w.len(), row, &mut out));
-                out[0]
-            }
-            Some(LaneKernels {
-                single: Some((dot as VecDotFn, dot1 as VecDot1Fn)),
-                ..k_tile!(Q6KLanes)
-            })
-        }
+        GgmlType::Q5_K => Some(LaneKernels {
+            single: Some(rows!(q5k_dot1)),
+            tile: None,
+            packing: None,
+        }),
+        GgmlType::Q6_K => Some(LaneKernels {
+            single: Some(rows!(q6k_dot1)),
+            ..k_tile!(Q6KLanes)
+        }),
         _ => None,
     }
 }
@@ -701,8 +715,7 @@ unsafe fn q6k_block_lanes(w: &BlockQ6K, a: &BlockQ8K) -> __m512i {
     let m30 = _mm512_set1_epi8(0x30);
     // The high bits of the low-nibble vectors go up by 4 and 2, those of the
     // high-nibble ones by 0 and down by 2 (per 256-bit half).
-    let up = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
-    let down = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
+    let (up, down) = (halves(4, 2), halves(0, 2));
     let qh = _mm512_loadu_si512(w.qh.as_ptr().cast());
     let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(w.scales.as_ptr().cast()));
     let sc = _mm512_castsi256_si512(sc16);
@@ -828,6 +841,128 @@ unsafe fn q6k_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
     }
 }
 
+/// The eight i32 lanes of AVX2's Q5_K kernel (`avx2::dot_q5_k_q8_k`) for one
+/// super-block, exactly: lane k holds, for each 64 weights 64j..64j+64, group 2j's
+/// four weights 64j + 4k.. times its scale plus group 2j + 1's four weights
+/// 64j + 32 + 4k.. times its. Here a vector carries both groups of a j, group 2j in
+/// its low half and 2j + 1 in its high half (the low and high nibbles of the same 32
+/// bytes, fifth bits 2j and 2j + 1 of `qh`), and the halves are added at the end.
+#[inline(always)]
+unsafe fn q5k_block_lanes(w: &BlockQ5K, sc: &[u8; 8], a: &BlockQ8K) -> __m256i {
+    let m4 = _mm512_set1_epi8(0x0F);
+    let m10 = _mm512_set1_epi8(0x10);
+    let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(w.qh.as_ptr().cast()));
+    let sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(sc.as_ptr().cast())));
+    let mut sum = _mm512_setzero_si512();
+    for j in 0..4 {
+        let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(w.qs.as_ptr().add(32 * j).cast()));
+        let nibbles = _mm512_and_si512(_mm512_srlv_epi16(q, halves(0, 4)), m4);
+        // Fifth bit 2j (low half) or 2j + 1 (high half) of each byte, moved to bit 4.
+        let shift = halves(2 * j as i16, 2 * j as i16 + 1);
+        let fifth = _mm512_slli_epi16::<4>(_mm512_srlv_epi16(qh, shift));
+        let codes = _mm512_ternarylogic_epi32::<0xF8>(nibbles, fifth, m10);
+        let y = _mm512_broadcast_i64x4(_mm256_loadu_si256(a.qs.as_ptr().add(64 * j).cast()));
+        let y =
+            _mm512_inserti64x4::<1>(y, _mm256_loadu_si256(a.qs.as_ptr().add(64 * j + 32).cast()));
+        let scales = _mm512_permutexvar_epi16(halves(2 * j as i16, 2 * j as i16 + 1), sc);
+        sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(codes, y), scales);
+    }
+    _mm256_add_epi32(
+        _mm512_castsi512_si256(sum),
+        _mm512_extracti64x4_epi64::<1>(sum),
+    )
+}
+
+/// Sixteen words of `low` and then sixteen of `high`.
+#[inline(always)]
+unsafe fn halves(low: i16, high: i16) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_set1_epi16(low), _mm256_set1_epi16(high))
+}
+
+/// `out[i] = K·(row i of w, a)` for consecutive Q5_K rows of `row_bytes`, in AVX2's
+/// arithmetic (`avx2::dot_q5_k_q8_k`): its eight lanes of exact integer sums
+/// ([`q5k_block_lanes`]), the same float chains, the same sums at the end. Four rows go
+/// together, two to a vector: their chains in its halves, their minimums' sums and
+/// their closing horizontal sums (AVX2's pairings, lane for lane) computed as one.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q5k_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
+    assert!(
+        row_bytes > 0 && w.len() == row_bytes * out.len(),
+        "weights are not out.len() rows"
+    );
+    let a = as_blocks::<BlockQ8K>(a.bytes);
+    assert_eq!(
+        a.len() * std::mem::size_of::<BlockQ5K>(),
+        row_bytes,
+        "activation row does not match the weights"
+    );
+    for (rows, out) in w.chunks_exact(4 * row_bytes).zip(out.chunks_exact_mut(4)) {
+        // Loops rather than closures around the intrinsics: a closure would not
+        // inherit this function's target features.
+        let rows = as_blocks::<BlockQ5K>(rows);
+        let mut acc = [_mm512_setzero_ps(); 2];
+        let mut mins = _mm_setzero_ps();
+        for (i, b) in a.iter().enumerate() {
+            let da = b.d();
+            let mut sums = [_mm256_setzero_si256(); 4];
+            let mut min_lanes = [_mm256_setzero_si256(); 4];
+            let (mut d, mut dmin) = ([0.0f32; 4], [0.0f32; 4]);
+            for r in 0..4 {
+                let x = &rows[r * a.len() + i];
+                let (sc, mins16) = avx2::k4_scales_mins(&x.scales);
+                sums[r] = q5k_block_lanes(x, &sc, b);
+                min_lanes[r] = avx2::k4_min_lanes(mins16, b);
+                let (wd, wdmin) = avx2::f16_pair(x.d, x.dmin);
+                (d[r], dmin[r]) = (wd * da, wdmin * da);
+            }
+            for h in 0..2 {
+                let sums =
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(sums[2 * h]), sums[2 * h + 1]);
+                let d = _mm512_mask_blend_ps(
+                    0xFF00,
+                    _mm512_set1_ps(d[2 * h]),
+                    _mm512_set1_ps(d[2 * h + 1]),
+                );
+                acc[h] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sums), acc[h]);
+            }
+            let mut wide = [_mm512_setzero_si512(); 4];
+            for r in 0..4 {
+                wide[r] = _mm512_zextsi256_si512(min_lanes[r]);
+            }
+            let m = _mm_cvtepi32_ps(reduce4_epi32(wide));
+            mins = _mm_add_ps(mins, _mm_mul_ps(m, _mm_loadu_ps(dmin.as_ptr())));
+        }
+        // `avx2::hsum_f32` for each row: lanes i and i + 4, then pairs 0, 2 and 1, 3,
+        // then the two.
+        let x = _mm512_shuffle_f32x4::<0b10_00_10_00>(acc[0], acc[1]);
+        let y = _mm512_shuffle_f32x4::<0b11_01_11_01>(acc[0], acc[1]);
+        let s = _mm512_add_ps(x, y);
+        let s = _mm512_add_ps(s, _mm512_permute_ps::<0b11_10_11_10>(s));
+        let s = _mm512_add_ps(s, _mm512_movehdup_ps(s));
+        let totals = _mm512_castps512_ps128(_mm512_permutexvar_ps(
+            _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0),
+            s,
+        ));
+        _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(totals, mins));
+    }
+    let rest = out.len() / 4 * 4;
+    for (row, out) in w[rest * row_bytes..]
+        .chunks_exact(row_bytes)
+        .zip(&mut out[rest..])
+    {
+        let mut acc = _mm256_setzero_ps();
+        let mut mins = 0.0f32;
+        for (x, a) in as_blocks::<BlockQ5K>(row).iter().zip(a) {
+            let (sc, mins16) = avx2::k4_scales_mins(&x.scales);
+            let sumi = q5k_block_lanes(x, &sc, a);
+            let ((wd, wdmin), da) = (avx2::f16_pair(x.d, x.dmin), a.d());
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(wd * da), _mm256_cvtepi32_ps(sumi), acc);
+            mins += avx2::hsum_i32(avx2::k4_min_lanes(mins16, a)) as f32 * (wdmin * da);
+        }
+        *out = avx2::hsum_f32(acc) - mins;
+    }
+}
+
 thread_local! {
     /// A thread's transposed K-quant tile, reused from call to call.
     static K_TILE: RefCell<Vec<KLaneBlock>> = const { RefCell::new(Vec::new()) };
@@ -884,6 +1019,7 @@ mod tests {
             packing,
         } = kernels(ty).unwrap();
         let (dot, dot1) = single.expect("a whole set");
+        let tile = tile.expect("a tile");
         check_kernels::<F>(ty, act, (dot, dot1, tile), Some(packing.expect("packed")));
     }
 
@@ -1010,6 +1146,7 @@ mod tests {
                         }
                     }
                 }
+                let tile = tile.expect("a tile");
                 for first in (0..rows).step_by(TILE_ROWS) {
                     let n = TILE_ROWS.min(rows - first);
                     let mut out = vec![[0.0f32; TILE_ROWS]; acts.len()];
@@ -1034,6 +1171,53 @@ mod tests {
                                 "{ty} {rows}x{cols} row {r} token {t} (tile)"
                             );
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Q5_K's rows give AVX2's kernel's bits (its eight lanes rebuilt exactly), on
+    /// random rows and at the codes' extremes, for every row count from 1 to 21.
+    #[test]
+    fn q5k_rows_equal_avx2() {
+        if !crate::Isa::Avx512Vnni.available() {
+            eprintln!("skipped: this machine has no AVX-512 VNNI");
+            return;
+        }
+        let (dot, dot1) = kernels(GgmlType::Q5_K).unwrap().single.unwrap();
+        let avx2 = crate::Kernels::new(GgmlType::Q5_K, crate::Isa::Avx2)
+            .unwrap()
+            .dot;
+        for (rows, cols, extreme) in [(1, 256, false), (21, 768, false), (9, 512, true)] {
+            let mut weights = random_weights(GgmlType::Q5_K, rows, cols, 9).unwrap();
+            if extreme {
+                for b in as_blocks_mut::<BlockQ5K>(&mut weights)
+                    .iter_mut()
+                    .step_by(2)
+                {
+                    (b.scales, b.qs, b.qh) = ([0xFF; 12], [0xFF; 128], [0xFF; 32]);
+                }
+            }
+            let row_bytes = weights.len() / rows;
+            let mut rng = SplitMix::new(10);
+            let x: Vec<f32> = (0..2 * cols).map(|_| rng.activation()).collect();
+            let quantized =
+                crate::matmul::QuantizedActivations::new(ActType::Q8K, &x, cols).unwrap();
+            for t in 0..quantized.tokens {
+                let a = quantized.act_row(t);
+                for n in 1..=rows {
+                    let mut got = vec![0.0f32; n];
+                    dot1(&weights[..n * row_bytes], row_bytes, a, &mut got);
+                    for (r, got) in got.iter().enumerate() {
+                        let w = &weights[r * row_bytes..(r + 1) * row_bytes];
+                        let want = avx2(w, a.bytes).to_bits();
+                        assert_eq!(
+                            got.to_bits(),
+                            want,
+                            "{rows}x{cols} row {r} of {n} token {t}"
+                        );
+                        assert_eq!(dot(w, a.bytes).to_bits(), want, "{rows}x{cols} row {r}");
                     }
                 }
             }

@@ -189,8 +189,8 @@ pub enum Isa {
     Avx2,
     /// AVX-512 (F, BW, VL) with VNNI (Ice Lake, Sapphire Rapids, Zen 4): Q4_1, Q5_0
     /// and Q8_0 put sixteen weight rows in the lanes of a 512-bit `vpdpbusd`, packed at
-    /// load, as do batches of Q4_K and Q6_K; single Q6_K tokens take 512-bit vectors a
-    /// row at a time; the rest runs AVX2's kernels.
+    /// load, as do batches of Q4_K and Q6_K; Q5_K and single Q6_K tokens take 512-bit
+    /// vectors a row at a time; the rest runs AVX2's kernels.
     Avx512Vnni,
 }
 
@@ -331,11 +331,12 @@ impl Kernels {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni if avx512::kernels(weights).is_some() => {
                 let own = avx512::kernels(weights).expect("just checked");
-                // Batches run the tile; single tokens AVX-512's entry points or AVX2's.
+                // Batches run the tile where the type has one, else a token at a time;
+                // single tokens AVX-512's entry points or AVX2's.
                 let base = Kernels {
                     isa,
                     dot4: None,
-                    tile: Some(own.tile),
+                    tile: own.tile,
                     packing: own.packing,
                     ..Kernels::new(weights, Isa::Avx2)?
                 };
