@@ -18,9 +18,10 @@
 //! Q4_K and Q6_K batches run the same way over super-blocks ([`k_tile_dot`]): exact
 //! integer super-block sums (group sums times their integer scales), then AVX2's float
 //! chains, so that a batch equals AVX2's single-token kernel bit for bit. A single
-//! Q6_K token takes a row at a time instead ([`q6k_dot1`]: a super-block in four
-//! 512-bit vectors, four rows' sums reduced together), with the same sums and chains;
-//! Q5_K rows likewise ([`q5k_dot1`]), in AVX2's eight lanes of sums.
+//! token instead takes four rows at a time as they are stored ([`q4k_dot1`],
+//! [`q6k_dot1`]: a super-block in four 512-bit vectors, the four rows' sums reduced
+//! together), with the same sums and chains; Q5_K rows likewise ([`q5k_dot1`]), in
+//! AVX2's eight lanes of sums.
 //!
 //! Signed codes (Q5_0, Q8_0) are read as unsigned `c + 2^SHIFT` so that `vpdpbusd` can
 //! take them (`lanes` says how the offset comes back).
@@ -41,9 +42,8 @@ use super::{ActRow, ActType, Packing, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_RO
 use crate::blocks::*;
 use crate::GgmlType;
 
-/// A weight type's AVX-512 kernels: the batch tile, and for the 32-element formats,
-/// Q5_K and Q6_K the single-token entry points too (Q4_K keeps AVX2's for single
-/// tokens).
+/// A weight type's AVX-512 kernels: the batch tile where the type has one, and the
+/// single-token entry points.
 pub(crate) struct LaneKernels {
     pub single: Option<(VecDotFn, VecDot1Fn)>,
     /// The batch tile, where the type has one (Q5_K's batches take `single` a token
@@ -103,7 +103,10 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<LaneKernels> {
         GgmlType::Q4_1 => Some(entries!(Q4_1Lanes, ActType::Q8_1)),
         GgmlType::Q5_0 => Some(entries!(Q5_0Lanes, ActType::Q8_0)),
         GgmlType::Q8_0 => Some(entries!(Q8_0Lanes, ActType::Q8_0)),
-        GgmlType::Q4_K => Some(k_tile!(Q4KLanes)),
+        GgmlType::Q4_K => Some(LaneKernels {
+            single: Some(rows!(q4k_dot1)),
+            ..k_tile!(Q4KLanes)
+        }),
         GgmlType::Q5_K => Some(LaneKernels {
             single: Some(rows!(q5k_dot1)),
             tile: None,
@@ -784,6 +787,27 @@ unsafe fn reduce4_epi32(v: [__m512i; 4]) -> __m128i {
     _mm_add_epi32(_mm256_castsi256_si128(z), _mm256_extracti128_si256::<1>(z))
 }
 
+/// The super-blocks of `a` for the rows kernels ([`q4k_dot1`], [`q5k_dot1`],
+/// [`q6k_dot1`]), checked against `rows` rows of `B` super-blocks in `w`.
+fn k_rows_act<'a, B: Block>(
+    w: &[u8],
+    row_bytes: usize,
+    a: &ActRow<'a>,
+    rows: usize,
+) -> &'a [BlockQ8K] {
+    assert!(
+        row_bytes > 0 && w.len() == row_bytes * rows,
+        "weights are not out.len() rows"
+    );
+    let a = as_blocks::<BlockQ8K>(a.bytes);
+    assert_eq!(
+        a.len() * std::mem::size_of::<B>(),
+        row_bytes,
+        "activation row does not match the weights"
+    );
+    a
+}
+
 /// `out[i] = K·(row i of w, a)` for consecutive Q6_K rows of `row_bytes`: each
 /// super-block's exact integer sum ([`q6k_block_lanes`]), then AVX2's float chain
 /// `acc ← fma(Σ, d·d_a, acc)` over the super-blocks in order, so that a row gives
@@ -791,16 +815,7 @@ unsafe fn reduce4_epi32(v: [__m512i; 4]) -> __m128i {
 /// sums reduced as one and their chains in the lanes of one vector.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn q6k_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
-    assert!(
-        row_bytes > 0 && w.len() == row_bytes * out.len(),
-        "weights are not out.len() rows"
-    );
-    let a = as_blocks::<BlockQ8K>(a.bytes);
-    assert_eq!(
-        a.len() * std::mem::size_of::<BlockQ6K>(),
-        row_bytes,
-        "activation row does not match the weights"
-    );
+    let a = k_rows_act::<BlockQ6K>(w, row_bytes, &a, out.len());
     for (rows, out) in w.chunks_exact(4 * row_bytes).zip(out.chunks_exact_mut(4)) {
         // Loops rather than closures around the intrinsics: a closure would not
         // inherit this function's target features.
@@ -841,36 +856,100 @@ unsafe fn q6k_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
     }
 }
 
-/// The eight i32 lanes of AVX2's Q5_K kernel (`avx2::dot_q5_k_q8_k`) for one
-/// super-block, exactly: lane k holds, for each 64 weights 64j..64j+64, group 2j's
-/// four weights 64j + 4k.. times its scale plus group 2j + 1's four weights
-/// 64j + 32 + 4k.. times its. Here a vector carries both groups of a j, group 2j in
-/// its low half and 2j + 1 in its high half (the low and high nibbles of the same 32
-/// bytes, fifth bits 2j and 2j + 1 of `qh`), and the halves are added at the end.
+/// A Q4_K or Q5_K super-block's scaled sums against its Q8_K block, exactly, in sixteen
+/// i32 lanes: for each 64 weights 64j..64j+64, a vector carries group 2j in its low
+/// half and group 2j + 1 in its high half (the low and high nibbles of the same 32
+/// bytes of `qs`, and for Q5_K the fifth bits 2j and 2j + 1 of `qh`), and lane k of
+/// either half gains that group's four weights 4k.. times its scale. Lane k plus lane
+/// k + 8 is lane k of AVX2's Q5_K kernel (`avx2::dot_q5_k_q8_k`).
 #[inline(always)]
-unsafe fn q5k_block_lanes(w: &BlockQ5K, sc: &[u8; 8], a: &BlockQ8K) -> __m256i {
+unsafe fn k4_block_lanes(
+    qs: &[u8; 128],
+    qh: Option<&[u8; 32]>,
+    sc: &[u8; 8],
+    a: &BlockQ8K,
+) -> __m512i {
     let m4 = _mm512_set1_epi8(0x0F);
     let m10 = _mm512_set1_epi8(0x10);
-    let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(w.qh.as_ptr().cast()));
     let sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(sc.as_ptr().cast())));
     let mut sum = _mm512_setzero_si512();
     for j in 0..4 {
-        let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(w.qs.as_ptr().add(32 * j).cast()));
-        let nibbles = _mm512_and_si512(_mm512_srlv_epi16(q, halves(0, 4)), m4);
-        // Fifth bit 2j (low half) or 2j + 1 (high half) of each byte, moved to bit 4.
-        let shift = halves(2 * j as i16, 2 * j as i16 + 1);
-        let fifth = _mm512_slli_epi16::<4>(_mm512_srlv_epi16(qh, shift));
-        let codes = _mm512_ternarylogic_epi32::<0xF8>(nibbles, fifth, m10);
-        let y = _mm512_broadcast_i64x4(_mm256_loadu_si256(a.qs.as_ptr().add(64 * j).cast()));
-        let y =
-            _mm512_inserti64x4::<1>(y, _mm256_loadu_si256(a.qs.as_ptr().add(64 * j + 32).cast()));
+        let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(qs.as_ptr().add(32 * j).cast()));
+        let mut codes = _mm512_and_si512(_mm512_srlv_epi16(q, halves(0, 4)), m4);
+        if let Some(qh) = qh {
+            // Fifth bit 2j (low half) or 2j + 1 (high half) of each byte, moved to bit 4.
+            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(qh.as_ptr().cast()));
+            let shift = halves(2 * j as i16, 2 * j as i16 + 1);
+            let fifth = _mm512_slli_epi16::<4>(_mm512_srlv_epi16(qh, shift));
+            codes = _mm512_ternarylogic_epi32::<0xF8>(codes, fifth, m10);
+        }
+        let y = _mm512_loadu_si512(a.qs.as_ptr().add(64 * j).cast());
         let scales = _mm512_permutexvar_epi16(halves(2 * j as i16, 2 * j as i16 + 1), sc);
         sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(codes, y), scales);
     }
+    sum
+}
+
+/// The eight i32 lanes of AVX2's Q5_K kernel for one super-block ([`k4_block_lanes`]'s
+/// halves added).
+#[inline(always)]
+unsafe fn q5k_block_lanes(w: &BlockQ5K, sc: &[u8; 8], a: &BlockQ8K) -> __m256i {
+    let sum = k4_block_lanes(&w.qs, Some(&w.qh), sc, a);
     _mm256_add_epi32(
         _mm512_castsi512_si256(sum),
         _mm512_extracti64x4_epi64::<1>(sum),
     )
+}
+
+/// `out[i] = K·(row i of w, a)` for consecutive Q4_K rows of `row_bytes`: each
+/// super-block's exact integer sums ([`k4_block_lanes`], and the minimums' against the
+/// activations' 16-element sums), then AVX2's float chains `acc ← fma(Σ, d·d_a, acc)`,
+/// `min ← fma(Σm, dmin·d_a, min)` and `acc − min` (`avx2::dotn_q4_k_q8_k`), so that a
+/// row gives AVX2's single-token kernel's bits and the tiles'. Four rows go together,
+/// their sums reduced as one and their chains in the lanes of a vector.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q4k_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
+    let a = k_rows_act::<BlockQ4K>(w, row_bytes, &a, out.len());
+    for (rows, out) in w.chunks_exact(4 * row_bytes).zip(out.chunks_exact_mut(4)) {
+        // Loops rather than closures around the intrinsics: a closure would not
+        // inherit this function's target features.
+        let rows = as_blocks::<BlockQ4K>(rows);
+        let (mut acc, mut min) = (_mm_setzero_ps(), _mm_setzero_ps());
+        for (i, b) in a.iter().enumerate() {
+            let mut sums = [_mm512_setzero_si512(); 4];
+            let mut mins = [_mm512_setzero_si512(); 4];
+            let (mut d, mut dmin) = ([0u16; 4], [0u16; 4]);
+            for r in 0..4 {
+                let x = &rows[r * a.len() + i];
+                let (sc, mins16) = avx2::k4_scales_mins(&x.scales);
+                sums[r] = k4_block_lanes(&x.qs, None, &sc, b);
+                mins[r] = _mm512_zextsi256_si512(avx2::k4_min_lanes(mins16, b));
+                (d[r], dmin[r]) = (u16::from_le_bytes(x.d.0), u16::from_le_bytes(x.dmin.0));
+            }
+            let da = _mm_set1_ps(b.d());
+            let d = _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64(d.as_ptr().cast())), da);
+            let dmin = _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64(dmin.as_ptr().cast())), da);
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(reduce4_epi32(sums)), d, acc);
+            min = _mm_fmadd_ps(_mm_cvtepi32_ps(reduce4_epi32(mins)), dmin, min);
+        }
+        _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc, min));
+    }
+    let rest = out.len() / 4 * 4;
+    for (row, out) in w[rest * row_bytes..]
+        .chunks_exact(row_bytes)
+        .zip(&mut out[rest..])
+    {
+        let (mut acc, mut min) = (0.0f32, 0.0f32);
+        for (x, a) in as_blocks::<BlockQ4K>(row).iter().zip(a) {
+            let (sc, mins16) = avx2::k4_scales_mins(&x.scales);
+            let s = _mm512_reduce_add_epi32(k4_block_lanes(&x.qs, None, &sc, a));
+            let m = avx2::hsum_i32(avx2::k4_min_lanes(mins16, a));
+            let ((wd, wdmin), da) = (avx2::f16_pair(x.d, x.dmin), a.d());
+            acc = (s as f32).mul_add(wd * da, acc);
+            min = (m as f32).mul_add(wdmin * da, min);
+        }
+        *out = acc - min;
+    }
 }
 
 /// Sixteen words of `low` and then sixteen of `high`.
@@ -886,16 +965,7 @@ unsafe fn halves(low: i16, high: i16) -> __m512i {
 /// their closing horizontal sums (AVX2's pairings, lane for lane) computed as one.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn q5k_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
-    assert!(
-        row_bytes > 0 && w.len() == row_bytes * out.len(),
-        "weights are not out.len() rows"
-    );
-    let a = as_blocks::<BlockQ8K>(a.bytes);
-    assert_eq!(
-        a.len() * std::mem::size_of::<BlockQ5K>(),
-        row_bytes,
-        "activation row does not match the weights"
-    );
+    let a = k_rows_act::<BlockQ5K>(w, row_bytes, &a, out.len());
     for (rows, out) in w.chunks_exact(4 * row_bytes).zip(out.chunks_exact_mut(4)) {
         // Loops rather than closures around the intrinsics: a closure would not
         // inherit this function's target features.
@@ -1099,7 +1169,7 @@ mod tests {
     }
 
     /// K-quant tiles, AVX2's single-token kernel and this set's own single-token kernels
-    /// (Q6_K) equal the scalar statement of their arithmetic bit for bit: a batch gives
+    /// equal the scalar statement of their arithmetic bit for bit: a batch gives
     /// what each token gives alone. Random rows, and rows at the codes' and scales'
     /// extremes.
     #[test]
@@ -1133,7 +1203,8 @@ mod tests {
                     .map(|t| quantized.act_row(t))
                     .collect();
                 let tokens: Vec<&[u8]> = acts.iter().map(|a| a.bytes).collect();
-                if let Some((dot, dot1)) = own {
+                {
+                    let (dot, dot1) = own.expect("single-token kernels of its own");
                     for (t, a) in acts.iter().enumerate() {
                         let mut got = vec![0.0f32; rows];
                         dot1(&weights, row_bytes, *a, &mut got);

@@ -189,8 +189,9 @@ pub enum Isa {
     Avx2,
     /// AVX-512 (F, BW, VL) with VNNI (Ice Lake, Sapphire Rapids, Zen 4): Q4_1, Q5_0
     /// and Q8_0 put sixteen weight rows in the lanes of a 512-bit `vpdpbusd`, packed at
-    /// load, as do batches of Q4_K and Q6_K; Q5_K and single Q6_K tokens take 512-bit
-    /// vectors a row at a time; the rest runs AVX2's kernels.
+    /// load, as do batches of Q4_K and Q6_K; Q5_K and single Q4_K and Q6_K tokens take
+    /// rows as stored, four at a time, in 512-bit vectors; the rest runs AVX2's
+    /// kernels.
     Avx512Vnni,
 }
 
