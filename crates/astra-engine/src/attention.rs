@@ -24,7 +24,7 @@ use astra_quant::matmul::Parallel;
 use crate::config::Config;
 use crate::ggml_ops::SwaCells;
 use crate::model::MAX_BATCH;
-use crate::ops::{attend_rows, axpy, KvElem};
+use crate::ops::{attend_rows, axpy, expf, KvElem};
 use crate::EngineError;
 
 /// KV positions per partial. A constant: changing it changes results (in the last
@@ -745,7 +745,7 @@ impl AttnLayer<'_> {
         out.fill(0.0);
         let mut sum = 0.0f32;
         for p in partials {
-            let w = (p.max - max).exp();
+            let w = expf(p.max - max);
             sum += p.sum * w;
             axpy(out, w, &p.acc);
         }

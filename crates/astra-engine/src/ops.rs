@@ -89,6 +89,104 @@ const EXP_POLY: [f32; 6] = [
     0.5,
 ];
 
+/// eˣ for the attention weights: the single-precision function of GNU libc (2.27 on) on
+/// x86-64 machines with AVX2 and FMA, written out: x·32/ln 2 = k + r in double
+/// precision (k an integer by the shift trick), 2^(k/32) from a 32-entry table with
+/// k/32's integer part added to its exponent, 2^(r/32) by a cubic, the product rounded
+/// to single once, the same operations fused. So the weights do not depend on the C
+/// library's exponential, and a vector form ([`attend_rows`]) gives the same bits.
+/// Inputs of magnitude 88 and more, and the non-finite, first meet the library's
+/// checks: +∞ above 88.72284, 0 below −103.97208, the smallest subnormal below
+/// −103.27893, NaN for NaN; the rest of them take the table too.
+#[inline]
+pub fn expf(x: f32) -> f32 {
+    if expf_checked(x) {
+        if x == f32::NEG_INFINITY {
+            return 0.0;
+        }
+        if x.is_nan() || x == f32::INFINITY {
+            return x + x;
+        }
+        if x > EXPF_OVERFLOW {
+            return f32::INFINITY;
+        }
+        if x < EXPF_UNDERFLOW {
+            return 0.0;
+        }
+        if x < EXPF_MAY_UNDERFLOW {
+            return f32::from_bits(1);
+        }
+    }
+    let xd = x as f64;
+    let z = EXPF_INV_LN2_N.mul_add(xd, EXPF_SHIFT);
+    let ki = z.to_bits();
+    let r = EXPF_INV_LN2_N.mul_add(xd, -(z - EXPF_SHIFT));
+    let s = f64::from_bits(EXPF_TABLE[(ki % 32) as usize].wrapping_add(ki << 47));
+    let zc = EXPF_POLY[0].mul_add(r, EXPF_POLY[1]);
+    let y = EXPF_POLY[2].mul_add(r, 1.0);
+    let y = zc.mul_add(r * r, y);
+    (y * s) as f32
+}
+
+/// Whether [`expf`] checks `x` against its special ranges before the table: |x| ≥ 88
+/// or not finite (the top twelve bits, less the sign, above [`EXPF_MAIN_TOP`]).
+#[inline(always)]
+fn expf_checked(x: f32) -> bool {
+    (x.to_bits() >> 20) & 0x7FF > EXPF_MAIN_TOP
+}
+
+/// The largest top twelve bits (less the sign) of an |x| below 88.
+const EXPF_MAIN_TOP: u32 = 0x42A;
+const EXPF_OVERFLOW: f32 = f32::from_bits(0x42B1_7217);
+const EXPF_UNDERFLOW: f32 = f32::from_bits(0xC2CF_F1B4);
+const EXPF_MAY_UNDERFLOW: f32 = f32::from_bits(0xC2CE_8ECF);
+/// 32 / ln 2.
+const EXPF_INV_LN2_N: f64 = f64::from_bits(0x4047_1547_652B_82FE);
+/// 1.5 · 2⁵²: adding it rounds to an integer in the low bits.
+const EXPF_SHIFT: f64 = f64::from_bits(0x4338_0000_0000_0000);
+/// The cubic's coefficients (r³, r², r), scaled for r in units of ln 2 / 32.
+const EXPF_POLY: [f64; 3] = [
+    f64::from_bits(0x3EBC_6AF8_4B91_2394),
+    f64::from_bits(0x3F2E_BFCE_50FA_C4F3),
+    f64::from_bits(0x3F96_2E42_FF0C_52D6),
+];
+/// 2^(i/32) for i < 32, as the bits of a double less i·2⁵²/32 (the index's share of
+/// the exponent, which [`expf`] adds back from k).
+const EXPF_TABLE: [u64; 32] = [
+    0x3FF0_0000_0000_0000,
+    0x3FEF_D9B0_D315_8574,
+    0x3FEF_B558_6CF9_890F,
+    0x3FEF_9301_D012_5B51,
+    0x3FEF_72B8_3C7D_517B,
+    0x3FEF_5487_3168_B9AA,
+    0x3FEF_387A_6E75_6238,
+    0x3FEF_1E9D_F51F_DEE1,
+    0x3FEF_06FE_0A31_B715,
+    0x3FEE_F1A7_373A_A9CB,
+    0x3FEE_DEA6_4C12_3422,
+    0x3FEE_CE08_6061_892D,
+    0x3FEE_BFDA_D536_2A27,
+    0x3FEE_B42B_569D_4F82,
+    0x3FEE_AB07_DD48_5429,
+    0x3FEE_A47E_B03A_5585,
+    0x3FEE_A09E_667F_3BCD,
+    0x3FEE_9F75_E8EC_5F74,
+    0x3FEE_A114_73EB_0187,
+    0x3FEE_A589_994C_CE13,
+    0x3FEE_ACE5_422A_A0DB,
+    0x3FEE_B737_B0CD_C5E5,
+    0x3FEE_C491_82A3_F090,
+    0x3FEE_D503_B23E_255D,
+    0x3FEE_E89F_995A_D3AD,
+    0x3FEE_FF76_F2FB_5E47,
+    0x3FEF_199B_DD85_529C,
+    0x3FEF_3720_DCEF_9069,
+    0x3FEF_5818_DCFB_A487,
+    0x3FEF_7C97_337B_9B5F,
+    0x3FEF_A4AF_A2A4_90DA,
+    0x3FEF_D076_5B6E_4540,
+];
+
 /// SiLU: x·σ(x) = x / (1 + e⁻ˣ).
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + exp_approx(-x))
@@ -110,9 +208,9 @@ const GELU_COEF_A: f32 = 0.044715;
 
 /// One query against a run of keys and values (rows of `q.len()` in `k` and `v`):
 /// the scores `dot(q, k_r)·scale` into `weights`, their max, the weights
-/// e^(score − max) (libm's `expf`, not [`exp_approx`]: with it, ulp-level changes in
-/// the weights moved a SmolLM2 chat prompt's second-ranked token by 2% in
-/// probability through the activation quantization downstream), and
+/// e^(score − max) ([`expf`], the C library's function, not [`exp_approx`]: with it,
+/// ulp-level changes in the weights moved a SmolLM2 chat prompt's second-ranked token
+/// by 2% in probability through the activation quantization downstream), and
 /// `acc = Σ_r weight_r · v_r` in row order. Returns (max, Σ weights). Keys and values
 /// are the cache's elements (f16 or f32), each converted exactly to f32 where it is
 /// used, so the arithmetic is [`dot`] and [`axpy`]'s on the converted rows, in one AVX2
@@ -126,8 +224,11 @@ pub fn attend_rows<T: KvElem>(
     acc: &mut [f32],
 ) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
-        // SAFETY: AVX2 and F16C are present.
+    if std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+    {
+        // SAFETY: AVX2, FMA and F16C are present.
         return unsafe { simd::attend_rows(q, k, v, scale, weights, acc) };
     }
     attend_rows_scalar(q, k, v, scale, weights, acc)
@@ -151,7 +252,7 @@ fn attend_rows_scalar<T: KvElem>(
     }
     let mut sum = 0.0f32;
     for (w, vr) in weights.iter_mut().zip(v.chunks_exact(hd)) {
-        let w = (*w - max).exp();
+        let w = expf(*w - max);
         sum += w;
         axpy_scalar(acc, w, T::as_f32(vr, &mut scratch));
     }
@@ -328,13 +429,59 @@ mod simd {
         )
     }
 
-    /// [`super::attend_rows`] with AVX2 and F16C, in its arithmetic: the scores eight keys
-    /// at a time (the query loaded once for eight independent chains), their maximum in
-    /// eight lanes (a maximum is exact in any order), the weights, their sum in order,
-    /// then the weighted values 64
-    /// elements at a time with their sums held in registers across every key (each
-    /// element still takes the keys in order, a multiply then an add).
-    #[target_feature(enable = "avx2,f16c")]
+    /// [`super::expf`] of eight lanes, operation for operation in double precision four
+    /// lanes at a time; lanes out of the table's range take the scalar function.
+    #[inline(always)]
+    pub(super) unsafe fn expf8(x: __m256) -> __m256 {
+        let out = _mm256_set_m128(
+            expf4(_mm256_extractf128_ps::<1>(x)),
+            expf4(_mm256_castps256_ps128(x)),
+        );
+        let abstop = _mm256_and_si256(
+            _mm256_srli_epi32::<20>(_mm256_castps_si256(x)),
+            _mm256_set1_epi32(0x7FF),
+        );
+        let special = _mm256_cmpgt_epi32(abstop, _mm256_set1_epi32(super::EXPF_MAIN_TOP as i32));
+        if _mm256_testz_si256(special, special) != 0 {
+            return out;
+        }
+        let (mut xs, mut ys) = ([0.0f32; 8], [0.0f32; 8]);
+        _mm256_storeu_ps(xs.as_mut_ptr(), x);
+        _mm256_storeu_ps(ys.as_mut_ptr(), out);
+        for (y, &x) in ys.iter_mut().zip(&xs) {
+            if super::expf_checked(x) {
+                *y = super::expf(x);
+            }
+        }
+        _mm256_loadu_ps(ys.as_ptr())
+    }
+
+    /// [`super::expf`]'s table path for four lanes.
+    #[inline(always)]
+    unsafe fn expf4(x: __m128) -> __m128 {
+        let xd = _mm256_cvtps_pd(x);
+        let inv = _mm256_set1_pd(super::EXPF_INV_LN2_N);
+        let shift = _mm256_set1_pd(super::EXPF_SHIFT);
+        let z = _mm256_fmadd_pd(inv, xd, shift);
+        let ki = _mm256_castpd_si256(z);
+        let r = _mm256_fmsub_pd(inv, xd, _mm256_sub_pd(z, shift));
+        let index = _mm256_and_si256(ki, _mm256_set1_epi64x(31));
+        let t = _mm256_i64gather_epi64::<8>(super::EXPF_TABLE.as_ptr().cast(), index);
+        let s = _mm256_castsi256_pd(_mm256_add_epi64(t, _mm256_slli_epi64::<47>(ki)));
+        let p = super::EXPF_POLY;
+        let zc = _mm256_fmadd_pd(_mm256_set1_pd(p[0]), r, _mm256_set1_pd(p[1]));
+        let y = _mm256_fmadd_pd(_mm256_set1_pd(p[2]), r, _mm256_set1_pd(1.0));
+        let y = _mm256_fmadd_pd(zc, _mm256_mul_pd(r, r), y);
+        _mm256_cvtpd_ps(_mm256_mul_pd(y, s))
+    }
+
+    /// [`super::attend_rows`] with AVX2, FMA and F16C, in its arithmetic: the scores
+    /// eight keys at a time (the query loaded once for eight independent chains), their
+    /// maximum in eight lanes (a maximum is exact in any order), the weights eight at a
+    /// time ([`expf8`]), their sum in order, then the weighted values 64 elements at a
+    /// time with their sums held in registers across every key (each element still
+    /// takes the keys in order, a multiply then an add).
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn attend_rows<T: KvElem>(
         q: &[f32],
         k: &[T],
@@ -350,7 +497,16 @@ mod simd {
         );
         // Rows past the last repeat it (their scores are not kept).
         let row = |r: usize| -> *const T { k[r.min(n - 1) * hd..].as_ptr() };
+        // The values are asked for now, to arrive while the scores are computed, and
+        // each block of keys while the block before it is.
+        let line = 64 / std::mem::size_of::<T>();
+        for e in (0..n * hd).step_by(line) {
+            _mm_prefetch::<_MM_HINT_T0>(v.as_ptr().add(e).cast());
+        }
         for r in (0..n).step_by(8) {
+            for e in ((r + 8) * hd..((r + 16) * hd).min(n * hd)).step_by(line) {
+                _mm_prefetch::<_MM_HINT_T0>(k.as_ptr().add(e).cast());
+            }
             let s = dot8(q, std::array::from_fn(|i| row(r + i)));
             for i in 0..8.min(n - r) {
                 weights[r + i] = s[i] * scale;
@@ -366,10 +522,17 @@ mod simd {
             .iter()
             .chain(&weights[n / 8 * 8..])
             .fold(f32::NEG_INFINITY, |m, &w| m.max(w));
-        // The weights first, then their sum in order: libm's calls then do not hold the
-        // running sum (kept in memory across each call) on their path.
-        for w in weights.iter_mut() {
-            *w = (*w - max).exp();
+        // The weights eight at a time, then their sum in order.
+        let whole = n / 8 * 8;
+        for r in (0..whole).step_by(8) {
+            let p = weights.as_mut_ptr().add(r);
+            _mm256_storeu_ps(
+                p,
+                expf8(_mm256_sub_ps(_mm256_loadu_ps(p), _mm256_set1_ps(max))),
+            );
+        }
+        for w in &mut weights[whole..] {
+            *w = super::expf(*w - max);
         }
         let sum = weights.iter().fold(0.0f32, |s, &w| s + w);
         let mut e = 0;
@@ -642,22 +805,92 @@ mod tests {
         assert!(worst <= 2.0, "worst error {worst} ulp");
     }
 
+    /// Every 997th single-precision bit pattern, the ends of each special range and
+    /// their neighbours, and the infinities.
+    fn expf_inputs() -> Vec<f32> {
+        let mut xs: Vec<f32> = (0..=u32::MAX).step_by(997).map(f32::from_bits).collect();
+        for edge in [
+            EXPF_OVERFLOW,
+            EXPF_UNDERFLOW,
+            EXPF_MAY_UNDERFLOW,
+            88.0,
+            -88.0,
+            0.0,
+            -0.0,
+        ] {
+            let b = edge.to_bits();
+            xs.extend((b.saturating_sub(3)..=b.saturating_add(3)).map(f32::from_bits));
+        }
+        xs.extend([f32::INFINITY, f32::NEG_INFINITY, f32::MAX, f32::MIN]);
+        xs
+    }
+
+    /// [`expf`] is the C library's `expf` where that is GNU libc's (2.27 on) function
+    /// for x86-64 with AVX2 and FMA, the form whose bits it writes out.
+    #[test]
+    #[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
+    fn expf_is_glibcs() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            eprintln!("skipped: GNU libc picks its FMA expf only where AVX2 and FMA are");
+            return;
+        }
+        for x in expf_inputs() {
+            let (got, want) = (expf(x), x.exp());
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "expf({x:e}) = {got:e}, the library's {want:e}"
+            );
+        }
+    }
+
+    /// The vector form of [`expf`] gives its bits in every lane.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn expf8_equals_expf() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            eprintln!("skipped: this machine has no AVX2 and FMA");
+            return;
+        }
+        let mut xs = expf_inputs();
+        // Whole vectors: the last ones repeat the last input.
+        xs.resize(xs.len().next_multiple_of(8), *xs.last().expect("inputs"));
+        for chunk in xs.chunks_exact(8) {
+            let mut got = [0.0f32; 8];
+            // SAFETY: AVX2 and FMA are present.
+            unsafe {
+                use std::arch::x86_64::*;
+                let y = simd::expf8(_mm256_loadu_ps(chunk.as_ptr()));
+                _mm256_storeu_ps(got.as_mut_ptr(), y);
+            }
+            for (&x, got) in chunk.iter().zip(got) {
+                let want = expf(x);
+                assert!(
+                    got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                    "expf8 lane of {x:e}: {got:e}, expf {want:e}"
+                );
+            }
+        }
+    }
+
     /// The fused attention rows, and the fallback without SIMD, give the bits of the
     /// scalar reference ops composed, on either cache element.
     #[test]
     fn attend_rows_equals_the_composed_reference() {
         for hd in [64, 256, 20] {
             for n in [1usize, 3, 7, 9, 64] {
-                composed_reference_case::<f16>(hd, n, f16::from_f32);
+                composed_reference_case::<f16>(hd, n, 1.0, f16::from_f32);
                 // f32 values that f16 cannot hold.
-                composed_reference_case::<f32>(hd, n, |x| x * 1.000_1);
+                composed_reference_case::<f32>(hd, n, 1.0, |x| x * 1.000_1);
+                // Scores so far apart that most weights leave the exponential's table
+                // (far below the maximum, to 0).
+                composed_reference_case::<f32>(hd, n, 300.0, |x| x * 1.000_1);
             }
         }
     }
 
-    fn composed_reference_case<T: KvElem>(hd: usize, n: usize, elem: fn(f32) -> T) {
+    fn composed_reference_case<T: KvElem>(hd: usize, n: usize, spread: f32, elem: fn(f32) -> T) {
         let q: Vec<f32> = (0..hd)
-            .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7)
+            .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7 * spread)
             .collect();
         let kc: Vec<T> = (0..n * hd)
             .map(|i| elem(((i * 53 % 17) as f32 - 8.0) * 0.31))
@@ -678,9 +911,16 @@ mod tests {
             .map(|r| dot_scalar(&q, &k[r * hd..(r + 1) * hd]) * 0.125)
             .collect();
         let want_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if spread > 1.0 && n > 1 {
+            let lowest = scores.iter().copied().fold(f32::INFINITY, f32::min);
+            assert!(
+                lowest - want_max < -104.0,
+                "hd {hd} n {n}: scores not spread"
+            );
+        }
         let (mut want_sum, mut want_acc) = (0.0f32, vec![0.0f32; hd]);
         for r in 0..n {
-            let w = (scores[r] - want_max).exp();
+            let w = expf(scores[r] - want_max);
             want_sum += w;
             axpy_scalar(&mut want_acc, w, &v[r * hd..(r + 1) * hd]);
         }
