@@ -299,8 +299,8 @@ unsafe fn dotn_q4_k_q8_k<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
             let q4 = load_u8(&wb.qs[32 * j..]);
             let lo = _mm256_and_si256(q4, m4);
             let hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
-            let sc_lo = _mm256_set1_epi16(sc[2 * j] as i16);
-            let sc_hi = _mm256_set1_epi16(sc[2 * j + 1] as i16);
+            let sc_lo = _mm256_set1_epi16(scale_of(sc, 2 * j));
+            let sc_hi = _mm256_set1_epi16(scale_of(sc, 2 * j + 1));
             for r in 0..N {
                 let ab = &a[r][i];
                 let p_lo =
@@ -491,16 +491,30 @@ unsafe fn dot_q3_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     hsum_f32(acc)
 }
 
-/// A Q4_K/Q5_K block's eight group scales, and its eight group minimums each twice as
-/// sixteen i16 lanes (one per 16-element activation sum), for [`k4_min_lanes`].
+/// A Q4_K/Q5_K block's eight group scales (byte g of the word: group g's), and its
+/// eight group minimums each twice as sixteen i16 lanes (one per 16-element activation
+/// sum), for [`k4_min_lanes`]. `scale_min_k4` for all eight groups at once, in general
+/// registers: built a byte at a time in memory and read back as words, they stalled on
+/// store forwarding.
 #[inline(always)]
-pub(super) unsafe fn k4_scales_mins(scales: &[u8; 12]) -> ([u8; 8], __m256i) {
-    let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
-    for g in 0..8 {
-        (sc[g], mn[g]) = scale_min_k4(g, scales);
-    }
-    let m8 = _mm_loadl_epi64(mn.as_ptr().cast());
+pub(super) unsafe fn k4_scales_mins(scales: &[u8; 12]) -> (u64, __m256i) {
+    let word =
+        |i: usize| u32::from_le_bytes([scales[i], scales[i + 1], scales[i + 2], scales[i + 3]]);
+    let (a, b, c) = (word(0), word(4), word(8));
+    // Groups 0..4: six bits of bytes 0..4 (scales) and 4..8 (minimums); groups 4..8:
+    // the nibbles of bytes 8..12 below the top two bits of bytes 0..4 and 4..8.
+    let sc = (a & 0x3F3F_3F3F) as u64
+        | (((c & 0x0F0F_0F0F) | ((a >> 6) & 0x0303_0303) << 4) as u64) << 32;
+    let mn = (b & 0x3F3F_3F3F) as u64
+        | ((((c >> 4) & 0x0F0F_0F0F) | ((b >> 6) & 0x0303_0303) << 4) as u64) << 32;
+    let m8 = _mm_cvtsi64_si128(mn as i64);
     (sc, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)))
+}
+
+/// Byte `g` of a word of eight scales ([`k4_scales_mins`]) as an i16.
+#[inline(always)]
+pub(super) fn scale_of(sc: u64, g: usize) -> i16 {
+    (sc >> (8 * g)) as u8 as i16
 }
 
 /// Lane g: group g's minimum × the sum of its 32 activations (exact), from
@@ -534,8 +548,8 @@ unsafe fn dot_q5_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
             let h_hi = _mm256_slli_epi16(_mm256_and_si256(srl16(hbits, 2 * j as i32 + 1), one), 4);
             let lo = _mm256_or_si256(_mm256_and_si256(q5, m4), h_lo);
             let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q5, 4), m4), h_hi);
-            let sc_lo = _mm256_set1_epi16(sc[2 * j] as i16);
-            let sc_hi = _mm256_set1_epi16(sc[2 * j + 1] as i16);
+            let sc_lo = _mm256_set1_epi16(scale_of(sc, 2 * j));
+            let sc_hi = _mm256_set1_epi16(scale_of(sc, 2 * j + 1));
             let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(&a.qs[64 * j..])), sc_lo);
             let p_hi =
                 _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(&a.qs[64 * j + 32..])), sc_hi);

@@ -863,15 +863,10 @@ unsafe fn q6k_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
 /// either half gains that group's four weights 4k.. times its scale. Lane k plus lane
 /// k + 8 is lane k of AVX2's Q5_K kernel (`avx2::dot_q5_k_q8_k`).
 #[inline(always)]
-unsafe fn k4_block_lanes(
-    qs: &[u8; 128],
-    qh: Option<&[u8; 32]>,
-    sc: &[u8; 8],
-    a: &BlockQ8K,
-) -> __m512i {
+unsafe fn k4_block_lanes(qs: &[u8; 128], qh: Option<&[u8; 32]>, sc: u64, a: &BlockQ8K) -> __m512i {
     let m4 = _mm512_set1_epi8(0x0F);
     let m10 = _mm512_set1_epi8(0x10);
-    let sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(sc.as_ptr().cast())));
+    let sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
     let mut sum = _mm512_setzero_si512();
     for j in 0..4 {
         let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(qs.as_ptr().add(32 * j).cast()));
@@ -893,7 +888,7 @@ unsafe fn k4_block_lanes(
 /// The eight i32 lanes of AVX2's Q5_K kernel for one super-block ([`k4_block_lanes`]'s
 /// halves added).
 #[inline(always)]
-unsafe fn q5k_block_lanes(w: &BlockQ5K, sc: &[u8; 8], a: &BlockQ8K) -> __m256i {
+unsafe fn q5k_block_lanes(w: &BlockQ5K, sc: u64, a: &BlockQ8K) -> __m256i {
     let sum = k4_block_lanes(&w.qs, Some(&w.qh), sc, a);
     _mm256_add_epi32(
         _mm512_castsi512_si256(sum),
@@ -922,7 +917,7 @@ unsafe fn q4k_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
             for r in 0..4 {
                 let x = &rows[r * a.len() + i];
                 let (sc, mins16) = avx2::k4_scales_mins(&x.scales);
-                sums[r] = k4_block_lanes(&x.qs, None, &sc, b);
+                sums[r] = k4_block_lanes(&x.qs, None, sc, b);
                 mins[r] = _mm512_zextsi256_si512(avx2::k4_min_lanes(mins16, b));
                 (d[r], dmin[r]) = (u16::from_le_bytes(x.d.0), u16::from_le_bytes(x.dmin.0));
             }
@@ -942,7 +937,7 @@ unsafe fn q4k_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
         let (mut acc, mut min) = (0.0f32, 0.0f32);
         for (x, a) in as_blocks::<BlockQ4K>(row).iter().zip(a) {
             let (sc, mins16) = avx2::k4_scales_mins(&x.scales);
-            let s = _mm512_reduce_add_epi32(k4_block_lanes(&x.qs, None, &sc, a));
+            let s = _mm512_reduce_add_epi32(k4_block_lanes(&x.qs, None, sc, a));
             let m = avx2::hsum_i32(avx2::k4_min_lanes(mins16, a));
             let ((wd, wdmin), da) = (avx2::f16_pair(x.d, x.dmin), a.d());
             acc = (s as f32).mul_add(wd * da, acc);
@@ -980,7 +975,7 @@ unsafe fn q5k_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
             for r in 0..4 {
                 let x = &rows[r * a.len() + i];
                 let (sc, mins16) = avx2::k4_scales_mins(&x.scales);
-                sums[r] = q5k_block_lanes(x, &sc, b);
+                sums[r] = q5k_block_lanes(x, sc, b);
                 min_lanes[r] = avx2::k4_min_lanes(mins16, b);
                 let (wd, wdmin) = avx2::f16_pair(x.d, x.dmin);
                 (d[r], dmin[r]) = (wd * da, wdmin * da);
@@ -1024,7 +1019,7 @@ unsafe fn q5k_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
         let mut mins = 0.0f32;
         for (x, a) in as_blocks::<BlockQ5K>(row).iter().zip(a) {
             let (sc, mins16) = avx2::k4_scales_mins(&x.scales);
-            let sumi = q5k_block_lanes(x, &sc, a);
+            let sumi = q5k_block_lanes(x, sc, a);
             let ((wd, wdmin), da) = (avx2::f16_pair(x.d, x.dmin), a.d());
             acc = _mm256_fmadd_ps(_mm256_set1_ps(wd * da), _mm256_cvtepi32_ps(sumi), acc);
             mins += avx2::hsum_i32(avx2::k4_min_lanes(mins16, a)) as f32 * (wdmin * da);
