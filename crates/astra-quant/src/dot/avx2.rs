@@ -15,9 +15,9 @@ use std::arch::x86_64::*;
 use super::{ActRow, VecDot4Fn, VecDotFn};
 use crate::blocks::*;
 use crate::dequant::{
-    iq2s_grid_point, iq2s_signs, iq2xs_point, iq2xxs_group, iq2xxs_point, iq3s_grid_point,
-    iq3s_scale,
+    iq2s_grid_point, iq2s_signs, iq2xxs_group, iq2xxs_point, iq3s_grid_point, iq3s_scale,
 };
+use crate::iq2xs_grid::IQ2XS_GRID;
 use crate::GgmlType;
 
 /// The kernels for a weight type: the dot product on bytes, and the four-token variant
@@ -623,18 +623,57 @@ unsafe fn dot_iq2_xxs_q8_k(w: &[u8], a: &[u8]) -> f32 {
     hsum_f32(acc)
 }
 
+/// An IQ2_XS block's 32 grid indices (the low nine bits of each code) into `index` and
+/// its 32 sign bytes (each code's seven bits and their parity in bit 7, `iq2_signs`, by
+/// a table of nibbles) into `signs`, in a few vector operations.
+#[inline(always)]
+pub(super) unsafe fn iq2xs_points(b: &BlockIq2Xs, index: &mut [u16; 32], signs: &mut [u8; 32]) {
+    let m511 = _mm256_set1_epi16(511);
+    let m4 = _mm256_set1_epi8(0x0F);
+    // Bit 7 set where a nibble has an odd number of bits.
+    let odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(
+        0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0,
+    ));
+    let q0 = _mm256_loadu_si256(b.qs.as_ptr().cast());
+    let q1 = _mm256_loadu_si256(b.qs.as_ptr().add(16).cast());
+    _mm256_storeu_si256(index.as_mut_ptr().cast(), _mm256_and_si256(q0, m511));
+    _mm256_storeu_si256(
+        index.as_mut_ptr().add(16).cast(),
+        _mm256_and_si256(q1, m511),
+    );
+    // The seven sign bits of the 32 codes as bytes, in order.
+    let codes = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi16(
+        _mm256_srli_epi16::<9>(q0),
+        _mm256_srli_epi16::<9>(q1),
+    ));
+    let parity = _mm256_xor_si256(
+        _mm256_shuffle_epi8(odd, _mm256_and_si256(codes, m4)),
+        _mm256_shuffle_epi8(odd, _mm256_and_si256(_mm256_srli_epi16::<4>(codes), m4)),
+    );
+    _mm256_storeu_si256(signs.as_mut_ptr().cast(), _mm256_or_si256(codes, parity));
+}
+
+/// IQ2_XS: a block's indices and sign bytes made at once ([`iq2xs_points`]) and kept in
+/// small arrays that the groups read back (each read inside one earlier store, so it is
+/// forwarded), then each 32-weight group as `iq2_group` computes it: the same lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_iq2_xs_q8_k(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
+    let mut index = [0u16; 32];
+    let mut signs = [0u8; 32];
     for (w, a) in as_blocks::<BlockIq2Xs>(w)
         .iter()
         .zip(as_blocks::<BlockQ8K>(a))
     {
+        iq2xs_points(w, &mut index, &mut signs);
         let mut sumi = _mm256_setzero_si256();
         for ib32 in 0..8 {
             let s = w.scales[ib32];
             let sc = scale_pair(2 * (s & 0xF) as i16 + 1, 2 * (s >> 4) as i16 + 1);
-            let point = |l| iq2xs_point(w, ib32, l);
+            let point = |l: usize| {
+                let i = 4 * ib32 + l;
+                (IQ2XS_GRID[index[i] as usize].to_le_bytes(), signs[i])
+            };
             sumi = _mm256_add_epi32(sumi, iq2_group(point, &a.qs[32 * ib32..], sc));
         }
         acc = _mm256_fmadd_ps(
