@@ -21,7 +21,7 @@
 //! token instead takes four rows at a time as they are stored ([`q4k_dot1`],
 //! [`q6k_dot1`]: a super-block in four 512-bit vectors, the four rows' sums reduced
 //! together), with the same sums and chains; Q5_K rows likewise ([`q5k_dot1`]), in
-//! AVX2's eight lanes of sums.
+//! AVX2's eight lanes of sums, and IQ2_XS rows two groups a vector ([`iq2xs_dot1`]).
 //!
 //! Signed codes (Q5_0, Q8_0) are read as unsigned `c + 2^SHIFT` so that `vpdpbusd` can
 //! take them (`lanes` says how the offset comes back).
@@ -40,6 +40,7 @@ use super::lanes::{
 };
 use super::{ActRow, ActType, Packing, VecDot1Fn, VecDotFn, VecDotTileFn, TILE_ROWS};
 use crate::blocks::*;
+use crate::iq2xs_grid::IQ2XS_GRID;
 use crate::GgmlType;
 
 /// A weight type's AVX-512 kernels: the batch tile where the type has one, and the
@@ -115,6 +116,11 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<LaneKernels> {
         GgmlType::Q6_K => Some(LaneKernels {
             single: Some(rows!(q6k_dot1)),
             ..k_tile!(Q6KLanes)
+        }),
+        GgmlType::IQ2_XS => Some(LaneKernels {
+            single: Some(rows!(iq2xs_dot1)),
+            tile: None,
+            packing: None,
         }),
         _ => None,
     }
@@ -1028,6 +1034,80 @@ unsafe fn q5k_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
     }
 }
 
+/// `out[i] = K·(row i of w, a)` for consecutive IQ2_XS rows of `row_bytes`, in AVX2's
+/// arithmetic (`avx2::dot_iq2_xs_q8_k`): two 32-weight groups a 512-bit vector, their
+/// eight grid points gathered from the table by index, the activations negated under
+/// the groups' 64 sign bits, the products summed in pairs and times each half-group's
+/// multiplier; the two halves of the vector then added into AVX2's eight lanes (exact
+/// integer sums, so the same lanes), and AVX2's float chain and closing sum.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn iq2xs_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
+    let a = k_rows_act::<BlockIq2Xs>(w, row_bytes, &a, out.len());
+    let m511 = _mm512_set1_epi16(511);
+    let m4 = _mm256_set1_epi8(0x0F);
+    // Bit 7 set where a nibble has an odd number of bits.
+    let odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(
+        0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0,
+    ));
+    // Where each lane of a pair of groups takes its multiplier from: the first group's
+    // halves (multipliers 2k and 8 + 2k of the block's sixteen), then the second's.
+    let pick = |k: i16| {
+        let (a, b) = (2 * k, 2 * k + 1);
+        _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi16(a), _mm_set1_epi16(8 + a))),
+            _mm256_setr_m128i(_mm_set1_epi16(b), _mm_set1_epi16(8 + b)),
+        )
+    };
+    let picks = [pick(0), pick(1), pick(2), pick(3)];
+    let mut index = [0u16; 32];
+    let mut signs = [0u8; 32];
+    for (row, out) in w.chunks_exact(row_bytes).zip(out.iter_mut()) {
+        let mut acc = _mm256_setzero_ps();
+        for (w, a) in as_blocks::<BlockIq2Xs>(row).iter().zip(a) {
+            let q = _mm512_loadu_si512(w.qs.as_ptr().cast());
+            _mm512_storeu_si512(index.as_mut_ptr().cast(), _mm512_and_si512(q, m511));
+            let codes = _mm512_cvtepi16_epi8(_mm512_srli_epi16::<9>(q));
+            let parity = _mm256_xor_si256(
+                _mm256_shuffle_epi8(odd, _mm256_and_si256(codes, m4)),
+                _mm256_shuffle_epi8(odd, _mm256_and_si256(_mm256_srli_epi16::<4>(codes), m4)),
+            );
+            _mm256_storeu_si256(signs.as_mut_ptr().cast(), _mm256_or_si256(codes, parity));
+            // The multipliers 2s + 1 of the eight groups' halves: first halves (low
+            // nibbles) in lanes 0..8, second halves in 8..16.
+            let s = _mm_cvtepu8_epi16(_mm_loadl_epi64(w.scales.as_ptr().cast()));
+            let s = _mm256_setr_m128i(
+                _mm_and_si128(s, _mm_set1_epi16(0xF)),
+                _mm_srli_epi16::<4>(s),
+            );
+            let s = _mm512_castsi256_si512(_mm256_add_epi16(
+                _mm256_add_epi16(s, s),
+                _mm256_set1_epi16(1),
+            ));
+            let mut sumi = _mm512_setzero_si512();
+            for (k, pick) in picks.iter().enumerate() {
+                let ix = _mm512_cvtepu16_epi64(_mm_loadu_si128(index.as_ptr().add(8 * k).cast()));
+                let qx = _mm512_i64gather_epi64::<8>(ix, IQ2XS_GRID.as_ptr().cast());
+                let neg = u64::from_le_bytes(signs[8 * k..8 * k + 8].try_into().expect("8 bytes"));
+                let y = _mm512_loadu_si512(a.qs.as_ptr().add(64 * k).cast());
+                let y = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
+                let sc = _mm512_permutexvar_epi16(*pick, s);
+                sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(qx, y), sc));
+            }
+            let lanes = _mm256_add_epi32(
+                _mm512_castsi512_si256(sumi),
+                _mm512_extracti64x4_epi64::<1>(sumi),
+            );
+            let (wd, _) = avx2::f16_pair(w.d, w.d);
+            acc = _mm256_fmadd_ps(
+                _mm256_set1_ps(wd * a.d() * 0.125),
+                _mm256_cvtepi32_ps(lanes),
+                acc,
+            );
+        }
+        *out = avx2::hsum_f32(acc);
+    }
+}
+
 thread_local! {
     /// A thread's transposed K-quant tile, reused from call to call.
     static K_TILE: RefCell<Vec<KLaneBlock>> = const { RefCell::new(Vec::new()) };
@@ -1243,27 +1323,23 @@ mod tests {
         }
     }
 
-    /// Q5_K's rows give AVX2's kernel's bits (its eight lanes rebuilt exactly), on
-    /// random rows and at the codes' extremes, for every row count from 1 to 21.
-    #[test]
-    fn q5k_rows_equal_avx2() {
+    /// The rows kernel of `ty` gives AVX2's kernel's bits, on random rows and on rows
+    /// whose every other block `extreme` sets to its codes' extremes, for every row
+    /// count from 1 to the shape's.
+    fn rows_equal_avx2<B: Block>(ty: GgmlType, extreme: impl Fn(&mut B)) {
         if !crate::Isa::Avx512Vnni.available() {
             eprintln!("skipped: this machine has no AVX-512 VNNI");
             return;
         }
-        let (dot, dot1) = kernels(GgmlType::Q5_K).unwrap().single.unwrap();
-        let avx2 = crate::Kernels::new(GgmlType::Q5_K, crate::Isa::Avx2)
-            .unwrap()
-            .dot;
-        for (rows, cols, extreme) in [(1, 256, false), (21, 768, false), (9, 512, true)] {
-            let mut weights = random_weights(GgmlType::Q5_K, rows, cols, 9).unwrap();
-            if extreme {
-                for b in as_blocks_mut::<BlockQ5K>(&mut weights)
+        let (dot, dot1) = kernels(ty).unwrap().single.unwrap();
+        let avx2 = crate::Kernels::new(ty, crate::Isa::Avx2).unwrap().dot;
+        for (rows, cols, extremes) in [(1, 256, false), (21, 768, false), (9, 512, true)] {
+            let mut weights = random_weights(ty, rows, cols, 9).unwrap();
+            if extremes {
+                as_blocks_mut::<B>(&mut weights)
                     .iter_mut()
                     .step_by(2)
-                {
-                    (b.scales, b.qs, b.qh) = ([0xFF; 12], [0xFF; 128], [0xFF; 32]);
-                }
+                    .for_each(&extreme);
             }
             let row_bytes = weights.len() / rows;
             let mut rng = SplitMix::new(10);
@@ -1281,12 +1357,34 @@ mod tests {
                         assert_eq!(
                             got.to_bits(),
                             want,
-                            "{rows}x{cols} row {r} of {n} token {t}"
+                            "{ty} {rows}x{cols} row {r} of {n} token {t}"
                         );
-                        assert_eq!(dot(w, a.bytes).to_bits(), want, "{rows}x{cols} row {r}");
+                        assert_eq!(
+                            dot(w, a.bytes).to_bits(),
+                            want,
+                            "{ty} {rows}x{cols} row {r}"
+                        );
                     }
                 }
             }
         }
+    }
+
+    /// Q5_K's rows give AVX2's kernel's bits (its eight lanes rebuilt exactly).
+    #[test]
+    fn q5k_rows_equal_avx2() {
+        rows_equal_avx2::<BlockQ5K>(GgmlType::Q5_K, |b| {
+            (b.scales, b.qs, b.qh) = ([0xFF; 12], [0xFF; 128], [0xFF; 32]);
+        });
+    }
+
+    /// IQ2_XS's rows give AVX2's kernel's bits (two groups a vector, their halves added
+    /// into AVX2's lanes); the extremes are the last grid point, the sign code with
+    /// every bit set and the largest multipliers.
+    #[test]
+    fn iq2xs_rows_equal_avx2() {
+        rows_equal_avx2::<BlockIq2Xs>(GgmlType::IQ2_XS, |b| {
+            (b.qs, b.scales) = ([[0xFF; 2]; 32], [0xFF; 8]);
+        });
     }
 }
