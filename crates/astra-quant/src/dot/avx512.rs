@@ -21,7 +21,8 @@
 //! token instead takes four rows at a time as they are stored ([`q4k_dot1`],
 //! [`q6k_dot1`]: a super-block in four 512-bit vectors, the four rows' sums reduced
 //! together), with the same sums and chains; Q5_K rows likewise ([`q5k_dot1`]), in
-//! AVX2's eight lanes of sums, and IQ2_XS rows two groups a vector ([`iq2xs_dot1`]).
+//! AVX2's eight lanes of sums, and IQ2_XS and IQ2_S rows two groups a vector
+//! ([`iq2_dot1`]).
 //!
 //! Signed codes (Q5_0, Q8_0) are read as unsigned `c + 2^SHIFT` so that `vpdpbusd` can
 //! take them (`lanes` says how the offset comes back).
@@ -52,6 +53,16 @@ pub(crate) struct LaneKernels {
     pub tile: Option<VecDotTileFn>,
     /// The packing at load, where the type has one.
     pub packing: Option<Packing>,
+}
+
+/// A type's kernels where only single tokens have one of their own: its batches take
+/// it a token at a time.
+fn rows_only(single: (VecDotFn, VecDot1Fn)) -> LaneKernels {
+    LaneKernels {
+        single: Some(single),
+        tile: None,
+        packing: None,
+    }
 }
 
 pub(crate) fn kernels(weights: GgmlType) -> Option<LaneKernels> {
@@ -108,20 +119,13 @@ pub(crate) fn kernels(weights: GgmlType) -> Option<LaneKernels> {
             single: Some(rows!(q4k_dot1)),
             ..k_tile!(Q4KLanes)
         }),
-        GgmlType::Q5_K => Some(LaneKernels {
-            single: Some(rows!(q5k_dot1)),
-            tile: None,
-            packing: None,
-        }),
+        GgmlType::Q5_K => Some(rows_only(rows!(q5k_dot1))),
         GgmlType::Q6_K => Some(LaneKernels {
             single: Some(rows!(q6k_dot1)),
             ..k_tile!(Q6KLanes)
         }),
-        GgmlType::IQ2_XS => Some(LaneKernels {
-            single: Some(rows!(iq2xs_dot1)),
-            tile: None,
-            packing: None,
-        }),
+        GgmlType::IQ2_XS => Some(rows_only(rows!(iq2xs_dot1))),
+        GgmlType::IQ2_S => Some(rows_only(rows!(iq2s_dot1))),
         _ => None,
     }
 }
@@ -1034,21 +1038,76 @@ unsafe fn q5k_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
     }
 }
 
-/// `out[i] = K·(row i of w, a)` for consecutive IQ2_XS rows of `row_bytes`, in AVX2's
-/// arithmetic (`avx2::dot_iq2_xs_q8_k`): two 32-weight groups a 512-bit vector, their
-/// eight grid points gathered from the table by index, the activations negated under
-/// the groups' 64 sign bits, the products summed in pairs and times each half-group's
-/// multiplier; the two halves of the vector then added into AVX2's eight lanes (exact
-/// integer sums, so the same lanes), and AVX2's float chain and closing sum.
+/// A 2-bit grid format's block as the rows kernel ([`iq2_dot1`]) reads it.
+trait Iq2Block: Block {
+    /// The grid its indices point into.
+    const GRID: &'static [u64];
+
+    /// The block's 32 grid indices and 32 sign bytes (bit j set: weight j of the
+    /// point negative) into `index` and `signs`.
+    ///
+    /// # Safety
+    /// The module's features.
+    unsafe fn points(&self, index: &mut [u16; 32], signs: &mut [u8; 32]);
+
+    /// The 4-bit multipliers of the groups' halves and the block's scale.
+    fn scales(&self) -> (&[u8; 8], F16Le);
+}
+
+impl Iq2Block for BlockIq2Xs {
+    const GRID: &'static [u64] = &IQ2XS_GRID;
+
+    #[inline(always)]
+    unsafe fn points(&self, index: &mut [u16; 32], signs: &mut [u8; 32]) {
+        avx2::iq2xs_points(self, index, signs);
+    }
+
+    fn scales(&self) -> (&[u8; 8], F16Le) {
+        (&self.scales, self.d)
+    }
+}
+
+impl Iq2Block for BlockIq2S {
+    const GRID: &'static [u64] = &crate::IQ2S_GRID;
+
+    /// Each index a byte of `qs` and, above it, two bits of its group's `qh` byte
+    /// (bits 2l, 2l + 1 for point l, `dequant::iq2s_grid_point`); the sign bytes as
+    /// stored.
+    #[inline(always)]
+    unsafe fn points(&self, index: &mut [u16; 32], signs: &mut [u8; 32]) {
+        let low = _mm512_cvtepu8_epi16(_mm256_loadu_si256(self.qs.as_ptr().cast()));
+        // Point i's qh byte (i / 4), moved so that its two bits for point i % 4 land
+        // on bits 8 and 9.
+        let qh =
+            _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(self.qh.as_ptr().cast())));
+        let group = _mm512_srli_epi16::<2>(_mm512_set_epi16(
+            31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10,
+            9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
+        ));
+        let shift = _mm512_set1_epi64(0x0002_0004_0006_0008);
+        let high = _mm512_and_si512(
+            _mm512_sllv_epi16(_mm512_permutexvar_epi16(group, qh), shift),
+            _mm512_set1_epi16(0x300),
+        );
+        _mm512_storeu_si512(index.as_mut_ptr().cast(), _mm512_or_si512(low, high));
+        signs.copy_from_slice(&self.qs[32..]);
+    }
+
+    fn scales(&self) -> (&[u8; 8], F16Le) {
+        (&self.scales, self.d)
+    }
+}
+
+/// `out[i] = K·(row i of w, a)` for consecutive rows of a 2-bit grid format (IQ2_XS,
+/// IQ2_S) of `row_bytes`, in AVX2's arithmetic (`avx2::dot_iq2_xs_q8_k`,
+/// `avx2::dot_iq2_s_q8_k`): two 32-weight groups a 512-bit vector, their eight grid
+/// points gathered from the table by index, the activations negated under the groups'
+/// 64 sign bits, the products summed in pairs and times each half-group's multiplier;
+/// the two halves of the vector then added into AVX2's eight lanes (exact integer sums,
+/// so the same lanes), and AVX2's float chain and closing sum.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn iq2xs_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
-    let a = k_rows_act::<BlockIq2Xs>(w, row_bytes, &a, out.len());
-    let m511 = _mm512_set1_epi16(511);
-    let m4 = _mm256_set1_epi8(0x0F);
-    // Bit 7 set where a nibble has an odd number of bits.
-    let odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(
-        0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0,
-    ));
+unsafe fn iq2_dot1<B: Iq2Block>(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
+    let a = k_rows_act::<B>(w, row_bytes, &a, out.len());
     // Where each lane of a pair of groups takes its multiplier from: the first group's
     // halves (multipliers 2k and 8 + 2k of the block's sixteen), then the second's.
     let pick = |k: i16| {
@@ -1063,18 +1122,12 @@ unsafe fn iq2xs_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32])
     let mut signs = [0u8; 32];
     for (row, out) in w.chunks_exact(row_bytes).zip(out.iter_mut()) {
         let mut acc = _mm256_setzero_ps();
-        for (w, a) in as_blocks::<BlockIq2Xs>(row).iter().zip(a) {
-            let q = _mm512_loadu_si512(w.qs.as_ptr().cast());
-            _mm512_storeu_si512(index.as_mut_ptr().cast(), _mm512_and_si512(q, m511));
-            let codes = _mm512_cvtepi16_epi8(_mm512_srli_epi16::<9>(q));
-            let parity = _mm256_xor_si256(
-                _mm256_shuffle_epi8(odd, _mm256_and_si256(codes, m4)),
-                _mm256_shuffle_epi8(odd, _mm256_and_si256(_mm256_srli_epi16::<4>(codes), m4)),
-            );
-            _mm256_storeu_si256(signs.as_mut_ptr().cast(), _mm256_or_si256(codes, parity));
+        for (w, a) in as_blocks::<B>(row).iter().zip(a) {
+            w.points(&mut index, &mut signs);
+            let (scales, d) = w.scales();
             // The multipliers 2s + 1 of the eight groups' halves: first halves (low
             // nibbles) in lanes 0..8, second halves in 8..16.
-            let s = _mm_cvtepu8_epi16(_mm_loadl_epi64(w.scales.as_ptr().cast()));
+            let s = _mm_cvtepu8_epi16(_mm_loadl_epi64(scales.as_ptr().cast()));
             let s = _mm256_setr_m128i(
                 _mm_and_si128(s, _mm_set1_epi16(0xF)),
                 _mm_srli_epi16::<4>(s),
@@ -1086,7 +1139,7 @@ unsafe fn iq2xs_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32])
             let mut sumi = _mm512_setzero_si512();
             for (k, pick) in picks.iter().enumerate() {
                 let ix = _mm512_cvtepu16_epi64(_mm_loadu_si128(index.as_ptr().add(8 * k).cast()));
-                let qx = _mm512_i64gather_epi64::<8>(ix, IQ2XS_GRID.as_ptr().cast());
+                let qx = _mm512_i64gather_epi64::<8>(ix, B::GRID.as_ptr().cast());
                 let neg = u64::from_le_bytes(signs[8 * k..8 * k + 8].try_into().expect("8 bytes"));
                 let y = _mm512_loadu_si512(a.qs.as_ptr().add(64 * k).cast());
                 let y = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
@@ -1097,7 +1150,7 @@ unsafe fn iq2xs_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32])
                 _mm512_castsi512_si256(sumi),
                 _mm512_extracti64x4_epi64::<1>(sumi),
             );
-            let (wd, _) = avx2::f16_pair(w.d, w.d);
+            let (wd, _) = avx2::f16_pair(d, d);
             acc = _mm256_fmadd_ps(
                 _mm256_set1_ps(wd * a.d() * 0.125),
                 _mm256_cvtepi32_ps(lanes),
@@ -1106,6 +1159,16 @@ unsafe fn iq2xs_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32])
         }
         *out = avx2::hsum_f32(acc);
     }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn iq2xs_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
+    iq2_dot1::<BlockIq2Xs>(w, row_bytes, a, out)
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn iq2s_dot1(w: &[u8], row_bytes: usize, a: ActRow<'_>, out: &mut [f32]) {
+    iq2_dot1::<BlockIq2S>(w, row_bytes, a, out)
 }
 
 thread_local! {
@@ -1385,6 +1448,15 @@ mod tests {
     fn iq2xs_rows_equal_avx2() {
         rows_equal_avx2::<BlockIq2Xs>(GgmlType::IQ2_XS, |b| {
             (b.qs, b.scales) = ([[0xFF; 2]; 32], [0xFF; 8]);
+        });
+    }
+
+    /// IQ2_S's rows likewise; the extremes are the last grid point (every index and
+    /// high bit set), every weight negative and the largest multipliers.
+    #[test]
+    fn iq2s_rows_equal_avx2() {
+        rows_equal_avx2::<BlockIq2S>(GgmlType::IQ2_S, |b| {
+            (b.qs, b.qh, b.scales) = ([0xFF; 64], [0xFF; 8], [0xFF; 8]);
         });
     }
 }
